@@ -1,0 +1,27 @@
+"""packer: preprocess an image folder once, pack it into LMDB or memmap shards, train from it fast.
+
+``import packer`` stays light: torch is imported only when ShardDataset is first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["build", "BuildReport", "BuildError", "DatasetError", "ShardDataset", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("build", "BuildReport", "BuildError"):
+        from . import pipeline as _pipeline
+
+        return getattr(_pipeline, name)
+    if name == "DatasetError":
+        from .format import DatasetError
+
+        return DatasetError
+    if name == "ShardDataset":
+        from .dataset import ShardDataset
+
+        return ShardDataset
+    raise AttributeError(f"module 'packer' has no attribute {name!r}")

@@ -1,0 +1,204 @@
+"""The on-disk format: file names, LMDB key scheme, index dtype, manifest schema, digest.
+
+Everything a reader needs to trust a dataset lives here, so docs/FORMAT.md has one place to match.
+Only JSON and .npy (loaded with ``allow_pickle=False``) are used: opening an untrusted dataset never
+runs code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+INDEX = "index.npy"
+SOURCES = "sources.npy"
+REPORT = "report.jsonl"
+FORMATS = ("jpeg", "raw")
+BACKENDS = ("lmdb", "memmap")
+
+#: One row per record. ``shard``/``offset`` locate memmap records (0 for LMDB, where the key is the
+#: zero-padded record number). ``src_offset``/``src_length`` slice the UTF-8 source-path blob.
+INDEX_DTYPE = np.dtype(
+    [
+        ("shard", "<u4"),
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("label", "<i4"),
+        ("height", "<u4"),
+        ("width", "<u4"),
+        ("crc32", "<u4"),
+        ("src_offset", "<u8"),
+        ("src_length", "<u4"),
+    ]
+)
+
+
+class DatasetError(Exception):
+    """A dataset on disk is missing, damaged or not one packer can read; the message says which."""
+
+
+def lmdb_key(i: int) -> bytes:
+    """Zero-padded so that keys sort in record order and ``put(append=True)`` fills pages fully."""
+    return b"%010d" % i
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.bin"
+
+
+@dataclass
+class Manifest:
+    """The per-dataset summary, written last: its presence marks a complete dataset."""
+
+    backend: str
+    format: str
+    short_edge: int
+    quality: int
+    classes: list[str]
+    count: int
+    class_counts: list[int]
+    bytes: int
+    digest: str
+    shards: list[dict[str, int | str]] = field(default_factory=list)
+    scanned: int = 0
+    skipped: int = 0
+    ignored: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    codec: str = ""
+    packer_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def load(cls, root: str | os.PathLike) -> "Manifest":
+        path = Path(root) / MANIFEST
+        if not path.is_file():
+            raise DatasetError(f"{root}: not a packer dataset (no {MANIFEST}; incomplete or wrong path)")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DatasetError(f"{path}: unreadable manifest ({e})") from None
+        if not isinstance(data, dict):
+            raise DatasetError(f"{path}: manifest is not a JSON object")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise DatasetError(
+                f"{path}: format_version {version!r} is not supported (this packer reads {FORMAT_VERSION})"
+            )
+        known = set(cls.__dataclass_fields__)
+        try:
+            m = cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as e:
+            raise DatasetError(f"{path}: manifest is missing fields ({e})") from None
+        m._check(path)
+        return m
+
+    def _check(self, path: Path) -> None:
+        """Types and ranges, so that later arithmetic on tampered values cannot misbehave."""
+
+        def bad(what: str) -> DatasetError:
+            return DatasetError(f"{path}: manifest field {what} is invalid")
+
+        for name in ("short_edge", "quality", "count", "bytes", "scanned", "skipped", "ignored"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise bad(name)
+        if self.backend not in BACKENDS:
+            raise bad("backend")
+        if self.format not in FORMATS:
+            raise bad("format")
+        if not isinstance(self.classes, list) or not all(isinstance(c, str) for c in self.classes):
+            raise bad("classes")
+        if not isinstance(self.class_counts, list) or len(self.class_counts) != len(self.classes):
+            raise bad("class_counts")
+        if not all(isinstance(c, int) and c >= 0 for c in self.class_counts):
+            raise bad("class_counts")
+        if not isinstance(self.digest, str) or not isinstance(self.shards, list):
+            raise bad("digest/shards")
+        for s in self.shards:
+            if not (
+                isinstance(s, dict)
+                and isinstance(s.get("file"), str)
+                and s["file"] == os.path.basename(s["file"])
+                and not s["file"].startswith(".")
+                and isinstance(s.get("count"), int)
+                and isinstance(s.get("bytes"), int)
+                and s["bytes"] >= 0
+            ):
+                raise bad("shards")
+
+
+class Digest:
+    """Content digest over records and labels in order (sha256 of label, length, bytes per record)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, label: int, data: bytes | memoryview) -> None:
+        self._h.update(struct.pack("<qQ", label, len(data)))
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return "sha256:" + self._h.hexdigest()
+
+
+def load_index(root: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
+    """Load and bounds-check the index and the source-path blob (never pickled, memory-mapped)."""
+    root = Path(root)
+    try:
+        index = np.load(root / INDEX, mmap_mode="r", allow_pickle=False)
+        sources = np.load(root / SOURCES, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DatasetError(f"{root}: unreadable index ({e})") from None
+    if index.dtype != INDEX_DTYPE or index.ndim != 1:
+        raise DatasetError(f"{root / INDEX}: unexpected dtype {index.dtype} / shape {index.shape}")
+    if sources.dtype != np.uint8 or sources.ndim != 1:
+        raise DatasetError(f"{root / SOURCES}: unexpected dtype {sources.dtype} / shape {sources.shape}")
+    if len(index) != manifest.count:
+        raise DatasetError(f"{root}: index has {len(index)} rows, manifest says {manifest.count}")
+    _check_index(root, index, sources, manifest)
+    return index, sources
+
+
+def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Manifest) -> None:
+    """Reject rows that would read outside their shard or the path blob, or carry impossible sizes."""
+    if len(index) == 0:
+        return
+    labels = index["label"]
+    if labels.min() < 0 or labels.max() >= len(manifest.classes):
+        raise DatasetError(f"{root}: index has labels outside 0..{len(manifest.classes) - 1}")
+    src_end = index["src_offset"].astype(np.uint64) + index["src_length"]
+    if (src_end > len(sources)).any() or (index["src_offset"] > len(sources)).any():
+        raise DatasetError(f"{root}: index points outside {SOURCES}")
+    if manifest.format == "raw":
+        expected = index["height"].astype(np.uint64) * index["width"] * 3
+        if (expected != index["length"]).any():
+            first = int(np.flatnonzero(expected != index["length"])[0])
+            raise DatasetError(f"{root}: record {first}: length does not match height x width x 3")
+    if (index["height"] == 0).any() or (index["width"] == 0).any():
+        raise DatasetError(f"{root}: index has records of zero size")
+    if manifest.backend == "memmap":
+        sizes = np.array([int(s["bytes"]) for s in manifest.shards] + [0], dtype=np.uint64)
+        shard = index["shard"]
+        if shard.max() >= len(manifest.shards):
+            raise DatasetError(f"{root}: index names shards beyond the {len(manifest.shards)} listed")
+        end = index["offset"] + index["length"]
+        if (end < index["offset"]).any() or (end > sizes[shard]).any():
+            first = int(np.flatnonzero((end < index["offset"]) | (end > sizes[shard]))[0])
+            raise DatasetError(f"{root}: record {first} points outside its shard")
+
+
+def source_path(sources: np.ndarray, row: np.void) -> str:
+    start = int(row["src_offset"])
+    return bytes(sources[start : start + int(row["src_length"])]).decode("utf-8", "replace")

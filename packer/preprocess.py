@@ -1,0 +1,153 @@
+"""One source file in, one record out: decode small, orient, RGB, shrink to the short edge, encode.
+
+JPEGs are decoded at the smallest DCT scale (1/8, 1/4, 1/2) that keeps the short edge at or above the
+target (Pillow ``draft``), so the decoder never produces pixels that would be thrown away; EXIF
+orientation is applied to that small image, then one antialiased downscale hits the exact size.
+Any failure becomes a :class:`Skip` with a reason a person can act on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from .codec import encode_jpeg
+
+Image.MAX_IMAGE_PIXELS = None  # packer enforces its own, configurable limit (max_pixels) below
+BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
+
+
+@dataclass(frozen=True)
+class Options:
+    format: str = "jpeg"
+    short_edge: int = 320
+    quality: int = 90
+    max_pixels: int = 256_000_000
+    min_size: int = 16
+    max_aspect: float = 10.0
+
+
+@dataclass(frozen=True)
+class Record:
+    data: bytes
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+Result = Union[Record, Skip]
+
+
+def target_size(width: int, height: int, short_edge: int) -> tuple[int, int]:
+    """(w, h) with the short edge at ``short_edge`` and the aspect kept; never upscales."""
+    short = min(width, height)
+    if short <= short_edge:
+        return width, height
+    scale = short_edge / short
+    if width <= height:
+        return short_edge, max(1, round(height * scale))
+    return max(1, round(width * scale)), short_edge
+
+
+def _check_geometry(width: int, height: int, opts: Options) -> Optional[str]:
+    if width * height > opts.max_pixels:
+        return (
+            f"decompression bomb guard: {width}x{height} = {width * height} pixels "
+            f"exceeds --max-pixels {opts.max_pixels}"
+        )
+    if min(width, height) < opts.min_size:
+        return f"too small: {width}x{height}, short edge below --min-size {opts.min_size}"
+    if max(width, height) > opts.max_aspect * min(width, height):
+        return f"extreme aspect ratio: {width}x{height} exceeds --max-aspect {opts.max_aspect:g}"
+    return None
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """Any Pillow mode to 8-bit RGB: alpha on a fixed background, 16-bit and float scaled, not clipped."""
+    if im.mode == "RGB":
+        return im
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        a = np.asarray(im.convert("I") if im.mode != "I" else im, dtype=np.int64)
+        return Image.fromarray(np.clip((a + 128) // 257, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if im.mode == "F":
+        a = np.asarray(im, dtype=np.float64)
+        a = a * 255.0 if np.nanmax(a) <= 1.0 else a
+        return Image.fromarray(np.clip(np.nan_to_num(a), 0, 255).astype(np.uint8), "L").convert("RGB")
+    has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
+    if has_alpha:
+        rgba = im.convert("RGBA")
+        base = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
+        return Image.alpha_composite(base, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def load(path: str, opts: Options) -> Image.Image:
+    """Decode ``path`` as an upright RGB image already shrunk to the target short edge."""
+    with Image.open(path) as im:
+        width, height = im.size
+        problem = _check_geometry(width, height, opts)
+        if problem:
+            raise ValueError(problem)
+        target = target_size(width, height, opts.short_edge)
+        if im.format == "JPEG" and target != (width, height):
+            im.draft(im.mode, target)  # DCT-domain downscale; result stays >= the requested size
+        im.load()
+        orientation = im.getexif().get(0x0112, 1)
+        rgb = to_rgb(im)  # before resizing: palette images would otherwise resample as NEAREST
+        if rgb.size != target:
+            rgb = rgb.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
+        elif rgb is im:
+            rgb = im.copy()  # the file's own image is released when the with-block closes it
+    return _apply_orientation(rgb, orientation)
+
+
+def _apply_orientation(im: Image.Image, orientation: int) -> Image.Image:
+    """EXIF Orientation 2..8 as Pillow's exif_transpose does it, on the already small image."""
+    method = {
+        2: Image.Transpose.FLIP_LEFT_RIGHT,
+        3: Image.Transpose.ROTATE_180,
+        4: Image.Transpose.FLIP_TOP_BOTTOM,
+        5: Image.Transpose.TRANSPOSE,
+        6: Image.Transpose.ROTATE_270,
+        7: Image.Transpose.TRANSVERSE,
+        8: Image.Transpose.ROTATE_90,
+    }.get(orientation)
+    return im.transpose(method) if method is not None else im
+
+
+def process(path: str, opts: Options) -> Result:
+    """The whole per-file job; never raises for bad input, returns a Skip naming the problem."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = load(path, opts)
+        rgb = np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
+        h, w = rgb.shape[:2]
+        data = encode_jpeg(rgb, opts.quality) if opts.format == "jpeg" else rgb.tobytes()
+        return Record(data, h, w)
+    except MemoryError:
+        return Skip("out of memory while decoding")
+    except Exception as e:  # any decoder failure is the file's problem, reported with its path
+        return Skip(_describe(e))
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, Image.UnidentifiedImageError):
+        return "not a recognised image (cannot identify image file)"
+    if isinstance(e, OSError) and e.strerror:
+        return f"unreadable: {e.strerror}"
+    text = str(e) or type(e).__name__
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+
+
+def process_chunk(paths: list[str], opts: Options) -> list[Result]:
+    """Unit of work sent to a worker process: a few files, to amortise inter-process overhead."""
+    return [process(p, opts) for p in paths]

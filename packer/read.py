@@ -1,0 +1,125 @@
+"""Record readers, one per backend, with handles opened lazily in each process.
+
+py-lmdb refuses to open one path twice in a process and an environment must not be used across
+fork(), so LMDB environments live in a per-process registry keyed by path: every reader over that
+path shares one, and a forked child drops the inherited handle before opening its own. Readers keep
+no handle in their pickled state, so they cross the spawn start method cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .format import DatasetError, Manifest, lmdb_key
+
+Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
+
+_LMDB_ENVS: dict[str, tuple[int, object, object]] = {}  # path -> (pid, Environment, read txn)
+_LMDB_LOCK = threading.Lock()
+
+
+def _lmdb_txn(path: str):
+    """This process's shared read-only environment and long-lived read transaction for ``path``."""
+    import lmdb
+
+    with _LMDB_LOCK:
+        pid = os.getpid()
+        entry = _LMDB_ENVS.get(path)
+        if entry is not None and entry[0] == pid:
+            return entry[2]
+        if entry is not None:  # inherited across fork: never use it, close it so the path can reopen
+            try:
+                entry[1].close()
+            except Exception:  # pragma: no cover - best effort on a handle we must not use
+                pass
+        try:
+            env = lmdb.open(
+                path, readonly=True, lock=False, readahead=False, max_readers=2048, subdir=True
+            )
+        except lmdb.Error as e:
+            raise DatasetError(f"{path}: cannot open LMDB environment ({e})") from None
+        _check_lmdb_size(path, env)
+        txn = env.begin(buffers=True)
+        _LMDB_ENVS[path] = (pid, env, txn)
+        return txn
+
+
+def _check_lmdb_size(path: str, env) -> None:
+    """A truncated data.mdb would fault (SIGBUS) on access; refuse it up front instead."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.path.getsize(os.path.join(path, "data.mdb"))
+    if size < needed:
+        env.close()
+        raise DatasetError(f"{path}: data.mdb is truncated ({size} bytes, needs {needed})")
+
+
+class Reader:
+    """Fetches record bytes by index. Subclasses open their handles on first use in each process."""
+
+    def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
+        self.root = str(Path(root).resolve())
+        self.manifest = manifest
+        self.index = index
+
+    def get(self, i: int) -> Buffer:
+        raise NotImplementedError
+
+    def get_many(self, indices: Sequence[int]) -> list[Buffer]:
+        return [self.get(i) for i in indices]
+
+    def _bad(self, i: int, why: str) -> DatasetError:
+        return DatasetError(f"{self.root}: record {i}: {why}")
+
+
+class LmdbReader(Reader):
+    def get(self, i: int) -> Buffer:
+        value = _lmdb_txn(self.root).get(lmdb_key(i))
+        if value is None:
+            raise self._bad(i, "missing from data.mdb")
+        if len(value) != int(self.index[i]["length"]):
+            raise self._bad(i, f"has {len(value)} bytes, index says {int(self.index[i]['length'])}")
+        return value
+
+
+class MemmapReader(Reader):
+    def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
+        super().__init__(root, manifest, index)
+        self._maps: list[np.memmap | None] = []
+        self._pid = -1
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_maps"], state["_pid"] = [], -1
+        return state
+
+    def _shard(self, k: int) -> np.memmap:
+        if self._pid != os.getpid():
+            self._maps, self._pid = [None] * len(self.manifest.shards), os.getpid()
+        m = self._maps[k]
+        if m is None:
+            info = self.manifest.shards[k]
+            path = os.path.join(self.root, str(info["file"]))
+            try:
+                size = os.path.getsize(path)
+            except OSError as e:
+                raise DatasetError(f"{self.root}: shard {info['file']} unreadable ({e})") from None
+            if size < int(info["bytes"]):
+                raise DatasetError(f"{path}: shard is truncated ({size} bytes, needs {info['bytes']})")
+            m = np.memmap(path, dtype=np.uint8, mode="r", shape=(int(info["bytes"]),)) if size else np.zeros(0, np.uint8)
+            self._maps[k] = m
+        return m
+
+    def get(self, i: int) -> Buffer:
+        row = self.index[i]
+        start = int(row["offset"])
+        return memoryview(self._shard(int(row["shard"]))[start : start + int(row["length"])])
+
+
+def open_reader(root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> Reader:
+    cls = LmdbReader if manifest.backend == "lmdb" else MemmapReader
+    return cls(root, manifest, index)

@@ -1,0 +1,134 @@
+"""Walk raw/ into a sorted list of labelled sources, and account for every file it will not use.
+
+Sorting by relative path makes the record order, and so the digest, independent of the filesystem
+and of the number of workers. Symlinked directories are followed once (by device and inode), so a
+link back up the tree cannot loop.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+IMAGE_EXTENSIONS = frozenset(
+    ".jpg .jpeg .jpe .jfif .png .webp .tif .tiff .bmp .gif .heic .heif .ppm .pgm .pbm".split()
+)
+
+
+class ScanError(Exception):
+    """raw/ or the labels file cannot be used as given; the message says why."""
+
+
+@dataclass(frozen=True)
+class Source:
+    rel: str  # POSIX path relative to raw/
+    label: int
+
+
+@dataclass
+class Scan:
+    sources: list[Source]
+    classes: list[str]
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (rel path, reason)
+    missing: list[tuple[str, str]] = field(default_factory=list)  # listed in --labels, not on disk
+
+    @property
+    def scanned(self) -> int:
+        return len(self.sources) + len(self.ignored) + len(self.missing)
+
+    def fingerprint(self) -> str:
+        """Identifies the input list, so that --resume refuses a raw/ that changed meanwhile."""
+        h = hashlib.sha256()
+        for s in self.sources:
+            h.update(f"{s.rel}\0{s.label}\n".encode("utf-8", "surrogateescape"))
+        h.update("\0".join(self.classes).encode("utf-8", "surrogateescape"))
+        return h.hexdigest()
+
+
+def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """All candidate image files (sorted rel paths) and the ignored entries, following symlinks once."""
+    files: list[str] = []
+    ignored: list[tuple[str, str]] = []
+    seen: set[tuple[int, int]] = set()
+
+    def visit(directory: Path, rel: PurePosixPath) -> None:
+        st = directory.stat()
+        if (st.st_dev, st.st_ino) in seen:
+            ignored.append((f"{rel}/", "directory already visited (symlink loop or duplicate link)"))
+            return
+        seen.add((st.st_dev, st.st_ino))
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as e:
+            ignored.append((f"{rel}/", f"unreadable directory ({e.strerror})"))
+            return
+        for entry in entries:
+            child = rel / entry.name if str(rel) != "." else PurePosixPath(entry.name)
+            try:
+                is_dir = entry.is_dir(follow_symlinks=True)
+            except OSError:
+                is_dir = False
+            if entry.name.startswith("."):
+                ignored.append((f"{child}/" if is_dir else str(child), "hidden"))
+            elif is_dir:
+                visit(Path(entry.path), child)
+            elif not entry.is_file(follow_symlinks=True):
+                reason = "broken symlink" if entry.is_symlink() else "not a regular file"
+                ignored.append((str(child), reason))
+            elif os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
+                ignored.append((str(child), "not an image extension"))
+            else:
+                files.append(str(child))
+
+    visit(root, PurePosixPath("."))
+    return files, ignored
+
+
+def _read_labels(labels_csv: Path) -> dict[str, str]:
+    """``path,label`` rows; refuse paths that escape raw/, duplicates and empty labels."""
+    try:
+        with open(labels_csv, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ScanError(f"{labels_csv}: cannot read labels file ({e})") from None
+    out: dict[str, str] = {}
+    for n, row in enumerate(rows, start=2):
+        path, label = (row.get("path") or "").strip(), (row.get("label") or "").strip()
+        where = f"{labels_csv}:{n}"
+        if not path:
+            raise ScanError(f"{where}: empty path (the file needs columns 'path,label')")
+        p = PurePosixPath(path.replace("\\", "/"))
+        if p.is_absolute() or ".." in p.parts or path.startswith(("/", "\\")) or ":" in p.parts[0]:
+            raise ScanError(f"{where}: path {path!r} escapes raw/ (must be relative, without '..')")
+        key = str(p)
+        if not label:
+            raise ScanError(f"{where}: empty label for {path!r}")
+        if key in out:
+            raise ScanError(f"{where}: duplicate path {path!r}")
+        out[key] = label
+    return out
+
+
+def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None) -> Scan:
+    root = Path(raw_dir)
+    if not root.is_dir():
+        raise ScanError(f"{raw_dir}: raw folder does not exist or is not a directory")
+    files, ignored = _walk(root)
+    if labels_csv is not None:
+        labels = _read_labels(Path(labels_csv))
+        on_disk = set(files)
+        classes = sorted(set(labels.values()))
+        ids = {c: i for i, c in enumerate(classes)}
+        sources = [Source(f, ids[labels[f]]) for f in files if f in labels]
+        ignored += [(f, "not listed in the labels file") for f in files if f not in labels]
+        missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(labels) if p not in on_disk]
+        return Scan(sources, classes, sorted(ignored), missing)
+    in_class = [f for f in files if "/" in f]
+    ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
+    classes = sorted({f.split("/", 1)[0] for f in in_class})
+    ids = {c: i for i, c in enumerate(classes)}
+    sources = [Source(f, ids[f.split("/", 1)[0]]) for f in in_class]
+    return Scan(sources, classes, sorted(ignored))

@@ -1,0 +1,50 @@
+"""Shared fixtures: the real photos in ../shared laid out as an ImageFolder, and datasets built from them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+PHOTOS = SHARED / "images" / "exif-orientation"
+
+
+def need_photos() -> Path:
+    if not PHOTOS.is_dir():
+        pytest.skip(f"test photos not found at {PHOTOS} (../shared is absent in this checkout)")
+    return PHOTOS
+
+
+@pytest.fixture(scope="session")
+def raw_photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """landscape/ and portrait/ class folders holding copies of the 18 EXIF-orientation photos."""
+    src = need_photos()
+    raw = tmp_path_factory.mktemp("raw")
+    for f in sorted(src.glob("*.jpg")):
+        cls = "landscape" if f.name.startswith("Landscape") else "portrait"
+        (raw / cls).mkdir(exist_ok=True)
+        shutil.copyfile(f, raw / cls / f.name)
+    return raw
+
+
+@pytest.fixture(scope="session")
+def built(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Build (once per session) a dataset for a (backend, format) pair; returns its path."""
+    from packer import build
+
+    root = tmp_path_factory.mktemp("built")
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(backend: str, fmt: str) -> Path:
+        if (backend, fmt) not in cache:
+            out = root / (f"{fmt}.lmdb" if backend == "lmdb" else f"{fmt}-memmap")
+            build(raw_photos, out, backend=backend, format=fmt, workers=1, quiet=True, shard_size=7)
+            cache[backend, fmt] = out
+        return cache[backend, fmt]
+
+    return get
+
+
+COMBOS = [("lmdb", "jpeg"), ("lmdb", "raw"), ("memmap", "jpeg"), ("memmap", "raw")]
