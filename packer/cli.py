@@ -129,5 +129,23 @@ def info(out: Path, as_json: bool) -> None:
         click.echo(f"  {name:<{width}}  {n}")
 
 
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--limit", type=int, default=10, show_default=True, help="Problems to list at most.")
+@_friendly
+def verify(out: Path, limit: int) -> None:
+    """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad)."""
+    from .verify import verify as run_verify
+
+    result = run_verify(out, limit=limit)
+    if result.ok:
+        click.echo(f"packer: {out}: ok, {result.count} records, {result.digest}")
+        return
+    for problem in result.problems:
+        click.echo(f"packer: {out}: {problem}", err=True)
+    click.echo(f"packer: {out}: FAILED verification ({result.bad_records} bad records)", err=True)
+    sys.exit(1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -44,3 +44,48 @@ def encode_jpeg(rgb: np.ndarray, quality: int) -> bytes:
     out = io.BytesIO()
     Image.fromarray(rgb, "RGB").save(out, format="JPEG", quality=quality, subsampling="4:2:0")
     return out.getvalue()
+
+
+def scaled_size(width: int, height: int, factor: tuple[int, int]) -> tuple[int, int]:
+    """The size libjpeg produces for a DCT scaling ``factor`` (it rounds up)."""
+    num, den = factor
+    return -(-width * num // den), -(-height * num // den)
+
+
+def shrink_factor(width: int, height: int, min_short: int) -> tuple[int, int]:
+    """The smallest DCT scaling factor (<= 1) whose output keeps the short edge >= ``min_short``.
+
+    libjpeg-turbo scales in eighths (1/8, 1/4, 3/8, ... 7/8); decoding straight to the smallest one
+    skips most of the IDCT and colour-conversion work for pixels a downscale would throw away.
+    """
+    tj = turbojpeg()
+    factors = tj.scaling_factors if tj is not None else ((1, 8), (1, 4), (1, 2), (1, 1))
+    best = (1, 1)
+    for f in factors:
+        if f[0] <= f[1] and f[0] * best[1] < best[0] * f[1] and min(scaled_size(width, height, f)) >= min_short:
+            best = f
+    return best
+
+
+def decode_jpeg(data: bytes | memoryview, factor: tuple[int, int] = (1, 1)) -> np.ndarray:
+    """Decode JPEG bytes to an H x W x 3 uint8 RGB array, DCT-scaled by ``factor``.
+
+    libjpeg warnings (truncated data, corrupt segments) raise instead of yielding grey-padded
+    pixels. Without turbojpeg, Pillow's draft() gives the power-of-two scales.
+    """
+    tj = turbojpeg()
+    if tj is not None:
+        import warnings
+
+        from turbojpeg import TJPF_RGB
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                return tj.decode(data, pixel_format=TJPF_RGB, scaling_factor=factor)
+            except (Warning, OSError) as e:
+                raise ValueError(f"corrupt JPEG data ({e})") from None
+    im = Image.open(io.BytesIO(data))
+    if factor != (1, 1):
+        im.draft("RGB", scaled_size(*im.size, factor))
+    return np.asarray(im.convert("RGB"))

@@ -87,7 +87,7 @@ class Manifest:
             raise DatasetError(f"{root}: not a packer dataset (no {MANIFEST}; incomplete or wrong path)")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
             raise DatasetError(f"{path}: unreadable manifest ({e})") from None
         if not isinstance(data, dict):
             raise DatasetError(f"{path}: manifest is not a JSON object")
@@ -110,9 +110,11 @@ class Manifest:
         def bad(what: str) -> DatasetError:
             return DatasetError(f"{path}: manifest field {what} is invalid")
 
+        def size(v: Any) -> bool:  # fits the index's unsigned 64-bit fields (numpy would overflow)
+            return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
         for name in ("short_edge", "quality", "count", "bytes", "scanned", "skipped", "ignored"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if not size(getattr(self, name)):
                 raise bad(name)
         if self.backend not in BACKENDS:
             raise bad("backend")
@@ -122,7 +124,7 @@ class Manifest:
             raise bad("classes")
         if not isinstance(self.class_counts, list) or len(self.class_counts) != len(self.classes):
             raise bad("class_counts")
-        if not all(isinstance(c, int) and c >= 0 for c in self.class_counts):
+        if not all(size(c) for c in self.class_counts):
             raise bad("class_counts")
         if not isinstance(self.digest, str) or not isinstance(self.shards, list):
             raise bad("digest/shards")
@@ -131,10 +133,10 @@ class Manifest:
                 isinstance(s, dict)
                 and isinstance(s.get("file"), str)
                 and s["file"] == os.path.basename(s["file"])
-                and not s["file"].startswith(".")
-                and isinstance(s.get("count"), int)
-                and isinstance(s.get("bytes"), int)
-                and s["bytes"] >= 0
+                and s["file"][:1] not in ("", ".")
+                and "\0" not in s["file"]
+                and size(s.get("count"))
+                and size(s.get("bytes"))
             ):
                 raise bad("shards")
 
@@ -159,8 +161,9 @@ def load_index(root: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray,
     try:
         index = np.load(root / INDEX, mmap_mode="r", allow_pickle=False)
         sources = np.load(root / SOURCES, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise DatasetError(f"{root}: unreadable index ({e})") from None
+    except (OSError, ValueError, EOFError, SyntaxError, TypeError, OverflowError, MemoryError) as e:
+        # a tampered .npy header reaches numpy's header parser and mmap in many ways; none runs code
+        raise DatasetError(f"{root}: unreadable index ({type(e).__name__}: {e})") from None
     if index.dtype != INDEX_DTYPE or index.ndim != 1:
         raise DatasetError(f"{root / INDEX}: unexpected dtype {index.dtype} / shape {index.shape}")
     if sources.dtype != np.uint8 or sources.ndim != 1:
@@ -188,6 +191,8 @@ def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: M
             raise DatasetError(f"{root}: record {first}: length does not match height x width x 3")
     if (index["height"] == 0).any() or (index["width"] == 0).any():
         raise DatasetError(f"{root}: index has records of zero size")
+    if manifest.backend == "lmdb" and (index["shard"].any() or index["offset"].any()):
+        raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
     if manifest.backend == "memmap":
         sizes = np.array([int(s["bytes"]) for s in manifest.shards] + [0], dtype=np.uint64)
         shard = index["shard"]

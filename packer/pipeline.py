@@ -8,12 +8,14 @@ the last checkpoint with the same result as an uninterrupted build.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import zlib
 from collections import deque
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import lmdb
 import numpy as np
 
 from . import __version__
@@ -37,7 +40,11 @@ BUILD_STATE = "build.json"
 PROGRESS = "progress.json"
 INDEX_PART = "index.part"
 SOURCES_PART = "sources.part"
+# A checkpoint (fsync of data and journal, then progress.json) happens every CHECKPOINT_RECORDS
+# records or every ``checkpoint_seconds`` (build keyword), whichever comes first: the count bounds the
+# work lost in a fast build, the clock makes even a small or slow build resumable after a few seconds.
 CHECKPOINT_RECORDS = 2000
+CHECKPOINT_SECONDS = 2.0
 
 
 class BuildError(Exception):
@@ -119,14 +126,28 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it terminates us
 
 
+def _worker_context() -> mp.context.BaseContext:
+    """fork when this process runs no other thread (starts in ms); else forkserver, which stays safe.
+
+    The forkserver preloads the decoders, so its workers do not each import numpy and Pillow.
+    """
+    methods = mp.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return mp.get_context("fork")
+    if "forkserver" in methods:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["packer.preprocess"])
+        return ctx
+    return mp.get_context("spawn")
+
+
 def _results(paths: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
     """Preprocess ``paths`` in order with a bounded window of in-flight chunks (flat memory)."""
     if workers <= 1:
         for i in range(0, len(paths), chunk):
             yield from process_chunk(paths[i:i + chunk], opts)
         return
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    pool = ctx.Pool(workers, initializer=_ignore_sigint)
+    pool = _worker_context().Pool(workers, initializer=_ignore_sigint)
     try:
         pending: deque = deque()
         for i in range(0, len(paths), chunk):
@@ -154,9 +175,12 @@ class _Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="img", dynamic_ncols=True, smoothing=0.1)
 
-    def update(self, n: int = 1) -> None:
+    def update(self, n: int = 1, note: str = "") -> None:
+        """``note`` (e.g. shards done, for a Dask build) is shown beside the file count."""
         self.done += n
         if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
             self.bar.update(n)
             return
         now = time.monotonic()
@@ -164,8 +188,8 @@ class _Progress:
             self.last = now
             rate = (self.done - self.start_done) / (now - self.start)
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            print(f"packer: {self.done}/{self.total} files, {rate:.1f} images/s, ETA {eta:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(f"packer: {self.done}/{self.total} files{', ' + note if note else ''}, {rate:.1f} images/s, "
+                  f"ETA {eta:.0f} s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -201,9 +225,37 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
           workers: Optional[int] = None, shard_size: int = 10_000, labels: Optional[str] = None,
           force: bool = False, resume: bool = False, on_error: str = "skip",
           max_pixels: int = 256_000_000, min_size: int = 16, max_aspect: float = 10.0,
-          quiet: bool = False) -> BuildReport:
+          quiet: bool = False, checkpoint_seconds: float = CHECKPOINT_SECONDS) -> BuildReport:
     """Pack ``raw_dir`` into ``out``; see ``packer build --help`` for the options."""
     t0 = time.monotonic()
+    out, opts, found, settings = prepare(
+        raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
+        shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
+        min_size=min_size, max_aspect=max_aspect)
+    backend = settings["backend"]
+    workers = workers or os.cpu_count() or 1
+    staging = staging_path(out)
+    state = _open_staging(staging, settings, resume)
+    try:
+        report = _run(Path(raw_dir), out, staging, found, opts, backend, shard_size, workers, state,
+                      settings, on_error, quiet, checkpoint_seconds)
+    except (lmdb.Error, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise BuildError(f"cannot write {staging}: {e} (the work so far is kept there: free some space, "
+                         f"then run the same build with --resume)") from e
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Optional[str], format: str,
+            short_edge: int, quality: int, shard_size: int, labels: Optional[str], force: bool,
+            on_error: str, max_pixels: int, min_size: int, max_aspect: float,
+            ) -> tuple[Path, Options, Scan, dict[str, Any]]:
+    """Validate the options and scan raw/; shared with the Dask build so both refuse the same inputs.
+
+    Returns OUT, the preprocessing options, the scan, and the settings that ``--resume`` must match.
+    """
     out = Path(out)
     backend = backend or default_backend(out)
     if backend not in BACKENDS:
@@ -214,7 +266,6 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
         raise BuildError("--quality must be 1..100; --short-edge, --shard-size, --min-size, --max-aspect >= 1")
     if on_error not in ("skip", "fail"):
         raise BuildError(f"--on-error must be skip or fail, not {on_error!r}")
-    workers = workers or os.cpu_count() or 1
     if out.exists() and not force:
         raise BuildError(f"{out} already exists (use --force to replace it)")
     opts = Options(format=format, short_edge=short_edge, quality=quality, max_pixels=max_pixels,
@@ -225,25 +276,24 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
         raise BuildError(str(e)) from None
     if not found.sources:
         raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside)")
-
-    staging = staging_path(out)
     settings = {"options": asdict(opts), "backend": backend, "shard_size": shard_size,
                 "inputs": found.fingerprint(), "codec": codec_name()}
-    state = _open_staging(staging, settings, resume)
-    report = _run(Path(raw_dir), out, staging, found, opts, backend, shard_size, workers, state,
-                  settings, on_error, quiet)
-    report.seconds = time.monotonic() - t0
-    return report
+    return out, opts, found, settings
 
 
 def _open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optional[dict[str, Any]]:
     """The checkpoint to continue from, or None after (re)creating an empty staging folder."""
     if resume and (staging / PROGRESS).is_file():
-        previous = json.loads((staging / BUILD_STATE).read_text(encoding="utf-8"))
+        try:
+            previous = json.loads((staging / BUILD_STATE).read_text(encoding="utf-8"))
+            progress = json.loads((staging / PROGRESS).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise BuildError(f"cannot --resume: the journal in {staging} is damaged ({e}); "
+                             f"build again without --resume") from None
         if previous != settings:
             raise BuildError(f"cannot --resume: raw/ or the options changed since the interrupted build "
                              f"({staging}); build again without --resume")
-        return json.loads((staging / PROGRESS).read_text(encoding="utf-8"))
+        return progress
     if staging.exists():
         shutil.rmtree(staging)
     try:
@@ -256,7 +306,7 @@ def _open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Opti
 
 def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backend: str,
          shard_size: int, workers: int, state: Optional[dict[str, Any]], settings: dict[str, Any],
-         on_error: str, quiet: bool) -> BuildReport:
+         on_error: str, quiet: bool, checkpoint_seconds: float) -> BuildReport:
     done = int(state["sources_done"]) if state else 0
     journal = _Journal(staging, state["journal"] if state else None)
     if state is None:
@@ -264,24 +314,28 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
             journal.add_report(rel, "ignored", reason)
         for rel, reason in found.missing:
             journal.add_report(rel, "skipped", reason)
-    writer = open_writer(backend, staging, state["writer"] if state else None, shard_size)
     written = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
-    digest = _replay_digest(staging, backend, written)
+    digest = _replay_digest(staging, backend, written)  # first: py-lmdb opens a path once per process
+    writer = open_writer(backend, staging, state["writer"] if state else None, shard_size)
     count, skipped = len(written), int(state["skipped"]) if state else len(found.missing)
     class_counts = np.bincount(written["label"], minlength=len(found.classes)).astype(np.int64)
     del written
 
+    last_checkpoint = time.monotonic()
+
     def checkpoint() -> None:
+        nonlocal last_checkpoint
         progress = {"sources_done": done, "skipped": skipped, "writer": writer.checkpoint(),
                     "journal": journal.checkpoint()}
         _write_json_atomic(staging / PROGRESS, progress)
+        last_checkpoint = time.monotonic()
 
     todo = found.sources[done:]
     progress = _Progress(len(found.sources), done, quiet)
     row = np.zeros((), dtype=INDEX_DTYPE)
+    results = _results([str(raw / s.rel) for s in todo], opts, workers, chunk=8)
     try:
-        for source, result in zip(todo, _results([str(raw / s.rel) for s in todo], opts, workers,
-                                                 chunk=8)):
+        for source, result in zip(todo, results):
             if isinstance(result, Record):
                 shard, offset = writer.append(result.data)
                 rel = source.rel.encode("utf-8", "surrogateescape")
@@ -302,10 +356,11 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
                 skipped += 1
             done += 1
             progress.update()
-            if done % CHECKPOINT_RECORDS == 0:
+            if done % CHECKPOINT_RECORDS == 0 or time.monotonic() - last_checkpoint >= checkpoint_seconds:
                 checkpoint()
         checkpoint()
     except BaseException:
+        results.close()  # stop the worker pool now, not whenever the traceback is freed
         progress.close()
         journal.close()
         writer.close()
@@ -314,17 +369,28 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
     shards = writer.close()
     journal.close()
     total = writer.total_bytes() if backend == "lmdb" else sum(int(s["bytes"]) for s in shards)
+    return complete(staging, out, found, settings, class_counts=class_counts, skipped=skipped,
+                    total=total, digest=digest, shards=shards,
+                    resumed_from=int(state["sources_done"]) if state else 0)
+
+
+def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *, class_counts: np.ndarray,
+             skipped: int, total: int, digest: Digest, shards: list[dict[str, Any]],
+             resumed_from: int) -> BuildReport:
+    """Manifest from the settings and totals, then :func:`_finalize`; shared with the Dask build."""
+    opts = settings["options"]
     manifest = Manifest(
-        backend=backend, format=opts.format, short_edge=opts.short_edge, quality=opts.quality,
-        classes=found.classes, count=count, class_counts=[int(c) for c in class_counts],
-        bytes=total, digest=digest.hexdigest(), shards=shards, scanned=found.scanned,
-        skipped=skipped, ignored=len(found.ignored), options=settings["options"] | {"shard_size": shard_size},
-        codec=settings["codec"], packer_version=__version__,
+        backend=settings["backend"], format=opts["format"], short_edge=opts["short_edge"],
+        quality=opts["quality"], classes=found.classes, count=int(class_counts.sum()),
+        class_counts=[int(c) for c in class_counts], bytes=total, digest=digest.hexdigest(),
+        shards=shards, scanned=found.scanned, skipped=skipped, ignored=len(found.ignored),
+        options=opts | {"shard_size": settings["shard_size"]}, codec=settings["codec"],
+        packer_version=__version__,
     )
     _finalize(staging, out, manifest)
-    return BuildReport(out=str(out), count=count, scanned=manifest.scanned, skipped=skipped,
+    return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned, skipped=skipped,
                        ignored=manifest.ignored, bytes=total, digest=manifest.digest, seconds=0.0,
-                       resumed_from=int(state["sources_done"]) if state else 0)
+                       resumed_from=resumed_from)
 
 
 def _finalize(staging: Path, out: Path, manifest: Manifest) -> None:

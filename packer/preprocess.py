@@ -8,6 +8,8 @@ Any failure becomes a :class:`Skip` with a reason a person can act on.
 
 from __future__ import annotations
 
+import io
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -15,10 +17,25 @@ from typing import Optional, Union
 import numpy as np
 from PIL import Image, ImageOps
 
-from .codec import encode_jpeg
+from .codec import decode_jpeg, encode_jpeg, shrink_factor, turbojpeg
 
 Image.MAX_IMAGE_PIXELS = None  # packer enforces its own, configurable limit (max_pixels) below
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
+HEIF_EXTENSIONS = frozenset((".heic", ".heif"))
+HEIF_MISSING = "HEIC/HEIF needs the optional extra: pip install 'packer[heif]'"
+
+
+def _register_heif() -> bool:
+    """Pillow reads HEIC/HEIF only through the optional pillow-heif plugin; register it when installed."""
+    try:
+        from pillow_heif import register_heif_opener
+    except ImportError:
+        return False
+    register_heif_opener()
+    return True
+
+
+HEIF_AVAILABLE = _register_heif()  # at import, so every worker process registers it too
 
 
 @dataclass(frozen=True)
@@ -91,21 +108,27 @@ def to_rgb(im: Image.Image) -> Image.Image:
 
 def load(path: str, opts: Options) -> Image.Image:
     """Decode ``path`` as an upright RGB image already shrunk to the target short edge."""
-    with Image.open(path) as im:
+    with open(path, "rb") as f:
+        data = f.read()
+    with Image.open(io.BytesIO(data)) as im:  # reads the header only: size, mode, EXIF
         width, height = im.size
         problem = _check_geometry(width, height, opts)
         if problem:
             raise ValueError(problem)
         target = target_size(width, height, opts.short_edge)
-        if im.format == "JPEG" and target != (width, height):
-            im.draft(im.mode, target)  # DCT-domain downscale; result stays >= the requested size
-        im.load()
         orientation = im.getexif().get(0x0112, 1)
-        rgb = to_rgb(im)  # before resizing: palette images would otherwise resample as NEAREST
-        if rgb.size != target:
-            rgb = rgb.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
-        elif rgb is im:
-            rgb = im.copy()  # the file's own image is released when the with-block closes it
+        if im.format == "JPEG" and im.mode in ("RGB", "L") and turbojpeg() is not None:
+            factor = shrink_factor(width, height, opts.short_edge)
+            rgb = Image.fromarray(decode_jpeg(data, factor), "RGB")
+        else:
+            if im.format == "JPEG" and target != (width, height):
+                im.draft(im.mode, target)  # DCT-domain downscale; result stays >= the requested size
+            im.load()
+            rgb = to_rgb(im)  # before resizing: palette images would otherwise resample as NEAREST
+            if rgb is im:
+                rgb = im.copy()  # the file's own image is released when the with-block closes it
+    if rgb.size != target:
+        rgb = rgb.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
     return _apply_orientation(rgb, orientation)
 
 
@@ -125,6 +148,8 @@ def _apply_orientation(im: Image.Image, orientation: int) -> Image.Image:
 
 def process(path: str, opts: Options) -> Result:
     """The whole per-file job; never raises for bad input, returns a Skip naming the problem."""
+    if not HEIF_AVAILABLE and os.path.splitext(path)[1].lower() in HEIF_EXTENSIONS:
+        return Skip(HEIF_MISSING)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -75,13 +75,12 @@ def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
                 ignored.append((f"{child}/" if is_dir else str(child), "hidden"))
             elif is_dir:
                 visit(Path(entry.path), child)
-            elif not entry.is_file(follow_symlinks=True):
-                reason = "broken symlink" if entry.is_symlink() else "not a regular file"
-                ignored.append((str(child), reason))
             elif os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
                 ignored.append((str(child), "not an image extension"))
+            elif entry.is_file(follow_symlinks=True) or entry.is_symlink():
+                files.append(str(child))  # a broken symlink is an image we cannot read: skipped, reported
             else:
-                files.append(str(child))
+                ignored.append((str(child), "not a regular file"))  # FIFO, socket, device: never opened
 
     visit(root, PurePosixPath("."))
     return files, ignored

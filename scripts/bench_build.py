@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""Build speed side by side: packer build vs the naive Pillow loop vs the bare DCT-scaled decode floor.
+
+All three run in one invocation on the same files with the same number of processes, interleaved
+over several repeats; the figures are medians. Also prints peak memory of the whole build (PSS summed
+over the build's process tree), output bytes per image, LMDB overhead, and PSNR of the packed images
+against the naive full-resolution LANCZOS path.
+
+    python scripts/bench_build.py                     # 200 generated 12 MP photos, all cores
+    python scripts/bench_build.py --images 2000 --repeats 1 --skip-baselines   # memory at scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from packer.codec import decode_jpeg, shrink_factor, turbojpeg  # noqa: E402
+from packer.format import Manifest, load_index, source_path  # noqa: E402
+from packer.preprocess import target_size  # noqa: E402
+from packer.read import open_reader  # noqa: E402
+
+SHORT = 320
+
+
+def generate(raw: Path, n: int, size: tuple[int, int], workers: int) -> list[Path]:
+    """Camera-like 12 MP JPEGs (packer.sample), cached across runs in ``raw``."""
+    files = sorted(raw.rglob("*.jpg"))
+    if len(files) == n:
+        return files
+    shutil.rmtree(raw, ignore_errors=True)
+    per = -(-n // 4)
+    with mp.get_context("fork").Pool(workers) as pool:
+        pool.starmap(_make_class, [(str(raw), c, per, size, i) for i, c in enumerate("abcd")])
+    files = sorted(raw.rglob("*.jpg"))
+    for extra in files[n:]:
+        extra.unlink()
+    return sorted(raw.rglob("*.jpg"))
+
+
+def _make_class(raw: str, cls: str, per: int, size: tuple[int, int], seed: int) -> None:
+    from packer.sample import make_sample
+
+    make_sample(raw, classes=(cls,), per_class=per, size=size, seed=seed)
+
+
+def floor_turbojpeg(path: str) -> int:
+    """The unavoidable work: read the file and decode it at the DCT scale packer uses."""
+    with open(path, "rb") as f:
+        data = f.read()
+    w, h = Image.open(io.BytesIO(data)).size
+    return decode_jpeg(data, shrink_factor(w, h, SHORT)).size
+
+
+def floor_pillow_draft(path: str) -> int:
+    with Image.open(path) as im:
+        im.draft("RGB", target_size(*im.size, SHORT))
+        im.load()
+        return im.size[0]
+
+
+def naive(path: str) -> int:
+    """The loop most scripts run: full decode, exif_transpose, LANCZOS, save."""
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im).convert("RGB")
+        im = im.resize(target_size(*im.size, SHORT), Image.Resampling.LANCZOS)
+        out = io.BytesIO()
+        im.save(out, format="JPEG", quality=90)
+        return out.tell()
+
+
+def naive_pixels(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im).convert("RGB")
+        return np.asarray(im.resize(target_size(*im.size, SHORT), Image.Resampling.LANCZOS))
+
+
+def time_pool(fn, files: list[str], workers: int) -> float:
+    t0 = time.perf_counter()
+    with mp.get_context("fork").Pool(workers) as pool:
+        pool.map(fn, files, chunksize=4)
+    return time.perf_counter() - t0
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _pss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def run_packer(raw: Path, out: Path, workers: int, backend: str, fmt: str) -> dict:
+    """packer build in a subprocess; peak PSS summed over its whole process tree, polled every 50 ms."""
+    code = ("import json, sys, dataclasses, packer; r = packer.build(sys.argv[1], sys.argv[2], "
+            "workers=int(sys.argv[3]), backend=sys.argv[4], format=sys.argv[5], force=True, quiet=True); "
+            "print(json.dumps(dataclasses.asdict(r)))")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, str(raw), str(out), str(workers), backend, fmt],
+                            stdout=subprocess.PIPE, cwd=ROOT)
+    peak = 0
+    done = threading.Event()
+
+    def poll() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, sum(_pss_kib(p) for p in _descendants(proc.pid)))
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    stdout, _ = proc.communicate()
+    wall = time.perf_counter() - t0
+    done.set()
+    poller.join()
+    if proc.returncode:
+        raise SystemExit(f"packer build failed ({proc.returncode})")
+    report = json.loads(stdout)
+    return {"seconds": report["seconds"], "wall": wall, "peak_pss_mib": peak / 1024, "count": report["count"]}
+
+
+def quality(out: Path, raw: Path, sample: int) -> dict:
+    """PSNR of packed images vs the naive LANCZOS pixels; naive's own q90 JPEG for comparison."""
+    manifest = Manifest.load(out)
+    index, sources = load_index(out, manifest)
+    reader = open_reader(out, manifest, index)
+    ours, theirs = [], []
+    for i in np.linspace(0, len(index) - 1, sample).astype(int):
+        ref = naive_pixels(raw / source_path(sources, index[i])).astype(np.float64)
+        mine = decode_jpeg(reader.get(int(i))).astype(np.float64)
+        buf = io.BytesIO()
+        Image.fromarray(ref.astype(np.uint8)).save(buf, format="JPEG", quality=90)
+        naive_jpeg = np.asarray(Image.open(buf)).astype(np.float64)
+        ours.append(10 * np.log10(255**2 / np.mean((mine - ref) ** 2)))
+        theirs.append(10 * np.log10(255**2 / np.mean((naive_jpeg - ref) ** 2)))
+    record_bytes = int(index["length"].sum())
+    disk = sum(p.stat().st_size for p in out.iterdir() if p.name.endswith((".mdb", ".bin")))
+    return {"psnr_db": statistics.mean(ours), "naive_q90_psnr_db": statistics.mean(theirs),
+            "bytes_per_image": record_bytes / len(index), "data_file_over_records": disk / record_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--raw", type=Path, help="folder of JPEGs (default: generate camera-like ones)")
+    ap.add_argument("--images", type=int, default=200)
+    ap.add_argument("--size", default="4000x3000")
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", default="lmdb", choices=["lmdb", "memmap"])
+    ap.add_argument("--format", default="jpeg", choices=["jpeg", "raw"])
+    ap.add_argument("--skip-baselines", action="store_true", help="only packer (e.g. memory at scale)")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench")
+    args = ap.parse_args()
+
+    size = tuple(int(v) for v in args.size.split("x"))
+    raw = args.raw or args.work / f"raw-{args.images}-{args.size}"
+    files = [str(f) for f in (sorted(raw.rglob("*.jpg")) if args.raw else generate(raw, args.images, size, args.workers))]
+    out = args.work / f"out.{args.backend}"
+    import PIL
+
+    simd = ".post" in PIL.__version__
+    print(f"{len(files)} images from {raw}; {args.workers} processes; Pillow {PIL.__version__}"
+          f"{' (pillow-simd)' if simd else ''}; turbojpeg {'yes' if turbojpeg() else 'no'}; "
+          f"{args.backend}/{args.format}; {args.repeats} repeats (medians)")
+    runs: dict[str, list[float]] = {}
+    peaks = []
+    for _ in range(args.repeats):
+        if not args.skip_baselines:
+            runs.setdefault("floor: turbojpeg scaled decode", []).append(time_pool(floor_turbojpeg, files, args.workers))
+            runs.setdefault("floor: Pillow draft decode", []).append(time_pool(floor_pillow_draft, files, args.workers))
+            runs.setdefault("naive Pillow loop", []).append(time_pool(naive, files, args.workers))
+        r = run_packer(raw, out, args.workers, args.backend, args.format)
+        runs.setdefault("packer build", []).append(r["seconds"])
+        runs.setdefault("packer build (process wall)", []).append(r["wall"])
+        peaks.append(r["peak_pss_mib"])
+    rate = {k: len(files) / statistics.median(v) for k, v in runs.items()}
+    for k, v in rate.items():
+        print(f"  {k:<32} {v:8.1f} images/s   (runs: {', '.join(f'{t:.2f}s' for t in runs[k])})")
+    result = {"images": len(files), "workers": args.workers, "pillow": PIL.__version__, "rates": rate,
+              "peak_pss_mib": max(peaks)}
+    if not args.skip_baselines:
+        floor = max(rate["floor: turbojpeg scaled decode"], rate["floor: Pillow draft decode"])
+        result["vs_floor"] = rate["packer build"] / floor
+        result["vs_naive"] = rate["packer build"] / rate["naive Pillow loop"]
+        print(f"  packer / decode floor = {result['vs_floor']:.2f}x   packer / naive = {result['vs_naive']:.2f}x")
+    print(f"  peak memory of the build (PSS, all processes): {max(peaks):.0f} MiB")
+    if args.format == "jpeg":
+        q = quality(out, raw, sample=min(20, len(files)))
+        result.update(q)
+        print(f"  {q['bytes_per_image']:,.0f} bytes/image; data file / sum of records = "
+              f"{q['data_file_over_records']:.3f}; PSNR vs naive LANCZOS {q['psnr_db']:.2f} dB "
+              f"(naive's own q90 JPEG: {q['naive_q90_psnr_db']:.2f} dB)")
+    print("JSON " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
