@@ -85,7 +85,10 @@ def decode_jpeg(data: bytes | memoryview, factor: tuple[int, int] = (1, 1)) -> n
                 return tj.decode(data, pixel_format=TJPF_RGB, scaling_factor=factor)
             except (Warning, OSError) as e:
                 raise ValueError(f"corrupt JPEG data ({e})") from None
-    im = Image.open(io.BytesIO(data))
-    if factor != (1, 1):
-        im.draft("RGB", scaled_size(*im.size, factor))
-    return np.asarray(im.convert("RGB"))
+    try:
+        im = Image.open(io.BytesIO(data))
+        if factor != (1, 1):
+            im.draft("RGB", scaled_size(*im.size, factor))
+        return np.asarray(im.convert("RGB"))
+    except (OSError, SyntaxError) as e:  # Pillow's ways of saying the data is bad
+        raise ValueError(f"corrupt JPEG data ({e})") from None
