@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import click
+import numpy as np
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
@@ -66,7 +67,9 @@ def main(debug: bool) -> None:
 @click.option("--short-edge", type=int, default=320, show_default=True, help="Target short edge; never upscales.")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG quality.")
 @click.option("--workers", type=int, default=None, help="Worker processes [default: all cores].")
-@click.option("--shard-size", type=int, default=10_000, show_default=True, help="Records per memmap shard.")
+@click.option("--shard-size", type=int, default=None,
+              help="Records per memmap shard [default: 10000]. With --dask: files per task, and each "
+                   "task's records form one memmap shard [default: 1000].")
 @click.option("--labels", type=click.Path(exists=True, dir_okay=False), default=None,
               help="CSV with columns path,label (path relative to RAW_DIR) instead of folder labels.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
@@ -78,11 +81,24 @@ def main(debug: bool) -> None:
               help="Skip images whose long/short edge ratio exceeds this.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT (only once the new one is complete).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted build of the same inputs and options.")
+@click.option("--checkpoint-seconds", type=float, default=2.0, show_default=True,
+              help="Make the work so far resumable at least this often (also every 2000 images).")
 @click.option("--quiet", is_flag=True, help="No progress output.")
+@click.option("--dask", "dask_address", metavar="ADDRESS", default=None,
+              help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
+                   "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.")
 @_friendly
-def build(raw_dir: Path, out: Path, format_: str, **options: Any) -> None:
+def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, **options: Any) -> None:
     """Pack RAW_DIR (class sub-folders = labels) into OUT."""
-    from .pipeline import build as run_build
+    if options["shard_size"] is None:
+        del options["shard_size"]  # local and Dask builds have their own defaults
+    if dask_address is not None:
+        from .distributed import build_dask as run_build
+
+        options["address"] = dask_address
+        options.pop("checkpoint_seconds", None)  # each finished task is a checkpoint there
+    else:
+        from .pipeline import build as run_build
 
     report = run_build(raw_dir, out, format=format_, **options)
     click.echo(report.summary(), err=True)
@@ -105,7 +121,23 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
         "digest": manifest.digest, "scanned": manifest.scanned, "skipped": manifest.skipped,
         "ignored": manifest.ignored, "codec": manifest.codec, "shards": len(manifest.shards),
         "packer_version": manifest.packer_version,
+        "long_edge_histogram": _histogram(np.maximum(index["height"], index["width"])),
+        "short_edge_histogram": _histogram(np.minimum(index["height"], index["width"])),
     }
+
+
+def _histogram(values: np.ndarray, bins: int = 8) -> list[dict[str, int]]:
+    """Counts over at most ``bins`` integer ranges [lo, hi] (one bin when all values are equal)."""
+    if len(values) == 0:
+        return []
+    lo, hi = int(values.min()), int(values.max())
+    edges = np.unique(np.linspace(lo, hi + 1, min(bins, hi - lo + 1) + 1).astype(np.int64))
+    counts, _ = np.histogram(values, bins=edges)
+    return [{"lo": int(a), "hi": int(b) - 1, "count": int(c)} for a, b, c in zip(edges[:-1], edges[1:], counts)]
+
+
+def _bar(n: int, total: int, width: int = 40) -> str:
+    return "#" * max(1 if n else 0, round(width * n / total)) if total else ""
 
 
 @main.command()
@@ -125,8 +157,15 @@ def info(out: Path, as_json: bool) -> None:
     click.echo(f"  bytes on disk {facts['bytes']:,}; mean {facts['mean_bytes']:,.0f} bytes/image")
     click.echo(f"  scanned {facts['scanned']}, skipped {facts['skipped']}, ignored {facts['ignored']}")
     click.echo(f"  digest {facts['digest']}")
+    total = facts["count"]
+    click.echo("  per class:")
     for name, n in facts["class_counts"].items():
-        click.echo(f"  {name:<{width}}  {n}")
+        click.echo(f"    {name:<{width}}  {n:>8}  {_bar(n, total)}")
+    for edge in ("short", "long"):
+        click.echo(f"  stored {edge} edge (px):")
+        for b in facts[f"{edge}_edge_histogram"]:
+            span = f"{b['lo']}" if b["lo"] == b["hi"] else f"{b['lo']}-{b['hi']}"
+            click.echo(f"    {span:>11}  {b['count']:>8}  {_bar(b['count'], total)}")
 
 
 @main.command()
@@ -145,6 +184,86 @@ def verify(out: Path, limit: int) -> None:
         click.echo(f"packer: {out}: {problem}", err=True)
     click.echo(f"packer: {out}: FAILED verification ({result.bad_records} bad records)", err=True)
     sys.exit(1)
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "dest", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Image file to write (.jpg or .png).")
+@click.option("--n", "count", type=int, default=64, show_default=True, help="Records on the sheet.")
+@click.option("--augment", is_flag=True, help="Show the training crops exactly as ShardDataset yields them.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Picks the records (and the crops).")
+@click.option("--epoch", type=int, default=0, show_default=True, help="Epoch of the crops, with --augment.")
+@click.option("--crop-size", type=int, default=224, show_default=True, help="Crop size, with --augment.")
+@_friendly
+def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: int, crop_size: int) -> None:
+    """Write a contact sheet of records captioned with index and class."""
+    from .preview import contact_sheet
+
+    cols, rows = contact_sheet(out, dest, n=count, augment=augment, seed=seed, crop_size=crop_size, epoch=epoch)
+    click.echo(f"packer: wrote {dest} ({cols} x {rows} grid)", err=True)
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("index", type=int)
+@click.option("-o", "--output", "dest", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the stored image here.")
+@_friendly
+def show(out: Path, index: int, dest: Path | None) -> None:
+    """Print record INDEX's source path, class and size; write its image with -o."""
+    from .preview import show as show_record
+
+    try:
+        source, cls, (w, h) = show_record(out, index, dest)
+    except IndexError as e:
+        raise click.BadParameter(str(e), param_hint="INDEX") from None
+    click.echo(f"{index}: {source}  class {cls}  {w}x{h}" + (f"  -> {dest}" if dest else ""))
+
+
+def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    """'0,2,4' -> [0, 2, 4]; None means the default sweep (0 .. cores)."""
+    if value is None:
+        return None
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise click.BadParameter("expected worker counts like 0,2,4")
+    return counts
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--workers", callback=_worker_list, default=None, metavar="N,N,...",
+              help="num_workers values to sweep [default: 0, 1, ... up to the core count].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--crop-size", type=click.IntRange(min=1), default=224, show_default=True)
+@click.option("--eval", "eval_", is_flag=True, help="Eval transform (resize + center crop) instead of train.")
+@click.option("--epochs", type=click.IntRange(min=1), default=None,
+              help="Full passes per sweep point [default: one pass, at most 10,000 samples].")
+@click.option("--dtype", type=click.Choice(["uint8", "float32"]), default="float32", show_default=True,
+              help="Output dtype (uint8: normalize on the GPU with packer.transform.to_device).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write a PNG of samples/s vs num_workers (needs matplotlib: packer[plot]).")
+@_friendly
+def bench(out: Path, workers: list[int] | None, batch_size: int, crop_size: int, eval_: bool,
+          epochs: int | None, dtype: str, as_json: bool, plot_file: Path | None) -> None:
+    """Measure OUT's input pipeline without a model: samples/s per num_workers, where time goes."""
+    import importlib.util
+
+    from .bench import plot, run_bench
+
+    if plot_file is not None and importlib.util.find_spec("matplotlib") is None:
+        click.echo("packer: error: --plot needs matplotlib: pip install 'packer[plot]'", err=True)
+        sys.exit(1)
+    result = run_bench(out, workers=workers, batch_size=batch_size, crop_size=crop_size, train=not eval_,
+                       epochs=epochs, dtype=dtype)
+    if plot_file is not None:
+        plot(result, plot_file)
+    click.echo(json.dumps(result.to_json(), indent=1) if as_json else result.summary())
 
 
 if __name__ == "__main__":  # pragma: no cover

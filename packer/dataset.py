@@ -16,17 +16,59 @@ from __future__ import annotations
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from . import transform
 from .format import DatasetError, Manifest, load_index, source_path
 from .read import open_reader
 
-Sample = tuple[torch.Tensor, int]
+
+class Sample(NamedTuple):
+    """``(image, label)``; a named type so that default_collate can recognise packer's batches."""
+
+    image: torch.Tensor
+    label: int
+
+
+def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised output batch; ``shared`` puts it in shared memory, where a DataLoader worker's
+    batch must end up anyway (default_collate allocates its stack the same way)."""
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    numel = 1
+    for n in shape:
+        numel *= n
+    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def collate_samples(batch: Sequence[Sample], *, collate_fn_map: Optional[dict] = None) -> list[torch.Tensor]:
+    """default_collate for Samples: ``[images, labels]`` as for plain tuples, but when the images are
+    the consecutive slots of one batch tensor (as ``__getitems__`` makes them) that tensor is
+    returned as it is, saving a copy of every image. Registered in torch's default_collate_fn_map
+    (the extension point torch documents for default_collate) when this module is imported.
+    """
+    images = [s.image for s in batch]
+    labels = torch.tensor([s.label for s in batch], dtype=torch.int64)
+    base = images[0]._base
+    if (
+        base is not None
+        and base.is_contiguous()
+        and base.shape == (len(images), *images[0].shape)
+        and all(im._base is base and im.data_ptr() == base[k].data_ptr() for k, im in enumerate(images))
+    ):
+        return [base, labels]
+    from torch.utils.data import default_collate
+
+    return [default_collate(images), labels]
+
+
+default_collate_fn_map[Sample] = collate_samples
 
 
 class ShardDataset(Dataset):
@@ -131,22 +173,45 @@ class ShardDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         """A batch for DataLoader's fetcher, which passes the result to ``collate_fn``.
 
-        Returns ``(image, label)`` pairs read under one epoch value; default_collate stacks them into
-        a single ``B x C x H x W`` tensor (in a worker, straight into the shared memory it sends to
-        the main process) and the labels into an int64 tensor. Samples are allocated one by one on
-        purpose: normalizing into a fresh preallocated float batch measured slower (1.0 vs 0.8 ms
-        per 224 crop), since a batch-sized buffer is a new mmap whose pages all fault in, while
-        per-sample buffers are recycled by malloc.
+        All samples are read under one epoch value, through the process's one long-lived read
+        transaction. The images are written into one preallocated ``B x C x H x W`` batch - in a
+        worker, in shared memory - and default_collate (see :func:`collate_samples`) hands that
+        tensor on without stacking it again. For float32 output, normalizing straight into the
+        batch saves a 600 KB copy per 224 crop: 1.2-1.3 vs 1.5-1.6 ms of CPU per JPEG sample,
+        0.8 vs 1.1 ms per raw one, measured in-process with shared-memory batches as in a worker
+        (uint8: 5-10% less). A custom ``collate_fn`` still gets ``(image, label)`` pairs (views
+        into the batch).
         """
-        epoch = self.epoch
-        return [self._sample(self._check(i), epoch) for i in indices]
+        shared = get_worker_info() is not None
+        return self._batch([self._check(i) for i in indices], self.epoch, shared)
 
-    def _sample(self, i: int, epoch: int) -> Sample:
-        image = self._image(i, epoch)
+    def _batch(
+        self, indices: Sequence[int], epoch: int, shared: bool = False, clock: transform.Clock = None
+    ) -> list[Sample]:
+        """Samples for in-range ``indices``, sharing one output tensor when the crops have one size."""
+        if self.augment is None:  # whole images differ in size: nothing to preallocate
+            return [self._sample(i, epoch, clock=clock) for i in indices]
+        size = self.augment.crop_size
+        out = batch_tensor((len(indices), 3, size, size), self.dtype, shared)
+        if clock:
+            clock("collate")
+        return [self._sample(i, epoch, out[k], clock) for k, i in enumerate(indices)]
+
+    def _sample(
+        self, i: int, epoch: int, out: Optional[torch.Tensor] = None, clock: transform.Clock = None
+    ) -> Sample:
+        """Record ``i``'s image in ``dtype`` (written into ``out`` when given) and its label."""
+        image = self._image(i, epoch, clock)
         if self.dtype != torch.uint8:
-            out = torch.empty(image.shape, dtype=self.dtype)
+            out = torch.empty(image.shape, dtype=self.dtype) if out is None else out
             image = transform.normalize_into(image, out, self._mean255, self._inv_std255)
-        return image, int(self._labels[i])
+            if clock:
+                clock("to float")
+        elif out is not None:
+            image = out.copy_(image)
+            if clock:
+                clock("copy to batch")
+        return Sample(image, int(self._labels[i]))
 
     def _check(self, i: int) -> int:
         n = self.manifest.count
@@ -155,7 +220,7 @@ class ShardDataset(Dataset):
             raise IndexError(f"record {i} out of range for a dataset of {n}")
         return i % n
 
-    def _image(self, i: int, epoch: int) -> torch.Tensor:
+    def _image(self, i: int, epoch: int, clock: transform.Clock = None) -> torch.Tensor:
         """Record ``i`` as uint8 CHW: its epoch's crop, or the whole image when crop_size is None."""
         row = self.index[i]
         height, width = int(row["height"]), int(row["width"])
@@ -164,10 +229,14 @@ class ShardDataset(Dataset):
             data = self._reader.get(i)
             if self.verify and zlib.crc32(data) != int(row["crc32"]):
                 raise ValueError("CRC-32 mismatch (record damaged on disk)")
+            if clock:
+                clock("read")
             if self.augment is None:
                 return transform.whole_record(data, fmt, height, width)
             crop = self.augment.crop(self.seed, epoch, i, height, width)
-            return transform.crop_record(data, fmt, height, width, crop, self.augment.crop_size)
+            if clock:
+                clock("draw crop")
+            return transform.crop_record(data, fmt, height, width, crop, self.augment.crop_size, clock)
         except (DatasetError, ValueError) as e:
             why = str(e).removeprefix(f"{self.root}: ").removeprefix(f"record {i}: ")
             raise DatasetError(f"{self.root}: record {i} (source {self.source(i)!r}): {why}") from None

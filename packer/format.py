@@ -161,8 +161,8 @@ def load_index(root: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray,
     try:
         index = np.load(root / INDEX, mmap_mode="r", allow_pickle=False)
         sources = np.load(root / SOURCES, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError, SyntaxError, TypeError, OverflowError, MemoryError) as e:
-        # a tampered .npy header reaches numpy's header parser and mmap in many ways; none runs code
+    except Exception as e:  # a tampered .npy header fails numpy's parser or mmap in many ways (ValueError,
+        # SyntaxError, tokenize.TokenError, OverflowError, ...); the file is at fault, and no code ran
         raise DatasetError(f"{root}: unreadable index ({type(e).__name__}: {e})") from None
     if index.dtype != INDEX_DTYPE or index.ndim != 1:
         raise DatasetError(f"{root / INDEX}: unexpected dtype {index.dtype} / shape {index.shape}")

@@ -239,11 +239,11 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
     try:
         report = _run(Path(raw_dir), out, staging, found, opts, backend, shard_size, workers, state,
                       settings, on_error, quiet, checkpoint_seconds)
-    except (lmdb.Error, OSError) as e:
-        if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except (lmdb.Error, OSError) as e:  # LMDB reports a full disk as a bare "Input/output error"
+        if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
             raise
-        raise BuildError(f"cannot write {staging}: {e} (the work so far is kept there: free some space, "
-                         f"then run the same build with --resume)") from e
+        raise BuildError(f"cannot write {staging}: {e} (disk full? the work so far is kept there: "
+                         f"free some space, then run the same build with --resume)") from e
     report.seconds = time.monotonic() - t0
     return report
 

@@ -1,9 +1,11 @@
 """Record readers, one per backend, with handles opened lazily in each process.
 
-py-lmdb refuses to open one path twice in a process and an environment must not be used across
-fork(), so LMDB environments live in a per-process registry keyed by path: every reader over that
-path shares one, and a forked child drops the inherited handle before opening its own. Readers keep
-no handle in their pickled state, so they cross the spawn start method cleanly.
+py-lmdb refuses to open the same files twice in a process (it keys on their device and inode) and an
+environment must not be used across fork(), so LMDB environments live in a per-process registry
+keyed by path: every reader over that path shares one, and a forked child drops the inherited handle
+before opening its own. An entry whose data.mdb was deleted or replaced (a rebuild with --force, a
+deleted temporary dataset whose inode a new one reuses) is closed rather than served stale. Readers
+keep no handle in their pickled state, so they cross the spawn start method cleanly.
 """
 
 from __future__ import annotations
@@ -11,32 +13,60 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
+import lmdb
 import numpy as np
 
 from .format import DatasetError, Manifest, lmdb_key
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
 
-_LMDB_ENVS: dict[str, tuple[int, object, object]] = {}  # path -> (pid, Environment, read txn)
+FileId = Optional[tuple[int, int]]  # (st_dev, st_ino) of data.mdb, None when it is missing
+_LMDB_ENVS: dict[str, tuple[int, FileId, lmdb.Environment, lmdb.Transaction]] = {}  # path -> (pid, files, env, txn)
 _LMDB_LOCK = threading.Lock()
 
 
-def _lmdb_txn(path: str):
-    """This process's shared read-only environment and long-lived read transaction for ``path``."""
-    import lmdb
+def _files(path: str) -> FileId:
+    """Identity of the environment's data file, as py-lmdb's "already open" guard sees it."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
+
+def _drop_stale(pid: int) -> None:
+    """Close entries inherited across fork (never to be used) and those whose files were deleted or
+    replaced; the caller holds _LMDB_LOCK."""
+    for path, (owner, files, env, _) in list(_LMDB_ENVS.items()):
+        if owner != pid or _files(path) != files:
+            del _LMDB_ENVS[path]
+            try:
+                env.close()
+            except Exception:  # pragma: no cover - best effort on a handle we must not use
+                pass
+
+
+def close_lmdb(path: str | os.PathLike | None = None) -> None:
+    """Close this process's shared environment for ``path`` (every one when None), e.g. before opening
+    the same dataset with plain py-lmdb, which refuses a second open in one process. A reader that
+    still uses it reopens on its next read."""
+    with _LMDB_LOCK:
+        for key in [str(Path(path).resolve())] if path is not None else list(_LMDB_ENVS):
+            entry = _LMDB_ENVS.pop(key, None)
+            if entry is not None:
+                entry[2].close()
+
+
+def _lmdb_txn(path: str) -> lmdb.Transaction:
+    """This process's shared read-only environment and long-lived read transaction for ``path``."""
     with _LMDB_LOCK:
         pid = os.getpid()
         entry = _LMDB_ENVS.get(path)
         if entry is not None and entry[0] == pid:
-            return entry[2]
-        if entry is not None:  # inherited across fork: never use it, close it so the path can reopen
-            try:
-                entry[1].close()
-            except Exception:  # pragma: no cover - best effort on a handle we must not use
-                pass
+            return entry[3]
+        _drop_stale(pid)
         try:
             env = lmdb.open(
                 path, readonly=True, lock=False, readahead=False, max_readers=2048, subdir=True
@@ -45,7 +75,7 @@ def _lmdb_txn(path: str):
             raise DatasetError(f"{path}: cannot open LMDB environment ({e})") from None
         _check_lmdb_size(path, env)
         txn = env.begin(buffers=True)
-        _LMDB_ENVS[path] = (pid, env, txn)
+        _LMDB_ENVS[path] = (pid, _files(path), env, txn)
         return txn
 
 
@@ -77,8 +107,16 @@ class Reader:
 
 
 class LmdbReader(Reader):
+    def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
+        super().__init__(root, manifest, index)
+        with _LMDB_LOCK:  # a dataset opened anew may have replaced the one this process has open
+            _drop_stale(os.getpid())
+
     def get(self, i: int) -> Buffer:
-        value = _lmdb_txn(self.root).get(lmdb_key(i))
+        try:
+            value = _lmdb_txn(self.root).get(lmdb_key(i))
+        except lmdb.Error as e:  # a damaged B-tree (MDB_PAGE_NOTFOUND, MDB_CORRUPTED, ...)
+            raise self._bad(i, f"unreadable in data.mdb ({e})") from None
         if value is None:
             raise self._bad(i, "missing from data.mdb")
         if len(value) != int(self.index[i]["length"]):

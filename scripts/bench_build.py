@@ -61,6 +61,17 @@ def _make_class(raw: str, cls: str, per: int, size: tuple[int, int], seed: int) 
     make_sample(raw, classes=(cls,), per_class=per, size=size, seed=seed)
 
 
+def replicate(raw: Path, files: list[str], k: int, dest: Path) -> Path:
+    """A tree listing each file ``k`` times through symlinks (copy j in class folder ``<class>-j``)."""
+    if not dest.is_dir():
+        for j in range(k):
+            for f in files:
+                link = dest / f"{Path(f).parent.name}-{j}" / Path(f).name
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(Path(f).resolve())
+    return dest
+
+
 def floor_turbojpeg(path: str) -> int:
     """The unavoidable work: read the file and decode it at the DCT scale packer uses."""
     with open(path, "rb") as f:
@@ -187,12 +198,17 @@ def main() -> None:
     ap.add_argument("--backend", default="lmdb", choices=["lmdb", "memmap"])
     ap.add_argument("--format", default="jpeg", choices=["jpeg", "raw"])
     ap.add_argument("--skip-baselines", action="store_true", help="only packer (e.g. memory at scale)")
+    ap.add_argument("--replicate", type=int, default=1,
+                    help="list every image K times (symlinks): memory at K x the images without K x the disk")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench")
     args = ap.parse_args()
 
     size = tuple(int(v) for v in args.size.split("x"))
     raw = args.raw or args.work / f"raw-{args.images}-{args.size}"
     files = [str(f) for f in (sorted(raw.rglob("*.jpg")) if args.raw else generate(raw, args.images, size, args.workers))]
+    if args.replicate > 1:
+        raw = replicate(raw, files, args.replicate, args.work / f"replicated-{len(files)}x{args.replicate}")
+        files = [str(f) for f in sorted(raw.rglob("*.jpg"))]
     out = args.work / f"out.{args.backend}"
     import PIL
 

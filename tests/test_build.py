@@ -16,6 +16,7 @@ from PIL import Image, ImageOps
 from packer import BuildError, build
 from packer.format import INDEX_DTYPE, Manifest, lmdb_key, load_index, source_path
 from packer.preprocess import target_size
+from packer.read import close_lmdb
 
 from .conftest import COMBOS, PHOTOS
 
@@ -26,6 +27,7 @@ def stored_images(out: Path) -> tuple[Manifest, np.ndarray, np.ndarray, list[np.
     index, sources = load_index(out, manifest)
     blobs: list[bytes] = []
     if manifest.backend == "lmdb":
+        close_lmdb(out)  # packer's shared handle, if an earlier test read this dataset through packer
         env = lmdb.open(str(out), readonly=True, lock=False)
         with env.begin() as txn:
             blobs = [txn.get(lmdb_key(i)) for i in range(manifest.count)]
@@ -105,6 +107,7 @@ def test_refuses_to_overwrite_without_force(raw_photos: Path, tmp_path: Path) ->
 
 def test_plain_lmdb_reads_a_record_and_index_matches(built) -> None:
     out = built("lmdb", "jpeg")
+    close_lmdb(out)
     env = lmdb.open(str(out), readonly=True, lock=False)
     with env.begin() as txn:
         blob = txn.get(b"0000000000")

@@ -1,0 +1,220 @@
+"""``packer verify``: read every record once, in order, and check it against the index and manifest.
+
+Opening a dataset (``Manifest.load``, ``load_index``) only refuses metadata that would make a reader
+misbehave; it cannot see a flipped bit inside a record or an index row that still points somewhere
+valid. Verify reads all the data sequentially (one pass, no random seeks), recomputes each record's
+crc32 and the dataset digest, and cross-checks index, manifest and data files, so that bit rot, a bad
+copy or tampering is found before a training run trusts the data. Every problem it finds is a line of
+text; records are named by number and source path.
+
+liblmdb trusts its file: a hostile or damaged B-tree page can make it read outside the map and die of
+SIGBUS. So before data.mdb is opened, py-lmdb's pure-Python structural verifier (``lmdb.verify``,
+py-lmdb >= 3.0) walks every page; a data.mdb that fails it is never handed to liblmdb.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import lmdb
+import numpy as np
+
+from .format import INDEX, DatasetError, Digest, Manifest, load_index, lmdb_key, source_path
+from .read import _lmdb_txn
+
+#: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+@dataclass
+class Verification:
+    """What verify found: ``problems`` holds the first ``limit`` findings, ``bad_records`` all of them."""
+
+    root: str
+    count: int
+    digest: str
+    problems: list[str] = field(default_factory=list)
+    bad_records: int = 0
+    limit: int = 10
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, problem: str) -> None:
+        if len(self.problems) < self.limit:
+            self.problems.append(problem)
+
+
+def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:
+    """(height, width) from the JPEG frame header, or None when ``data`` is not a JPEG we can parse."""
+    if bytes(data[:2]) != b"\xff\xd8":
+        return None
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        (seg,) = struct.unpack(">H", data[pos + 2:pos + 4])
+        if marker in _SOF and pos + 9 <= end:
+            return struct.unpack(">HH", data[pos + 5:pos + 9])
+        if marker == 0xDA or seg < 2:  # start of scan: no frame header came first
+            return None
+        pos += 2 + seg
+    return None
+
+
+def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
+    """Check the dataset at ``root``; raises DatasetError only when it cannot be opened or read safely."""
+    manifest = Manifest.load(root)
+    index, sources = load_index(root, manifest)
+    result = Verification(str(root), manifest.count, "", limit=limit)
+    _check_metadata(result, manifest, index, sources)
+    digest = Digest()
+    records = _lmdb_records if manifest.backend == "lmdb" else _memmap_records
+    try:
+        for i, data in records(Path(root), manifest, index, result):
+            row = index[i]
+            why = _record_problem(manifest, row, data)
+            if why:
+                result.bad_records += 1
+                result.add(f"record {i} ({source_path(sources, row)}): {why}")
+            digest.update(int(row["label"]), data if data is not None else b"")
+    except OSError as e:
+        raise DatasetError(f"{root}: read failed ({e})") from None
+    result.digest = digest.hexdigest()
+    if result.digest != manifest.digest:
+        result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
+    return result
+
+
+def _record_problem(manifest: Manifest, row: np.void, data: Optional[memoryview]) -> Optional[str]:
+    """Why this record does not match its index row, or None."""
+    if data is None:
+        return "missing"
+    if len(data) != int(row["length"]):
+        return f"{len(data)} bytes, the index says {int(row['length'])}"
+    if zlib.crc32(data) != int(row["crc32"]):
+        return f"crc32 {zlib.crc32(data):08x} differs from the index's {int(row['crc32']):08x} (damaged bytes)"
+    if manifest.format == "jpeg":
+        size = jpeg_size(data)
+        if size != (int(row["height"]), int(row["width"])):
+            return f"JPEG frame size {size} differs from the index's {(int(row['height']), int(row['width']))}"
+    return None
+
+
+def _first_gap(offsets: np.ndarray, lengths: np.ndarray, total: int) -> Optional[int]:
+    """The first item that does not start where the previous one ended (``len(offsets)`` when the
+    last one does not end at ``total``), or None when the items tile ``0..total`` back to back."""
+    ends = offsets.astype(np.uint64) + lengths
+    starts = np.concatenate([np.zeros(1, np.uint64), ends[:-1]])
+    bad = np.flatnonzero(offsets != starts)
+    if len(bad):
+        return int(bad[0])
+    return None if (int(ends[-1]) if len(ends) else 0) == total else len(offsets)
+
+
+def _check_metadata(result: Verification, manifest: Manifest, index: np.ndarray, sources: np.ndarray) -> None:
+    """Counts and layout that the index, manifest and source-path blob must agree on."""
+    if manifest.scanned != manifest.count + manifest.skipped + manifest.ignored:
+        result.add(f"manifest: scanned {manifest.scanned} != count + skipped + ignored "
+                   f"({manifest.count} + {manifest.skipped} + {manifest.ignored})")
+    counts = np.bincount(index["label"].astype(np.int64), minlength=len(manifest.classes)).tolist()
+    if counts != manifest.class_counts:
+        result.add(f"manifest: class_counts {manifest.class_counts} differ from the index's labels {counts}")
+    gap = _first_gap(index["src_offset"], index["src_length"], len(sources))
+    if gap is not None:
+        result.add(f"{INDEX}: source paths are not laid out back to back (at record {gap})")
+    if manifest.backend == "memmap":
+        _check_shards(result, manifest, index)
+
+
+def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -> None:
+    """Shards are filled in index order, records back to back, sizes as listed in the manifest."""
+    shard = index["shard"].astype(np.int64)
+    backwards = np.flatnonzero(np.diff(shard) < 0)
+    if len(backwards):
+        result.add(f"{INDEX}: shard numbers go backwards at record {int(backwards[0]) + 1}")
+    counts = np.bincount(shard, minlength=len(manifest.shards)).tolist()
+    listed = [int(s["count"]) for s in manifest.shards]
+    if counts != listed:
+        result.add(f"manifest: shard record counts {listed} differ from the index's {counts}")
+    total = sum(int(s["bytes"]) for s in manifest.shards)
+    if total != manifest.bytes:
+        result.add(f"manifest: bytes {manifest.bytes} differ from the shards' total {total}")
+    for k, s in enumerate(manifest.shards):
+        rows = np.flatnonzero(shard == k)
+        gap = _first_gap(index["offset"][rows], index["length"][rows], int(s["bytes"]))
+        if gap is not None:
+            where = f"record {int(rows[gap])}" if gap < len(rows) else "its end"
+            result.add(f"{s['file']}: records are not back to back filling {s['bytes']} bytes (at {where})")
+
+
+def _memmap_records(root: Path, manifest: Manifest, index: np.ndarray,
+                    result: Verification) -> Iterator[tuple[int, Optional[bytes]]]:
+    """Every record in index order, read with plain sequential file reads (no mmap: no SIGBUS)."""
+    for s in manifest.shards:
+        path = root / str(s["file"])
+        size = path.stat().st_size if path.is_file() else None
+        if size != int(s["bytes"]):
+            what = "missing" if size is None else f"{size} bytes"
+            result.add(f"{s['file']}: shard is {what}, the manifest says {s['bytes']} (truncated or replaced)")
+    current, f = -1, None
+    try:
+        for i, row in enumerate(index):
+            k = int(row["shard"])
+            if k != current:
+                if f is not None:
+                    f.close()
+                path = root / str(manifest.shards[k]["file"])
+                f, current = (open(path, "rb", buffering=1 << 20) if path.is_file() else None), k
+            if f is None:
+                yield i, None
+                continue
+            if f.tell() != int(row["offset"]):
+                f.seek(int(row["offset"]))
+            yield i, f.read(int(row["length"]))
+    finally:
+        if f is not None:
+            f.close()
+
+
+def _check_lmdb_structure(root: Path) -> None:
+    """Refuse a data.mdb whose pages are malformed, before liblmdb (which would trust them) opens it."""
+    try:
+        from lmdb.verify import VerifyError, verify as verify_pages
+    except ImportError:  # py-lmdb < 3.0: the checks below still run, on liblmdb's trust
+        return
+    data = root / "data.mdb"
+    if not data.is_file():
+        raise DatasetError(f"{root}: data.mdb is missing")
+    try:
+        problems = verify_pages(str(data), subdir=False)
+    except (VerifyError, OSError) as e:
+        raise DatasetError(f"{data}: not a valid LMDB file ({e})") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise DatasetError(f"{data}: damaged LMDB structure: {problems[0]}{more}")
+
+
+def _lmdb_records(root: Path, manifest: Manifest, index: np.ndarray,
+                  result: Verification) -> Iterator[tuple[int, Optional[memoryview]]]:
+    """Every record in key order (the order LMDB laid the pages out in), then a count of extra keys."""
+    _check_lmdb_structure(root)
+    try:
+        txn = _lmdb_txn(str(root.resolve()))
+        entries = txn.stat()["entries"]
+        for i in range(len(index)):
+            yield i, txn.get(lmdb_key(i))
+    except lmdb.Error as e:
+        raise DatasetError(f"{root}: data.mdb is damaged ({e})") from None
+    if entries != len(index):
+        result.add(f"data.mdb holds {entries} records, the index {len(index)}")
