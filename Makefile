@@ -11,6 +11,7 @@ SIMD ?= 0
 RAW ?= data/raw
 OUT ?= data/dataset.lmdb
 FORMAT ?= jpeg
+ARGS ?=
 DEMO_DIR ?= data/demo
 PYTEST_ARGS ?=
 
@@ -20,7 +21,9 @@ help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
 	@echo "make demo       generate 12 MP sample photos, pack them, show info, read them back"
 	@echo "make test       run the test suite"
-	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg]   (re)build only when raw/ changed"
+	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
+	@echo "make dataset-verify OUT=out.lmdb   re-read and check OUT (each split dataset inside it, with --split)"
+	@echo "make dataset-clean OUT=out.lmdb    delete OUT and any interrupted build of it"
 
 # Debian/Ubuntu packages: libjpeg-turbo for PyTurboJPEG, headers to build pillow-simd. Needs root or sudo.
 system-deps:
@@ -52,20 +55,18 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Rebuild OUT only when a file under RAW is newer than the last successful build (or RAW's listing changed).
+# packer itself compares RAW with what OUT was built from: unchanged files are copied, not decoded,
+# and an unchanged RAW is a fast no-op. ARGS passes more build options, e.g. ARGS="--split val=0.05".
 dataset: setup
-	@stamp="$(OUT).stamp"; listing=$$(find "$(RAW)" -printf '%P %s %T@\n' | sort | sha256sum | cut -c1-64); \
-	if [ -e "$(OUT)/manifest.json" ] && [ -e "$$stamp" ] && [ "$$(cat $$stamp)" = "$$listing" ]; then \
-	  echo "$(OUT) is up to date with $(RAW)"; \
-	else \
-	  $(VENV)/bin/packer build "$(RAW)" "$(OUT)" --format $(FORMAT) --force && echo "$$listing" > "$$stamp"; \
-	fi
+	$(VENV)/bin/packer build "$(RAW)" "$(OUT)" --update --format $(FORMAT) $(ARGS)
 
 dataset-verify: setup
-	$(VENV)/bin/packer info "$(OUT)"
+	@if [ -e "$(OUT)/manifest.json" ]; then set -- "$(OUT)"; else set -- "$(OUT)"/*/manifest.json; set -- "$${@%/manifest.json}"; fi; \
+	for d in "$$@"; do $(VENV)/bin/packer verify "$$d" || exit 1; done
 
 dataset-clean:
-	rm -rf "$(OUT)" "$(OUT).stamp"
+	out="$(OUT)"; out="$${out%/}"; dir=$$(dirname -- "$$out"); name=$$(basename -- "$$out"); \
+	rm -rf -- "$$out" "$$dir/.$$name.packer-tmp" "$$dir/.$$name.packer-old"
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .hypothesis

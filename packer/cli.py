@@ -57,6 +57,21 @@ def main(debug: bool) -> None:
     """Preprocess an image folder once; pack it into LMDB or memmap shards for fast training."""
 
 
+def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, float] | None:
+    """('val=0.05', 'test=0.1') -> {'val': 0.05, 'test': 0.1}, in the order given (it orders the cuts)."""
+    splits: dict[str, float] = {}
+    for spec in value:
+        name, _, fraction = spec.partition("=")
+        try:
+            share: float | None = float(fraction)
+        except ValueError:
+            share = None
+        if share is None or name.strip() in splits:
+            raise click.BadParameter(f"expected NAME=FRACTION once per name, like val=0.05, not {spec!r}")
+        splits[name.strip()] = share
+    return splits or None
+
+
 @main.command()
 @click.argument("raw_dir", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
@@ -80,6 +95,17 @@ def main(debug: bool) -> None:
 @click.option("--max-aspect", type=float, default=10.0, show_default=True,
               help="Skip images whose long/short edge ratio exceeds this.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT (only once the new one is complete).")
+@click.option("--update", is_flag=True,
+              help="Refresh OUT: decode only files added or changed since it was built (same path, size and "
+                   "mtime = unchanged), drop deleted ones, copy the other records. Unchanged input: says so, "
+                   "writes nothing. Changed build options: rebuilds everything. Builds OUT if absent.")
+@click.option("--checksum", is_flag=True,
+              help="With --update: compare file contents (a hash; reads every file) instead of mtimes.")
+@click.option("--split", "split", multiple=True, callback=_split_specs, metavar="NAME=FRACTION",
+              help="Also write split NAME (e.g. val=0.05; repeatable): OUT becomes a folder with one dataset "
+                   "per split (OUT/train.lmdb, OUT/val.lmdb, or OUT/train/, ... for memmap); train gets the "
+                   "rest. By hashed path, per class, stable when files are added.")
+@click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the --split assignment.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted build of the same inputs and options.")
 @click.option("--checkpoint-seconds", type=float, default=2.0, show_default=True,
               help="Make the work so far resumable at least this often (also every 2000 images).")
@@ -95,6 +121,11 @@ def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, **op
     if dask_address is not None:
         from .distributed import build_dask as run_build
 
+        used = [flag for flag, on in (("--update", options.pop("update")), ("--checksum", options.pop("checksum")),
+                                      ("--split", options.pop("split"))) if on]
+        if used:
+            raise click.UsageError(f"{', '.join(used)} cannot be combined with --dask yet")
+        options.pop("split_seed")
         options["address"] = dask_address
         options.pop("checkpoint_seconds", None)  # each finished task is a checkpoint there
     else:

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import __version__
 from .codec import codec_name
-from .format import INDEX_DTYPE, Digest, shard_name
+from .format import IDENTITY_FIELDS, INDEX_DTYPE, Digest, shard_name
 from .pipeline import (
     PROGRESS, BuildError, BuildReport, _Journal, _open_staging, _Progress, _write_json_atomic,
     complete, prepare, staging_path,
@@ -297,6 +297,8 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
             members = [start + i for i in range(stop - start) if i not in bad]
             kept[members] = True
             rows["label"] = labels[members]
+            for name in IDENTITY_FIELDS:  # what a later local `build --update` compares
+                rows[name] = found.identity[name][members]
             if backend == "memmap" and meta["count"]:
                 rows["shard"] = len(shards)
             _add_fragment(stem.with_suffix(".bin"), rows, [found.sources[j].rel for j in members],
@@ -383,6 +385,6 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
     finally:
         progress.close()
     report = _assemble(out, staging, fragments, found, settings, slices, metas, quiet)
-    report.out, report.resumed_from = str(out), reused
+    report.out, report.resumed_from, report.processed = str(out), reused, len(found.sources) - reused
     report.seconds = time.monotonic() - t0
     return report

@@ -27,6 +27,8 @@ BACKENDS = ("lmdb", "memmap")
 
 #: One row per record. ``shard``/``offset`` locate memmap records (0 for LMDB, where the key is the
 #: zero-padded record number). ``src_offset``/``src_length`` slice the UTF-8 source-path blob.
+#: ``src_size``/``src_mtime_ns``/``src_hash`` identify the source file as it was packed, so that
+#: ``build --update`` can tell an unchanged file (its record is copied) from a changed one.
 INDEX_DTYPE = np.dtype(
     [
         ("shard", "<u4"),
@@ -38,8 +40,14 @@ INDEX_DTYPE = np.dtype(
         ("crc32", "<u4"),
         ("src_offset", "<u8"),
         ("src_length", "<u4"),
+        ("src_size", "<u8"),
+        ("src_mtime_ns", "<i8"),
+        ("src_hash", "<u8"),
     ]
 )
+IDENTITY_FIELDS = ("src_size", "src_mtime_ns", "src_hash")
+#: A source file's identity (see :func:`packer.scan.identify`); ``src_hash`` is 0 unless built with --checksum.
+IDENTITY_DTYPE = np.dtype([(name, INDEX_DTYPE[name]) for name in IDENTITY_FIELDS])
 
 
 class DatasetError(Exception):
@@ -75,6 +83,8 @@ class Manifest:
     options: dict[str, Any] = field(default_factory=dict)
     codec: str = ""
     packer_version: str = ""
+    inputs: str = ""  # digest of the scanned inputs and all settings: --update's "up to date" test
+    index_digest: str = ""  # see index_digest(): verify notices any edited index row, src_* included
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -126,7 +136,8 @@ class Manifest:
             raise bad("class_counts")
         if not all(size(c) for c in self.class_counts):
             raise bad("class_counts")
-        if not isinstance(self.digest, str) or not isinstance(self.shards, list):
+        texts = (self.digest, self.inputs, self.index_digest)
+        if not all(isinstance(v, str) for v in texts) or not isinstance(self.shards, list):
             raise bad("digest/shards")
         for s in self.shards:
             if not (
@@ -153,6 +164,11 @@ class Digest:
 
     def hexdigest(self) -> str:
         return "sha256:" + self._h.hexdigest()
+
+
+def index_digest(rows: np.ndarray) -> str:
+    """sha256 of the index rows' bytes: the ``src_*`` identity fields are checked by nothing else."""
+    return "sha256:" + hashlib.sha256(np.ascontiguousarray(rows).view(np.uint8)).hexdigest()
 
 
 def load_index(root: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:

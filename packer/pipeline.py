@@ -9,6 +9,7 @@ the last checkpoint with the same result as an uninterrupted build.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -19,7 +20,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -29,11 +30,14 @@ import numpy as np
 from . import __version__
 from .codec import codec_name
 from .format import (
-    BACKENDS, FORMATS, INDEX, INDEX_DTYPE, MANIFEST, REPORT, SOURCES, Digest, Manifest, lmdb_key,
-    shard_name,
+    BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, MANIFEST, REPORT, SOURCES, DatasetError, Digest,
+    Manifest, index_digest, lmdb_key, load_index, shard_name,
 )
 from .preprocess import Options, Record, Result, Skip, process_chunk
-from .scan import Scan, ScanError, scan
+from .read import Reader, close_lmdb, open_reader
+from .scan import Scan, ScanError, Source, identify, scan
+from .split import TRAIN, check_splits, split_path, split_scan
+from .read import mark_lmdb_pages_checked
 from .write import fsync_path, open_writer
 
 BUILD_STATE = "build.json"
@@ -62,12 +66,29 @@ class BuildReport:
     digest: str
     seconds: float
     resumed_from: int = 0
+    processed: int = 0  # sources decoded by this run (skipped ones included)
+    reused: int = 0  # records copied from the previous dataset by --update
+    up_to_date: bool = False  # --update found nothing to do and left OUT untouched
+    splits: dict[str, "BuildReport"] = field(default_factory=dict)  # --split: one report per dataset
 
     def summary(self) -> str:
-        rate = self.count / self.seconds if self.seconds > 0 else 0.0
+        if self.splits:
+            return "\n".join(r.summary() for r in self.splits.values())
+        if self.up_to_date:
+            return f"packer: {self.out} is up to date ({self.count} records, {self.digest}); nothing to do"
+        rate = self.processed / self.seconds if self.seconds > 0 else 0.0
         return (f"packer: {self.out}: packed {self.count} of {self.scanned} scanned "
                 f"({self.skipped} skipped, {self.ignored} ignored; see {REPORT}), "
-                f"{self.bytes / 1e6:.1f} MB, {self.seconds:.1f} s, {rate:.1f} images/s")
+                f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, {self.seconds:.1f} s, {rate:.1f} images/s")
+
+    @classmethod
+    def combine(cls, out: str, splits: dict[str, "BuildReport"]) -> "BuildReport":
+        """The totals over the split datasets of one build (digest empty: there is one per split)."""
+        total = {name: sum(getattr(r, name) for r in splits.values())
+                 for name in ("count", "scanned", "skipped", "ignored", "bytes", "seconds", "resumed_from",
+                              "processed", "reused")}
+        return cls(out=out, digest="", up_to_date=all(r.up_to_date for r in splits.values()),
+                   splits=splits, **total)
 
 
 def staging_path(out: Path) -> Path:
@@ -152,7 +173,7 @@ def _results(paths: list[str], opts: Options, workers: int, chunk: int) -> Itera
         pending: deque = deque()
         for i in range(0, len(paths), chunk):
             pending.append(pool.apply_async(process_chunk, (paths[i:i + chunk], opts)))
-            if len(pending) >= 4 * workers:
+            if len(pending) >= 8 * workers:
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
@@ -225,36 +246,187 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
           workers: Optional[int] = None, shard_size: int = 10_000, labels: Optional[str] = None,
           force: bool = False, resume: bool = False, on_error: str = "skip",
           max_pixels: int = 256_000_000, min_size: int = 16, max_aspect: float = 10.0,
-          quiet: bool = False, checkpoint_seconds: float = CHECKPOINT_SECONDS) -> BuildReport:
-    """Pack ``raw_dir`` into ``out``; see ``packer build --help`` for the options."""
+          quiet: bool = False, checkpoint_seconds: float = CHECKPOINT_SECONDS, update: bool = False,
+          checksum: bool = False, split: Optional[dict[str, float]] = None,
+          split_seed: int = 0) -> BuildReport:
+    """Pack ``raw_dir`` into ``out``; see ``packer build --help`` for the options.
+
+    ``update``: refresh the dataset at ``out`` (or build it), copying the records of unchanged files
+    (same path, size and mtime; with ``checksum`` same size and content hash) instead of decoding them.
+    ``split`` ({"val": 0.05, ...}): ``out`` becomes a folder with one dataset per split plus ``train``.
+    """
     t0 = time.monotonic()
     out, opts, found, settings = prepare(
         raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
         shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
-        min_size=min_size, max_aspect=max_aspect)
-    backend = settings["backend"]
-    workers = workers or os.cpu_count() or 1
+        min_size=min_size, max_aspect=max_aspect, update=update, resume=resume, checksum=checksum,
+        split=split)
+    job = _Job(raw=Path(raw_dir), opts=opts, workers=workers or os.cpu_count() or 1, on_error=on_error,
+               quiet=quiet, checkpoint_seconds=checkpoint_seconds, resume=resume, update=update,
+               keep_current=update or (resume and not force))
+    if not split:
+        report = _build_dataset(out, found, settings, job)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        reports = {name: _build_dataset(split_path(out, name, settings["backend"]), part,
+                                        settings | {"inputs": part.fingerprint()}, job)
+                   for name, part in split_scan(found, split, split_seed).items()}
+        report = BuildReport.combine(str(out), reports)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every dataset of one build shares (a --split build makes several)."""
+
+    raw: Path
+    opts: Options
+    workers: int
+    on_error: str
+    quiet: bool
+    checkpoint_seconds: float
+    resume: bool
+    update: bool  # reuse the records of unchanged files from the dataset being replaced
+    keep_current: bool  # leave a dataset alone whose recorded inputs and settings equal this build's
+
+
+def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) -> BuildReport:
+    """One dataset at ``out`` from ``found``: kept when up to date, else staged (reusing records with
+    --update), then renamed into place."""
+    t0 = time.monotonic()
+    previous = _previous(out, job.quiet) if job.keep_current else None
+    if previous is not None and previous[0].inputs == inputs_digest(found, settings):
+        manifest = previous[0]
+        return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned,
+                           skipped=manifest.skipped, ignored=manifest.ignored, bytes=manifest.bytes,
+                           digest=manifest.digest, seconds=0.0, up_to_date=True)
+    if job.keep_current and not job.update and out.exists():  # a --resume'd split build: a finished split
+        raise BuildError(f"{out} already exists and differs from this build (use --force to replace it, "
+                         f"or --update)")
+    cache = _reuse_plan(out, previous, found, settings, job.quiet) if job.update and previous else None
     staging = staging_path(out)
-    state = _open_staging(staging, settings, resume)
+    state = _open_staging(staging, settings, job.resume)
     try:
-        report = _run(Path(raw_dir), out, staging, found, opts, backend, shard_size, workers, state,
-                      settings, on_error, quiet, checkpoint_seconds)
+        report = _run(out, staging, found, settings, job, state, cache)
     except (lmdb.Error, OSError) as e:  # LMDB reports a full disk as a bare "Input/output error"
         if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
             raise
         raise BuildError(f"cannot write {staging}: {e} (disk full? the work so far is kept there: "
                          f"free some space, then run the same build with --resume)") from e
+    finally:
+        if cache is not None:
+            close_lmdb(out)  # our handle on the old OUT: it is being replaced
     report.seconds = time.monotonic() - t0
     return report
 
 
+def inputs_digest(found: Scan, settings: dict[str, Any]) -> str:
+    """What a dataset's bytes depend on: the scanned inputs with their identities, every setting, the
+    packer version. Equal digests mean a rebuild would write the same dataset (manifest ``inputs``)."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
+    h.update(f"\0{__version__}\0{found.fingerprint(identity=True)}".encode("utf-8"))
+    return "sha256:" + h.hexdigest()
+
+
+def _say(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"packer: {message}", file=sys.stderr, flush=True)
+
+
+def _previous(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndarray, np.ndarray]]:
+    """The dataset already at ``out`` (manifest, index, source paths), or None when there is none or it
+    cannot be read (then it is rebuilt in full)."""
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        manifest = Manifest.load(out)
+        return (manifest, *load_index(out, manifest))
+    except DatasetError as e:
+        _say(f"cannot reuse {out} ({e}); rebuilding every record", quiet)
+        return None
+
+
+@dataclass
+class _Cache:
+    """The records of the dataset being replaced that --update copies instead of decoding again."""
+
+    reader: Reader
+    index: np.ndarray
+    old_of: np.ndarray  # per source in scan order: its record number in the old dataset, or -1
+
+
+def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]:
+    """Why the old records are not what this build would write (options, codec, version), or None.
+
+    Backend and shard size only change the layout, so records are reused across them.
+    """
+    changed = [f"{k} {manifest.options.get(k)!r} -> {v!r}" for k, v in settings["options"].items()
+               if manifest.options.get(k) != v]
+    if manifest.codec != settings["codec"]:
+        changed.append(f"codec {manifest.codec} -> {settings['codec']}")
+    if manifest.packer_version != __version__:
+        changed.append(f"packer {manifest.packer_version} -> {__version__}")
+    if settings["checksum"] and not manifest.options.get("checksum"):
+        changed.append("built without --checksum, so no content hashes to compare")
+    return ", ".join(changed) or None
+
+
+def _reuse_plan(out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], found: Scan,
+                settings: dict[str, Any], quiet: bool) -> Optional[_Cache]:
+    """Match each source to an old record by path and identity (size and mtime, or size and content
+    hash with --checksum); None when the old records were built differently."""
+    manifest, index, paths = previous
+    why = _stale_reason(manifest, settings)
+    if why:
+        _say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
+        return None
+    blob = bytes(paths)
+    old = {blob[o:o + n].decode("utf-8", "surrogateescape"): j
+           for j, (o, n) in enumerate(zip(index["src_offset"].tolist(), index["src_length"].tolist()))}
+    candidate = np.array([old.get(s.rel, -1) for s in found.sources], dtype=np.int64)
+    known = np.flatnonzero(candidate >= 0)
+    same = np.ones(len(known), dtype=bool)
+    for name in ("src_size", "src_hash") if settings["checksum"] else ("src_size", "src_mtime_ns"):
+        same &= index[name][candidate[known]] == found.identity[name][known]
+    old_of = np.full(len(found.sources), -1, dtype=np.int64)
+    old_of[known[same]] = candidate[known[same]]
+    return _Cache(open_reader(out, manifest, index), index, old_of)
+
+
+def _ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[_Cache],
+                     opts: Options, workers: int) -> Iterator[tuple[Result, bool]]:
+    """Each source's result in scan order, and whether it was reused: copied from the old dataset when
+    ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
+    paths = [str(raw / s.rel) for s, j in zip(todo, old_of) if j < 0]
+    fresh = _results(paths, opts, workers if paths else 1, chunk=2)  # nothing to decode: start no pool
+    try:
+        for source, j in zip(todo, old_of.tolist()):
+            if j < 0:
+                yield next(fresh), False
+                continue
+            row = cache.index[j]
+            try:
+                data = bytes(cache.reader.get(j))
+            except DatasetError:
+                data = b""
+            if zlib.crc32(data) != int(row["crc32"]):  # damaged since it was written: decode it again
+                yield process_chunk([str(raw / source.rel)], opts)[0], False
+                continue
+            yield Record(data, int(row["height"]), int(row["width"])), True
+    finally:
+        fresh.close()
+
+
 def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Optional[str], format: str,
             short_edge: int, quality: int, shard_size: int, labels: Optional[str], force: bool,
-            on_error: str, max_pixels: int, min_size: int, max_aspect: float,
+            on_error: str, max_pixels: int, min_size: int, max_aspect: float, update: bool = False,
+            resume: bool = False, checksum: bool = False, split: Optional[dict[str, float]] = None,
             ) -> tuple[Path, Options, Scan, dict[str, Any]]:
     """Validate the options and scan raw/; shared with the Dask build so both refuse the same inputs.
 
-    Returns OUT, the preprocessing options, the scan, and the settings that ``--resume`` must match.
+    Returns OUT, the preprocessing options, the scan (with each source's identity), and the settings
+    that ``--resume`` must match.
     """
     out = Path(out)
     backend = backend or default_backend(out)
@@ -266,8 +438,20 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
         raise BuildError("--quality must be 1..100; --short-edge, --shard-size, --min-size, --max-aspect >= 1")
     if on_error not in ("skip", "fail"):
         raise BuildError(f"--on-error must be skip or fail, not {on_error!r}")
-    if out.exists() and not force:
-        raise BuildError(f"{out} already exists (use --force to replace it)")
+    if split:
+        try:
+            check_splits(split)
+        except ValueError as e:
+            raise BuildError(str(e)) from None
+        if (out / MANIFEST).is_file():
+            raise BuildError(f"{out} is a dataset; --split writes a folder of datasets "
+                             f"({split_path(out, TRAIN, backend)}, ...): choose another OUT")
+    for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
+        if target.exists() and not (force or update or (split and resume)):
+            raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
+        if target.exists() and not force and not (target / MANIFEST).is_file():
+            raise BuildError(f"{target} exists and is not a packer dataset; --update only replaces a "
+                             f"dataset (use --force to replace it anyway)")
     opts = Options(format=format, short_edge=short_edge, quality=quality, max_pixels=max_pixels,
                    min_size=min_size, max_aspect=max_aspect)
     try:
@@ -276,8 +460,9 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
         raise BuildError(str(e)) from None
     if not found.sources:
         raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside)")
+    found.identity = identify(raw_dir, found.sources, checksum)
     settings = {"options": asdict(opts), "backend": backend, "shard_size": shard_size,
-                "inputs": found.fingerprint(), "codec": codec_name()}
+                "inputs": found.fingerprint(), "codec": codec_name(), "checksum": checksum}
     return out, opts, found, settings
 
 
@@ -304,9 +489,9 @@ def _open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Opti
     return None
 
 
-def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backend: str,
-         shard_size: int, workers: int, state: Optional[dict[str, Any]], settings: dict[str, Any],
-         on_error: str, quiet: bool, checkpoint_seconds: float) -> BuildReport:
+def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _Job,
+         state: Optional[dict[str, Any]], cache: Optional[_Cache]) -> BuildReport:
+    raw, backend, on_error = job.raw, settings["backend"], job.on_error
     done = int(state["sources_done"]) if state else 0
     journal = _Journal(staging, state["journal"] if state else None)
     if state is None:
@@ -316,7 +501,7 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
             journal.add_report(rel, "skipped", reason)
     written = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
     digest = _replay_digest(staging, backend, written)  # first: py-lmdb opens a path once per process
-    writer = open_writer(backend, staging, state["writer"] if state else None, shard_size)
+    writer = open_writer(backend, staging, state["writer"] if state else None, settings["shard_size"])
     count, skipped = len(written), int(state["skipped"]) if state else len(found.missing)
     class_counts = np.bincount(written["label"], minlength=len(found.classes)).astype(np.int64)
     del written
@@ -331,11 +516,14 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
         last_checkpoint = time.monotonic()
 
     todo = found.sources[done:]
-    progress = _Progress(len(found.sources), done, quiet)
+    progress = _Progress(len(found.sources), done, job.quiet)
     row = np.zeros((), dtype=INDEX_DTYPE)
-    results = _results([str(raw / s.rel) for s in todo], opts, workers, chunk=8)
+    old_of = cache.old_of[done:] if cache is not None else np.full(len(todo), -1, dtype=np.int64)
+    results = _ordered_results(raw, todo, old_of, cache, job.opts, job.workers)
+    reused = 0
     try:
-        for source, result in zip(todo, results):
+        for source, identity, (result, was_reused) in zip(todo, found.identity[done:], results):
+            reused += was_reused
             if isinstance(result, Record):
                 shard, offset = writer.append(result.data)
                 rel = source.rel.encode("utf-8", "surrogateescape")
@@ -343,6 +531,8 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
                 row["label"], row["height"], row["width"] = source.label, result.height, result.width
                 row["crc32"] = zlib.crc32(result.data)
                 row["src_offset"], row["src_length"] = journal.sources_size(), len(rel)
+                for name in IDENTITY_FIELDS:
+                    row[name] = identity[name]
                 journal.add_record(row, rel)
                 digest.update(source.label, result.data)
                 class_counts[source.label] += 1
@@ -356,7 +546,7 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
                 skipped += 1
             done += 1
             progress.update()
-            if done % CHECKPOINT_RECORDS == 0 or time.monotonic() - last_checkpoint >= checkpoint_seconds:
+            if done % CHECKPOINT_RECORDS == 0 or time.monotonic() - last_checkpoint >= job.checkpoint_seconds:
                 checkpoint()
         checkpoint()
     except BaseException:
@@ -369,9 +559,13 @@ def _run(raw: Path, out: Path, staging: Path, found: Scan, opts: Options, backen
     shards = writer.close()
     journal.close()
     total = writer.total_bytes() if backend == "lmdb" else sum(int(s["bytes"]) for s in shards)
-    return complete(staging, out, found, settings, class_counts=class_counts, skipped=skipped,
-                    total=total, digest=digest, shards=shards,
-                    resumed_from=int(state["sources_done"]) if state else 0)
+    if cache is not None:
+        close_lmdb(out)  # before the rename replaces the old dataset under our handle
+    report = complete(staging, out, found, settings, class_counts=class_counts, skipped=skipped,
+                      total=total, digest=digest, shards=shards,
+                      resumed_from=int(state["sources_done"]) if state else 0)
+    report.processed, report.reused = len(todo) - reused, reused
+    return report
 
 
 def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *, class_counts: np.ndarray,
@@ -384,8 +578,9 @@ def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *,
         quality=opts["quality"], classes=found.classes, count=int(class_counts.sum()),
         class_counts=[int(c) for c in class_counts], bytes=total, digest=digest.hexdigest(),
         shards=shards, scanned=found.scanned, skipped=skipped, ignored=len(found.ignored),
-        options=opts | {"shard_size": settings["shard_size"]}, codec=settings["codec"],
-        packer_version=__version__,
+        options=opts | {"shard_size": settings["shard_size"], "checksum": settings["checksum"]},
+        codec=settings["codec"], packer_version=__version__, inputs=inputs_digest(found, settings),
+        index_digest=index_digest(np.fromfile(staging / INDEX_PART, dtype=np.uint8)),
     )
     _finalize(staging, out, manifest)
     return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned, skipped=skipped,
@@ -416,3 +611,5 @@ def _finalize(staging: Path, out: Path, manifest: Manifest) -> None:
     else:
         staging.rename(out)
     fsync_path(out.parent)
+    if manifest.backend == "lmdb":  # packer wrote these pages: readers need not re-check them
+        mark_lmdb_pages_checked(out)

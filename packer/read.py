@@ -10,6 +10,7 @@ keep no handle in their pickled state, so they cross the spawn start method clea
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -59,6 +60,67 @@ def close_lmdb(path: str | os.PathLike | None = None) -> None:
                 entry[2].close()
 
 
+_PAGES_CHECKED: set[str] = set()  # data.mdb versions this process has checked or written
+
+
+def _pages_key(data_mdb: str) -> str:
+    """A data.mdb version: identity, size and mtime (a rename keeps it; any rewrite changes it)."""
+    st = os.stat(data_mdb)
+    raw = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def _marker_dir() -> Path:
+    return Path(os.environ.get("PACKER_CACHE_DIR") or Path.home() / ".cache" / "packer") / "lmdb-checked"
+
+
+def check_lmdb_pages(path: str | os.PathLike) -> None:
+    """Refuse a data.mdb with malformed pages, using py-lmdb's pure-Python verifier (py-lmdb >= 3.0).
+
+    liblmdb trusts every page it maps, so a damaged or hostile file can crash a reader (SIGBUS,
+    wild reads) instead of raising. The check reads the whole file (~16 us per record).
+    """
+    try:
+        from lmdb.verify import VerifyError, verify as verify_pages
+    except ImportError:  # py-lmdb < 3.0: nothing to check with; liblmdb's own checks still apply
+        return
+    data = os.path.join(path, "data.mdb")
+    if not os.path.isfile(data):
+        raise DatasetError(f"{path}: data.mdb is missing")
+    try:
+        problems = verify_pages(data, subdir=False)
+    except (VerifyError, OSError) as e:
+        raise DatasetError(f"{data}: not a valid LMDB file ({e})") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise DatasetError(f"{data}: damaged LMDB structure: {problems[0]}{more}")
+
+
+def mark_lmdb_pages_checked(path: str | os.PathLike) -> None:
+    """Record that this data.mdb version is sound (checked, or just written by packer itself), so
+    later opens on this machine skip the check. Best effort: an unwritable cache only costs time."""
+    key = _pages_key(os.path.join(path, "data.mdb"))
+    _PAGES_CHECKED.add(key)
+    try:
+        _marker_dir().mkdir(parents=True, exist_ok=True)
+        (_marker_dir() / key).touch()
+    except OSError:
+        pass
+
+
+def _check_pages_once(path: str) -> None:
+    """check_lmdb_pages, once per data.mdb version per machine (see mark_lmdb_pages_checked)."""
+    try:
+        key = _pages_key(os.path.join(path, "data.mdb"))
+    except OSError:
+        return  # lmdb.open reports the missing file
+    if key in _PAGES_CHECKED or (_marker_dir() / key).exists():
+        _PAGES_CHECKED.add(key)
+        return
+    check_lmdb_pages(path)
+    mark_lmdb_pages_checked(path)
+
+
 def _lmdb_txn(path: str) -> lmdb.Transaction:
     """This process's shared read-only environment and long-lived read transaction for ``path``."""
     with _LMDB_LOCK:
@@ -67,6 +129,7 @@ def _lmdb_txn(path: str) -> lmdb.Transaction:
         if entry is not None and entry[0] == pid:
             return entry[3]
         _drop_stale(pid)
+        _check_pages_once(path)
         try:
             env = lmdb.open(
                 path, readonly=True, lock=False, readahead=False, max_readers=2048, subdir=True

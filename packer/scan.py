@@ -10,8 +10,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Callable, Optional
+
+import numpy as np
+
+from .format import IDENTITY_DTYPE
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .webp .tif .tiff .bmp .gif .heic .heif .ppm .pgm .pbm".split()
@@ -34,18 +40,73 @@ class Scan:
     classes: list[str]
     ignored: list[tuple[str, str]] = field(default_factory=list)  # (rel path, reason)
     missing: list[tuple[str, str]] = field(default_factory=list)  # listed in --labels, not on disk
+    identity: Optional[np.ndarray] = None  # IDENTITY_DTYPE, one row per source (see identify)
 
     @property
     def scanned(self) -> int:
         return len(self.sources) + len(self.ignored) + len(self.missing)
 
-    def fingerprint(self) -> str:
-        """Identifies the input list, so that --resume refuses a raw/ that changed meanwhile."""
+    def fingerprint(self, identity: bool = False) -> str:
+        """Identifies the input list, so that --resume refuses a raw/ that changed meanwhile.
+
+        With ``identity``, also every source's size, mtime and hash and the ignored and missing
+        entries: everything a dataset's content and report depend on, which --update compares.
+        (--resume must not: a file fixed in place after a failed build is the point of resuming.)
+        """
         h = hashlib.sha256()
         for s in self.sources:
             h.update(f"{s.rel}\0{s.label}\n".encode("utf-8", "surrogateescape"))
         h.update("\0".join(self.classes).encode("utf-8", "surrogateescape"))
+        if identity:
+            assert self.identity is not None, "identify() the sources first"
+            h.update(np.ascontiguousarray(self.identity).tobytes())
+            for rel, reason in self.ignored + self.missing:
+                h.update(f"\n{rel}\0{reason}".encode("utf-8", "surrogateescape"))
         return h.hexdigest()
+
+    def subset(self, keep: Callable[[str], bool]) -> "Scan":
+        """The sources, ignored and missing entries whose path ``keep`` accepts, with the same classes."""
+        mask = np.array([keep(s.rel) for s in self.sources], dtype=bool)
+        return Scan(
+            [s for s, k in zip(self.sources, mask) if k], self.classes,
+            [e for e in self.ignored if keep(e[0])], [e for e in self.missing if keep(e[0])],
+            self.identity[mask] if self.identity is not None else None,
+        )
+
+
+def _content_hash(path: str) -> int:
+    """64-bit BLAKE2b of the file's bytes (0 when unreadable: such a file is skipped anyway)."""
+    h = hashlib.blake2b(digest_size=8)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError:
+        return 0
+    return int.from_bytes(h.digest(), "little")
+
+
+def identify(root: str | os.PathLike, sources: list[Source], checksum: bool = False) -> np.ndarray:
+    """Each source's size and mtime (ns), and with ``checksum`` a content hash (``src_hash``, else 0).
+
+    Stored in every index row, so that ``build --update`` can tell which files are unchanged. Hashing
+    reads every file; threads overlap the reads (hashlib releases the GIL on large buffers).
+    """
+    paths = [os.path.join(root, s.rel) for s in sources]
+    sizes, mtimes = np.zeros(len(paths), np.uint64), np.zeros(len(paths), np.int64)
+    for i, p in enumerate(paths):
+        try:
+            st = os.stat(p)
+        except OSError:  # a broken symlink: it is skipped at decode time, never reused
+            continue
+        sizes[i], mtimes[i] = st.st_size, st.st_mtime_ns
+    out = np.zeros(len(paths), IDENTITY_DTYPE)
+    out["src_size"], out["src_mtime_ns"] = sizes, mtimes
+    if checksum:
+        with ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4)) as pool:
+            for i in range(0, len(paths), 4096):  # batches: map() would queue a future per file at once
+                out["src_hash"][i:i + 4096] = list(pool.map(_content_hash, paths[i:i + 4096]))
+    return out
 
 
 def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]]]:

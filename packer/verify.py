@@ -24,8 +24,8 @@ from typing import Iterator, Optional
 import lmdb
 import numpy as np
 
-from .format import INDEX, DatasetError, Digest, Manifest, load_index, lmdb_key, source_path
-from .read import _lmdb_txn
+from .format import INDEX, DatasetError, Digest, Manifest, index_digest, load_index, lmdb_key, source_path
+from .read import _lmdb_txn, check_lmdb_pages, mark_lmdb_pages_checked
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -93,6 +93,8 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     result.digest = digest.hexdigest()
     if result.digest != manifest.digest:
         result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
+    if manifest.index_digest and index_digest(index) != manifest.index_digest:  # last: the rest say more
+        result.add(f"{INDEX}: rows differ from those the build wrote (manifest index_digest; damaged or edited)")
     return result
 
 
@@ -187,28 +189,11 @@ def _memmap_records(root: Path, manifest: Manifest, index: np.ndarray,
             f.close()
 
 
-def _check_lmdb_structure(root: Path) -> None:
-    """Refuse a data.mdb whose pages are malformed, before liblmdb (which would trust them) opens it."""
-    try:
-        from lmdb.verify import VerifyError, verify as verify_pages
-    except ImportError:  # py-lmdb < 3.0: the checks below still run, on liblmdb's trust
-        return
-    data = root / "data.mdb"
-    if not data.is_file():
-        raise DatasetError(f"{root}: data.mdb is missing")
-    try:
-        problems = verify_pages(str(data), subdir=False)
-    except (VerifyError, OSError) as e:
-        raise DatasetError(f"{data}: not a valid LMDB file ({e})") from None
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise DatasetError(f"{data}: damaged LMDB structure: {problems[0]}{more}")
-
-
 def _lmdb_records(root: Path, manifest: Manifest, index: np.ndarray,
                   result: Verification) -> Iterator[tuple[int, Optional[memoryview]]]:
     """Every record in key order (the order LMDB laid the pages out in), then a count of extra keys."""
-    _check_lmdb_structure(root)
+    check_lmdb_pages(root)
+    mark_lmdb_pages_checked(root)
     try:
         txn = _lmdb_txn(str(root.resolve()))
         entries = txn.stat()["entries"]

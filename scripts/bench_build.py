@@ -17,6 +17,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -103,11 +104,18 @@ def naive_pixels(path: Path) -> np.ndarray:
         return np.asarray(im.resize(target_size(*im.size, SHORT), Image.Resampling.LANCZOS))
 
 
-def time_pool(fn, files: list[str], workers: int) -> float:
-    t0 = time.perf_counter()
+def children_cpu() -> float:
+    """CPU seconds used by reaped child processes (and their reaped children): steady under load."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def time_pool(fn, files: list[str], workers: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the pool's processes) for mapping ``fn`` over ``files``."""
+    t0, c0 = time.perf_counter(), children_cpu()
     with mp.get_context("fork").Pool(workers) as pool:
         pool.map(fn, files, chunksize=4)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, children_cpu() - c0
 
 
 def _descendants(pid: int) -> list[int]:
@@ -137,6 +145,20 @@ def _pss_kib(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def time_packer(raw: Path, out: Path, workers: int, backend: str, fmt: str) -> tuple[float, float]:
+    """(wall, CPU seconds) of packer.build called in this process, like the baselines' pools: no
+    interpreter start-up counted, and the CPU of this process plus its reaped workers."""
+    import packer
+
+    def cpu() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime + children_cpu()
+
+    t0, c0 = time.perf_counter(), cpu()
+    packer.build(raw, out, workers=workers, backend=backend, format=fmt, force=True, quiet=True)
+    return time.perf_counter() - t0, cpu() - c0
 
 
 def run_packer(raw: Path, out: Path, workers: int, backend: str, fmt: str) -> dict:
@@ -198,6 +220,7 @@ def main() -> None:
     ap.add_argument("--backend", default="lmdb", choices=["lmdb", "memmap"])
     ap.add_argument("--format", default="jpeg", choices=["jpeg", "raw"])
     ap.add_argument("--skip-baselines", action="store_true", help="only packer (e.g. memory at scale)")
+    ap.add_argument("--repeats-memory", type=int, default=1, help="builds run only to measure memory")
     ap.add_argument("--replicate", type=int, default=1,
                     help="list every image K times (symlinks): memory at K x the images without K x the disk")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench")
@@ -216,27 +239,40 @@ def main() -> None:
     print(f"{len(files)} images from {raw}; {args.workers} processes; Pillow {PIL.__version__}"
           f"{' (pillow-simd)' if simd else ''}; turbojpeg {'yes' if turbojpeg() else 'no'}; "
           f"{args.backend}/{args.format}; {args.repeats} repeats (medians)")
-    runs: dict[str, list[float]] = {}
-    peaks = []
+    walls: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
+    peaks: list[float] = []
+
+    def record(name: str, wall: float, cpu: float) -> None:
+        walls.setdefault(name, []).append(wall)
+        cpus.setdefault(name, []).append(cpu)
+
     for _ in range(args.repeats):
         if not args.skip_baselines:
-            runs.setdefault("floor: turbojpeg scaled decode", []).append(time_pool(floor_turbojpeg, files, args.workers))
-            runs.setdefault("floor: Pillow draft decode", []).append(time_pool(floor_pillow_draft, files, args.workers))
-            runs.setdefault("naive Pillow loop", []).append(time_pool(naive, files, args.workers))
-        r = run_packer(raw, out, args.workers, args.backend, args.format)
-        runs.setdefault("packer build", []).append(r["seconds"])
-        runs.setdefault("packer build (process wall)", []).append(r["wall"])
-        peaks.append(r["peak_pss_mib"])
-    rate = {k: len(files) / statistics.median(v) for k, v in runs.items()}
-    for k, v in rate.items():
-        print(f"  {k:<32} {v:8.1f} images/s   (runs: {', '.join(f'{t:.2f}s' for t in runs[k])})")
-    result = {"images": len(files), "workers": args.workers, "pillow": PIL.__version__, "rates": rate,
-              "peak_pss_mib": max(peaks)}
+            record("floor: turbojpeg scaled decode", *time_pool(floor_turbojpeg, files, args.workers))
+            record("floor: Pillow draft decode", *time_pool(floor_pillow_draft, files, args.workers))
+            record("naive Pillow loop", *time_pool(naive, files, args.workers))
+        record("packer build", *time_packer(raw, out, args.workers, args.backend, args.format))
+    for _ in range(args.repeats_memory):
+        peaks.append(run_packer(raw, out, args.workers, args.backend, args.format)["peak_pss_mib"])
+    n = len(files)
+    # wall: median images/s as measured; cpu: what the processes would do on idle cores
+    # (images per CPU-second x processes), far steadier on a shared machine.
+    rate = {k: n / statistics.median(v) for k, v in walls.items()}
+    cpu_rate = {k: n * args.workers / statistics.median(v) for k, v in cpus.items()}
+    print(f"  {'':<32} {'wall img/s':>10} {'CPU-based':>10} {'CPU ms/img':>10}")
+    for k in walls:
+        print(f"  {k:<32} {rate[k]:10.1f} {cpu_rate[k]:10.1f} {1000 * statistics.median(cpus[k]) / n:10.1f}"
+              f"   (wall runs: {', '.join(f'{t:.2f}s' for t in walls[k])})")
+    result = {"images": n, "workers": args.workers, "pillow": PIL.__version__, "rates": rate,
+              "cpu_rates": cpu_rate, "peak_pss_mib": max(peaks)}
     if not args.skip_baselines:
-        floor = max(rate["floor: turbojpeg scaled decode"], rate["floor: Pillow draft decode"])
-        result["vs_floor"] = rate["packer build"] / floor
-        result["vs_naive"] = rate["packer build"] / rate["naive Pillow loop"]
-        print(f"  packer / decode floor = {result['vs_floor']:.2f}x   packer / naive = {result['vs_naive']:.2f}x")
+        for kind, r in (("wall", rate), ("cpu", cpu_rate)):
+            floor = max(r["floor: turbojpeg scaled decode"], r["floor: Pillow draft decode"])
+            result[f"{kind}_vs_floor"] = r["packer build"] / floor
+            result[f"{kind}_vs_naive"] = r["packer build"] / r["naive Pillow loop"]
+            print(f"  {kind:>4}: packer / decode floor = {result[f'{kind}_vs_floor']:.2f}x   "
+                  f"packer / naive = {result[f'{kind}_vs_naive']:.2f}x")
     print(f"  peak memory of the build (PSS, all processes): {max(peaks):.0f} MiB")
     if args.format == "jpeg":
         q = quality(out, raw, sample=min(20, len(files)))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Keep the "LMDB pages checked" markers (packer.read) out of the user's cache, for this run and its subprocesses.
+os.environ.setdefault("PACKER_CACHE_DIR", tempfile.mkdtemp(prefix="packer-test-cache-"))
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 PHOTOS = SHARED / "images" / "exif-orientation"
