@@ -34,10 +34,9 @@ from .format import (
     Manifest, index_digest, lmdb_key, load_index, shard_name,
 )
 from .preprocess import Options, Record, Result, Skip, process_chunk
-from .read import Reader, close_lmdb, open_reader
+from .read import Reader, close_lmdb, mark_lmdb_pages_checked, open_reader
 from .scan import Scan, ScanError, Source, identify, scan
 from .split import TRAIN, check_splits, split_path, split_scan
-from .read import mark_lmdb_pages_checked
 from .write import fsync_path, open_writer
 
 BUILD_STATE = "build.json"
@@ -223,8 +222,6 @@ def _replay_digest(staging: Path, backend: str, index: np.ndarray) -> Digest:
     if len(index) == 0:
         return digest
     if backend == "lmdb":
-        import lmdb
-
         env = lmdb.open(str(staging), readonly=True, lock=False, subdir=True)
         with env.begin(buffers=True) as txn:
             for i, row in enumerate(index):
