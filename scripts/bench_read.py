@@ -135,8 +135,8 @@ def _make_class(raw: str, cls: str, per: int, size: tuple[int, int], seed: int) 
 
 
 def packed(raw: Path, out: Path, fmt: str, workers: int) -> Path:
-    if not (out / "manifest.json").exists():
-        build(raw, out, format=fmt, workers=workers, quiet=True, force=True)
+    """The packed dataset, cached across runs: --update rebuilds it only when stale."""
+    build(raw, out, format=fmt, workers=workers, quiet=True, update=True)
     return out
 
 
