@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +22,16 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     return (BuildError, DatasetError, ScanError)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, systemd, a batch scheduler) unwinds a build like Ctrl-C: workers stopped, journal kept."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback."""
 
@@ -29,12 +40,12 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         debug = click.get_current_context().find_root().params.get("debug", False)
         try:
             return fn(*args, **kwargs)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             if debug:
                 raise
             click.echo("packer: interrupted; nothing was written at the output "
                        "(run the same build with --resume to continue)", err=True)
-            sys.exit(130)
+            sys.exit(128 + getattr(e, "signum", signal.SIGINT))
         except _expected_errors() as e:
             if debug:
                 raise
@@ -131,6 +142,7 @@ def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, **op
     else:
         from .pipeline import build as run_build
 
+    signal.signal(signal.SIGTERM, _raise_terminated)
     report = run_build(raw_dir, out, format=format_, **options)
     click.echo(report.summary(), err=True)
 

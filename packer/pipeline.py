@@ -142,8 +142,11 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it terminates us
+def _worker_signals() -> None:
+    """Ctrl-C is the parent's to handle (it terminates the pool); SIGTERM, which the CLI turns into an
+    interrupt in the parent, just ends a worker (a forked one would inherit that handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _worker_context() -> mp.context.BaseContext:
@@ -167,7 +170,7 @@ def _results(paths: list[str], opts: Options, workers: int, chunk: int) -> Itera
         for i in range(0, len(paths), chunk):
             yield from process_chunk(paths[i:i + chunk], opts)
         return
-    pool = _worker_context().Pool(workers, initializer=_ignore_sigint)
+    pool = _worker_context().Pool(workers, initializer=_worker_signals)
     try:
         pending: deque = deque()
         for i in range(0, len(paths), chunk):

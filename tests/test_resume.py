@@ -118,14 +118,20 @@ def test_kill_9_then_resume_gives_the_same_digest(raw: Path, reference: Path, tm
     check_resumed(raw, out, reference, backend)
 
 
-def test_ctrl_c_exits_130_leaves_no_output_no_processes_and_resumes(raw: Path, reference: Path,
-                                                                     tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_interrupt_exits_cleanly_leaves_no_output_no_processes_and_resumes(raw: Path, reference: Path,
+                                                                          tmp_path: Path, how: str) -> None:
+    """Ctrl-C goes to the whole foreground job (exit 130); SIGTERM (kill, a scheduler) to the build
+    process alone (exit 143), which must stop its workers itself."""
     out = tmp_path / "out.lmdb"
     proc = start_build(raw, out)
     wait_for_checkpoint(proc, out)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground job
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == (130 if how == "ctrl-c" else 143), stderr
     assert "interrupted" in stderr and "--resume" in stderr and "Traceback" not in stderr
     assert not out.exists()
     assert staging_path(out).is_dir(), "the staging folder (the work so far) must be kept for --resume"
