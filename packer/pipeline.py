@@ -9,20 +9,15 @@ the last checkpoint with the same result as an uninterrupted build.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 import zlib
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import lmdb
 import numpy as np
@@ -30,13 +25,14 @@ import numpy as np
 from . import __version__
 from .codec import codec_name
 from .format import (
-    BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, MANIFEST, REPORT, SOURCES, DatasetError, Digest,
-    Manifest, index_digest, lmdb_key, load_index, shard_name,
+    BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, MANIFEST, REPORT, SOURCES, Digest,
+    Manifest, index_digest, lmdb_key, shard_name,
 )
-from .preprocess import Options, Record, Result, Skip, process_chunk
-from .read import Reader, close_lmdb, mark_lmdb_pages_checked, open_reader
-from .scan import Scan, ScanError, Source, identify, scan
+from .preprocess import Options, Record, Skip
+from .read import close_lmdb, mark_lmdb_pages_checked
+from .scan import Scan, ScanError, identify, scan
 from .split import TRAIN, check_splits, split_path, split_scan
+from .update import Cache, inputs_digest, ordered_results, previous_dataset, reuse_plan
 from .write import fsync_path, open_writer
 
 BUILD_STATE = "build.json"
@@ -140,49 +136,6 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _worker_signals() -> None:
-    """Ctrl-C is the parent's to handle (it terminates the pool); SIGTERM, which the CLI turns into an
-    interrupt in the parent, just ends a worker (a forked one would inherit that handler)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _worker_context() -> mp.context.BaseContext:
-    """fork when this process runs no other thread (starts in ms); else forkserver, which stays safe.
-
-    The forkserver preloads the decoders, so its workers do not each import numpy and Pillow.
-    """
-    methods = mp.get_all_start_methods()
-    if "fork" in methods and threading.active_count() == 1:
-        return mp.get_context("fork")
-    if "forkserver" in methods:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["packer.preprocess"])
-        return ctx
-    return mp.get_context("spawn")
-
-
-def _results(paths: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
-    """Preprocess ``paths`` in order with a bounded window of in-flight chunks (flat memory)."""
-    if workers <= 1:
-        for i in range(0, len(paths), chunk):
-            yield from process_chunk(paths[i:i + chunk], opts)
-        return
-    pool = _worker_context().Pool(workers, initializer=_worker_signals)
-    try:
-        pending: deque = deque()
-        for i in range(0, len(paths), chunk):
-            pending.append(pool.apply_async(process_chunk, (paths[i:i + chunk], opts)))
-            if len(pending) >= 8 * workers:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
 
 
 class _Progress:
@@ -295,7 +248,7 @@ def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) 
     """One dataset at ``out`` from ``found``: kept when up to date, else staged (reusing records with
     --update), then renamed into place."""
     t0 = time.monotonic()
-    previous = _previous(out, job.quiet) if job.keep_current else None
+    previous = previous_dataset(out, job.quiet) if job.keep_current else None
     if previous is not None and previous[0].inputs == inputs_digest(found, settings):
         manifest = previous[0]
         return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned,
@@ -304,7 +257,7 @@ def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) 
     if job.keep_current and not job.update and out.exists():  # a --resume'd split build: a finished split
         raise BuildError(f"{out} already exists and differs from this build (use --force to replace it, "
                          f"or --update)")
-    cache = _reuse_plan(out, previous, found, settings, job.quiet) if job.update and previous else None
+    cache = reuse_plan(out, previous, found, settings, job.quiet) if job.update and previous else None
     staging = staging_path(out)
     state = _open_staging(staging, settings, job.resume)
     try:
@@ -319,103 +272,6 @@ def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) 
             close_lmdb(out)  # our handle on the old OUT: it is being replaced
     report.seconds = time.monotonic() - t0
     return report
-
-
-def inputs_digest(found: Scan, settings: dict[str, Any]) -> str:
-    """What a dataset's bytes depend on: the scanned inputs with their identities, every setting, the
-    packer version. Equal digests mean a rebuild would write the same dataset (manifest ``inputs``)."""
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
-    h.update(f"\0{__version__}\0{found.fingerprint(identity=True)}".encode("utf-8"))
-    return "sha256:" + h.hexdigest()
-
-
-def _say(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"packer: {message}", file=sys.stderr, flush=True)
-
-
-def _previous(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndarray, np.ndarray]]:
-    """The dataset already at ``out`` (manifest, index, source paths), or None when there is none or it
-    cannot be read (then it is rebuilt in full)."""
-    if not (out / MANIFEST).is_file():
-        return None
-    try:
-        manifest = Manifest.load(out)
-        return (manifest, *load_index(out, manifest))
-    except DatasetError as e:
-        _say(f"cannot reuse {out} ({e}); rebuilding every record", quiet)
-        return None
-
-
-@dataclass
-class _Cache:
-    """The records of the dataset being replaced that --update copies instead of decoding again."""
-
-    reader: Reader
-    index: np.ndarray
-    old_of: np.ndarray  # per source in scan order: its record number in the old dataset, or -1
-
-
-def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]:
-    """Why the old records are not what this build would write (options, codec, version), or None.
-
-    Backend and shard size only change the layout, so records are reused across them.
-    """
-    changed = [f"{k} {manifest.options.get(k)!r} -> {v!r}" for k, v in settings["options"].items()
-               if manifest.options.get(k) != v]
-    if manifest.codec != settings["codec"]:
-        changed.append(f"codec {manifest.codec} -> {settings['codec']}")
-    if manifest.packer_version != __version__:
-        changed.append(f"packer {manifest.packer_version} -> {__version__}")
-    if settings["checksum"] and not manifest.options.get("checksum"):
-        changed.append("built without --checksum, so no content hashes to compare")
-    return ", ".join(changed) or None
-
-
-def _reuse_plan(out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], found: Scan,
-                settings: dict[str, Any], quiet: bool) -> Optional[_Cache]:
-    """Match each source to an old record by path and identity (size and mtime, or size and content
-    hash with --checksum); None when the old records were built differently."""
-    manifest, index, paths = previous
-    why = _stale_reason(manifest, settings)
-    if why:
-        _say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
-        return None
-    blob = bytes(paths)
-    old = {blob[o:o + n].decode("utf-8", "surrogateescape"): j
-           for j, (o, n) in enumerate(zip(index["src_offset"].tolist(), index["src_length"].tolist()))}
-    candidate = np.array([old.get(s.rel, -1) for s in found.sources], dtype=np.int64)
-    known = np.flatnonzero(candidate >= 0)
-    same = np.ones(len(known), dtype=bool)
-    for name in ("src_size", "src_hash") if settings["checksum"] else ("src_size", "src_mtime_ns"):
-        same &= index[name][candidate[known]] == found.identity[name][known]
-    old_of = np.full(len(found.sources), -1, dtype=np.int64)
-    old_of[known[same]] = candidate[known[same]]
-    return _Cache(open_reader(out, manifest, index), index, old_of)
-
-
-def _ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[_Cache],
-                     opts: Options, workers: int) -> Iterator[tuple[Result, bool]]:
-    """Each source's result in scan order, and whether it was reused: copied from the old dataset when
-    ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
-    paths = [str(raw / s.rel) for s, j in zip(todo, old_of) if j < 0]
-    fresh = _results(paths, opts, workers if paths else 1, chunk=2)  # nothing to decode: start no pool
-    try:
-        for source, j in zip(todo, old_of.tolist()):
-            if j < 0:
-                yield next(fresh), False
-                continue
-            row = cache.index[j]
-            try:
-                data = bytes(cache.reader.get(j))
-            except DatasetError:
-                data = b""
-            if zlib.crc32(data) != int(row["crc32"]):  # damaged since it was written: decode it again
-                yield process_chunk([str(raw / source.rel)], opts)[0], False
-                continue
-            yield Record(data, int(row["height"]), int(row["width"])), True
-    finally:
-        fresh.close()
 
 
 def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Optional[str], format: str,
@@ -490,7 +346,7 @@ def _open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Opti
 
 
 def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _Job,
-         state: Optional[dict[str, Any]], cache: Optional[_Cache]) -> BuildReport:
+         state: Optional[dict[str, Any]], cache: Optional[Cache]) -> BuildReport:
     raw, backend, on_error = job.raw, settings["backend"], job.on_error
     done = int(state["sources_done"]) if state else 0
     journal = _Journal(staging, state["journal"] if state else None)
@@ -519,7 +375,7 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
     progress = _Progress(len(found.sources), done, job.quiet)
     row = np.zeros((), dtype=INDEX_DTYPE)
     old_of = cache.old_of[done:] if cache is not None else np.full(len(todo), -1, dtype=np.int64)
-    results = _ordered_results(raw, todo, old_of, cache, job.opts, job.workers)
+    results = ordered_results(raw, todo, old_of, cache, job.opts, job.workers)
     reused = 0
     try:
         for source, identity, (result, was_reused) in zip(todo, found.identity[done:], results):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from .codec import decode_jpeg, encode_jpeg, shrink_factor, turbojpeg
 

@@ -1,0 +1,122 @@
+"""``--update``: what a dataset was built from, and which of its records a refresh can copy.
+
+OUT itself is the build cache: its index records each source's identity (size, mtime, optional content
+hash) and its manifest an ``inputs`` digest over everything the bytes depend on, so a refresh decodes
+only added or changed files and still writes what a full rebuild would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from . import __version__
+from .format import MANIFEST, DatasetError, Manifest, load_index
+from .preprocess import Options, Record, Result, process_chunk
+from .read import Reader, open_reader
+from .scan import Scan, Source
+from .workers import results
+
+
+def inputs_digest(found: Scan, settings: dict[str, Any]) -> str:
+    """What a dataset's bytes depend on: the scanned inputs with their identities, every setting, the
+    packer version. Equal digests mean a rebuild would write the same dataset (manifest ``inputs``)."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
+    h.update(f"\0{__version__}\0{found.fingerprint(identity=True)}".encode("utf-8"))
+    return "sha256:" + h.hexdigest()
+
+
+def _say(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"packer: {message}", file=sys.stderr, flush=True)
+
+
+def previous_dataset(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndarray, np.ndarray]]:
+    """The dataset already at ``out`` (manifest, index, source paths), or None when there is none or it
+    cannot be read (then it is rebuilt in full)."""
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        manifest = Manifest.load(out)
+        return (manifest, *load_index(out, manifest))
+    except DatasetError as e:
+        _say(f"cannot reuse {out} ({e}); rebuilding every record", quiet)
+        return None
+
+
+@dataclass
+class Cache:
+    """The records of the dataset being replaced that --update copies instead of decoding again."""
+
+    reader: Reader
+    index: np.ndarray
+    old_of: np.ndarray  # per source in scan order: its record number in the old dataset, or -1
+
+
+def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]:
+    """Why the old records are not what this build would write (options, codec, version), or None.
+
+    Backend and shard size only change the layout, so records are reused across them.
+    """
+    changed = [f"{k} {manifest.options.get(k)!r} -> {v!r}" for k, v in settings["options"].items()
+               if manifest.options.get(k) != v]
+    if manifest.codec != settings["codec"]:
+        changed.append(f"codec {manifest.codec} -> {settings['codec']}")
+    if manifest.packer_version != __version__:
+        changed.append(f"packer {manifest.packer_version} -> {__version__}")
+    if settings["checksum"] and not manifest.options.get("checksum"):
+        changed.append("built without --checksum, so no content hashes to compare")
+    return ", ".join(changed) or None
+
+
+def reuse_plan(out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], found: Scan,
+                settings: dict[str, Any], quiet: bool) -> Optional[Cache]:
+    """Match each source to an old record by path and identity (size and mtime, or size and content
+    hash with --checksum); None when the old records were built differently."""
+    manifest, index, paths = previous
+    why = _stale_reason(manifest, settings)
+    if why:
+        _say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
+        return None
+    blob = bytes(paths)
+    old = {blob[o:o + n].decode("utf-8", "surrogateescape"): j
+           for j, (o, n) in enumerate(zip(index["src_offset"].tolist(), index["src_length"].tolist()))}
+    candidate = np.array([old.get(s.rel, -1) for s in found.sources], dtype=np.int64)
+    known = np.flatnonzero(candidate >= 0)
+    same = np.ones(len(known), dtype=bool)
+    for name in ("src_size", "src_hash") if settings["checksum"] else ("src_size", "src_mtime_ns"):
+        same &= index[name][candidate[known]] == found.identity[name][known]
+    old_of = np.full(len(found.sources), -1, dtype=np.int64)
+    old_of[known[same]] = candidate[known[same]]
+    return Cache(open_reader(out, manifest, index), index, old_of)
+
+
+def ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[Cache],
+                     opts: Options, workers: int) -> Iterator[tuple[Result, bool]]:
+    """Each source's result in scan order, and whether it was reused: copied from the old dataset when
+    ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
+    paths = [str(raw / s.rel) for s, j in zip(todo, old_of) if j < 0]
+    fresh = results(paths, opts, workers if paths else 1, chunk=2)  # nothing to decode: start no pool
+    try:
+        for source, j in zip(todo, old_of.tolist()):
+            if j < 0:
+                yield next(fresh), False
+                continue
+            row = cache.index[j]
+            try:
+                data = bytes(cache.reader.get(j))
+            except DatasetError:
+                data = b""
+            if zlib.crc32(data) != int(row["crc32"]):  # damaged since it was written: decode it again
+                yield process_chunk([str(raw / source.rel)], opts)[0], False
+                continue
+            yield Record(data, int(row["height"]), int(row["width"])), True
+    finally:
+        fresh.close()
