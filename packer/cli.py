@@ -213,7 +213,8 @@ def info(out: Path, as_json: bool) -> None:
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--limit", type=int, default=10, show_default=True, help="Problems to list at most.")
+@click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Problems to list at most (all are counted).")
 @_friendly
 def verify(out: Path, limit: int) -> None:
     """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad)."""
@@ -233,11 +234,12 @@ def verify(out: Path, limit: int) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "dest", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Image file to write (.jpg or .png).")
-@click.option("--n", "count", type=int, default=64, show_default=True, help="Records on the sheet.")
+@click.option("--n", "count", type=click.IntRange(min=1), default=64, show_default=True, help="Records on the sheet.")
 @click.option("--augment", is_flag=True, help="Show the training crops exactly as ShardDataset yields them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Picks the records (and the crops).")
 @click.option("--epoch", type=int, default=0, show_default=True, help="Epoch of the crops, with --augment.")
-@click.option("--crop-size", type=int, default=224, show_default=True, help="Crop size, with --augment.")
+@click.option("--crop-size", type=click.IntRange(min=1), default=224, show_default=True,
+              help="Crop size, with --augment.")
 @_friendly
 def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: int, crop_size: int) -> None:
     """Write a contact sheet of records captioned with index and class."""

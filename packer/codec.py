@@ -87,8 +87,8 @@ def decode_jpeg(data: bytes | memoryview, factor: tuple[int, int] = (1, 1)) -> n
                 raise ValueError(f"corrupt JPEG data ({e})") from None
     try:
         im = Image.open(io.BytesIO(data))
-        if factor != (1, 1):
-            im.draft("RGB", scaled_size(*im.size, factor))
+        if factor != (1, 1):  # draft picks scale w // requested: ask for the rounded-down size
+            im.draft("RGB", (im.width * factor[0] // factor[1], im.height * factor[0] // factor[1]))
         return np.asarray(im.convert("RGB"))
     except (OSError, SyntaxError) as e:  # Pillow's ways of saying the data is bad
         raise ValueError(f"corrupt JPEG data ({e})") from None

@@ -136,9 +136,11 @@ class Manifest:
             raise bad("class_counts")
         if not all(size(c) for c in self.class_counts):
             raise bad("class_counts")
-        texts = (self.digest, self.inputs, self.index_digest)
+        texts = (self.digest, self.inputs, self.index_digest, self.codec, self.packer_version)
         if not all(isinstance(v, str) for v in texts) or not isinstance(self.shards, list):
             raise bad("digest/shards")
+        if not isinstance(self.options, dict):
+            raise bad("options")
         for s in self.shards:
             if not (
                 isinstance(s, dict)

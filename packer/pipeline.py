@@ -8,6 +8,7 @@ the last checkpoint with the same result as an uninterrupted build.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -188,7 +189,7 @@ def _replay_digest(staging: Path, backend: str, index: np.ndarray) -> Digest:
     for i, row in enumerate(index):
         k = int(row["shard"])
         if k not in shards:
-            shards = {k: np.fromfile(staging / shard_name(k), dtype=np.uint8)}
+            shards = {k: np.memmap(staging / shard_name(k), dtype=np.uint8, mode="r")}
         start = int(row["offset"])
         digest.update(int(row["label"]), memoryview(shards[k][start:start + int(row["length"])]))
     return digest
@@ -444,6 +445,15 @@ def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *,
                        resumed_from=resumed_from)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _finalize(staging: Path, out: Path, manifest: Manifest) -> None:
     """Journal -> .npy, manifest last, everything fsynced, then one rename makes OUT appear whole."""
     index = np.lib.format.open_memmap(staging / INDEX, mode="w+", dtype=INDEX_DTYPE, shape=(manifest.count,))
@@ -457,7 +467,9 @@ def _finalize(staging: Path, out: Path, manifest: Manifest) -> None:
     for p in staging.iterdir():
         fsync_path(p)
     fsync_path(staging)
-    if out.exists():  # --force: the old dataset stays whole until the new one is ready
+    if out.exists() and _exchange(staging, out):  # OUT is the old dataset, then the new one: never absent
+        shutil.rmtree(staging)
+    elif out.exists():  # no atomic exchange here: a crash between these two renames leaves OUT absent
         trash = out.parent / f".{out.name}.packer-old"
         if trash.exists():
             shutil.rmtree(trash)

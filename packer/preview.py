@@ -13,6 +13,8 @@ from typing import Optional
 import numpy as np
 from PIL import Image, ImageDraw
 
+from .format import DatasetError
+
 CELL = 160  # thumbnail box, pixels
 CAPTION = 14  # caption strip under each thumbnail
 
@@ -44,7 +46,7 @@ def contact_sheet(out: str | os.PathLike, dest: str | os.PathLike, n: int = 64, 
     ds.set_epoch(epoch)
     indices = pick(len(ds), n, seed)
     if not indices:
-        raise ValueError(f"{out}: the dataset is empty")
+        raise DatasetError(f"{out}: the dataset is empty: nothing to preview")
     cols = math.ceil(math.sqrt(len(indices)))
     rows = math.ceil(len(indices) / cols)
     sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (32, 32, 32))

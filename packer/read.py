@@ -14,7 +14,7 @@ import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import lmdb
 import numpy as np
@@ -161,9 +161,6 @@ class Reader:
 
     def get(self, i: int) -> Buffer:
         raise NotImplementedError
-
-    def get_many(self, indices: Sequence[int]) -> list[Buffer]:
-        return [self.get(i) for i in indices]
 
     def _bad(self, i: int, why: str) -> DatasetError:
         return DatasetError(f"{self.root}: record {i}: {why}")

@@ -1,7 +1,7 @@
 """Walk raw/ into a sorted list of labelled sources, and account for every file it will not use.
 
-Sorting by relative path makes the record order, and so the digest, independent of the filesystem
-and of the number of workers. Symlinked directories are followed once (by device and inode), so a
+A depth-first walk with each folder's entries sorted by name makes the record order, and so the
+digest, independent of the filesystem and of the number of workers. Symlinked directories are followed once (by device and inode), so a
 link back up the tree cannot loop.
 """
 
@@ -161,6 +161,8 @@ def _read_labels(labels_csv: Path) -> dict[str, str]:
         if not path:
             raise ScanError(f"{where}: empty path (the file needs columns 'path,label')")
         p = PurePosixPath(path.replace("\\", "/"))
+        if not p.parts:
+            raise ScanError(f"{where}: path {path!r} names raw/ itself, not a file in it")
         if p.is_absolute() or ".." in p.parts or path.startswith(("/", "\\")) or ":" in p.parts[0]:
             raise ScanError(f"{where}: path {path!r} escapes raw/ (must be relative, without '..')")
         key = str(p)
@@ -179,7 +181,7 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
     files, ignored = _walk(root)
     if labels_csv is not None:
         labels = _read_labels(Path(labels_csv))
-        on_disk = set(files)
+        on_disk = set(files) | {rel for rel, _ in ignored}  # an ignored file is reported once, as ignored
         classes = sorted(set(labels.values()))
         ids = {c: i for i, c in enumerate(classes)}
         sources = [Source(f, ids[labels[f]]) for f in files if f in labels]

@@ -38,15 +38,17 @@ class Verification:
     root: str
     count: int
     digest: str
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # the first ``limit`` of them, to print
     bad_records: int = 0
     limit: int = 10
+    found: int = 0  # every problem, listed or not: the verdict never depends on the limit
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return self.found == 0
 
     def add(self, problem: str) -> None:
+        self.found += 1
         if len(self.problems) < self.limit:
             self.problems.append(problem)
 

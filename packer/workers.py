@@ -10,9 +10,11 @@ import multiprocessing as mp
 import signal
 import threading
 from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Iterator
 
-from .preprocess import Options, Result, process_chunk
+from .preprocess import Options, Result, Skip, process_chunk
 
 
 def _worker_signals() -> None:
@@ -37,22 +39,62 @@ def _worker_context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """End the pool now: on Ctrl-C or an error nobody waits for the chunks still being decoded."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _isolated(path: str, opts: Options, ctx: mp.context.BaseContext) -> Result:
+    """``path`` alone in a fresh process: after a worker died, find out whether this file killed it."""
+    with ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_signals) as one:
+        try:
+            return one.submit(process_chunk, [path], opts).result()[0]
+        except BrokenProcessPool:
+            return Skip("the decoder crashed its worker process (killed by a signal or out of memory)")
+
+
 def results(paths: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
-    """Preprocess ``paths`` in order with a bounded window of in-flight chunks (flat memory)."""
+    """Preprocess ``paths`` in order with a bounded window of in-flight chunks (flat memory).
+
+    A worker that dies (a decoder crash, the kernel's OOM killer) breaks the pool: a new pool takes
+    the chunks still pending, and the files of the lost chunk run one by one in fresh processes, so
+    the file that kills its process is skipped with a reason and every other file is packed.
+    """
     if workers <= 1:
         for i in range(0, len(paths), chunk):
             yield from process_chunk(paths[i:i + chunk], opts)
         return
-    pool = _worker_context().Pool(workers, initializer=_worker_signals)
+    ctx = _worker_context()
+
+    def start() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_signals)
+
+    pool = start()
+    pending: deque[tuple[list[str], Future]] = deque()
+
+    def next_results() -> list[Result]:
+        nonlocal pool
+        batch, future = pending.popleft()
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            _stop(pool)
+            pool = start()
+            retry = [b for b, _ in pending]
+            pending.clear()
+            pending.extend((b, pool.submit(process_chunk, b, opts)) for b in retry)
+            return [_isolated(path, opts, ctx) for path in batch]
+
     try:
-        pending: deque = deque()
         for i in range(0, len(paths), chunk):
-            pending.append(pool.apply_async(process_chunk, (paths[i:i + chunk], opts)))
+            batch = paths[i:i + chunk]
+            pending.append((batch, pool.submit(process_chunk, batch, opts)))
             if len(pending) >= 8 * workers:
-                yield from pending.popleft().get()
+                yield from next_results()
         while pending:
-            yield from pending.popleft().get()
-        pool.close()
+            yield from next_results()
+        pool.shutdown(wait=True)
     finally:
-        pool.terminate()
-        pool.join()
+        _stop(pool)

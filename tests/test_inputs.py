@@ -346,11 +346,27 @@ def test_unreadable_file_is_skipped(tmp_path: Path) -> None:
     assert Manifest.load(tmp_path / "out").count == 1
 
 
+def test_labels_csv_naming_ignored_files_counts_each_file_once(tmp_path: Path) -> None:
+    """A CSV row for a hidden or non-image file: the file is reported once, as ignored, not also as missing."""
+    raw = tmp_path / "raw"
+    save(raw / "c" / "a.jpg", Image.fromarray(gradient()))
+    (raw / "c" / ".hidden.jpg").write_bytes(b"x")
+    (raw / "c" / "notes.txt").write_text("x")
+    labels = tmp_path / "labels.csv"
+    labels.write_text("path,label\nc/a.jpg,x\nc/.hidden.jpg,x\nc/notes.txt,x\nc/gone.jpg,x\n", encoding="utf-8")
+    build(raw, tmp_path / "out", labels=str(labels), workers=1, quiet=True)
+    m = Manifest.load(tmp_path / "out")
+    assert (m.scanned, m.count, m.skipped, m.ignored) == (4, 1, 1, 2)
+    report = {r["path"]: r["status"] for r in report_lines(tmp_path / "out")}
+    assert report == {"c/.hidden.jpg": "ignored", "c/notes.txt": "ignored", "c/gone.jpg": "skipped"}
+
+
 @pytest.mark.parametrize("row,message", [
     ("../outside.jpg,x", "escapes raw/"),
     ("c/../../etc/passwd,x", "escapes raw/"),
     ("/etc/passwd,x", "escapes raw/"),
     ("C:\\\\Windows\\\\x.jpg,x", "escapes raw/"),
+    ("./,x", "names raw/ itself"),
     ("c/a.jpg,", "empty label"),
     ("c/a.jpg,x\nc/a.jpg,y", "duplicate path"),
     ("c/a.jpg,x\n./c/a.jpg,y", "duplicate path"),

@@ -203,3 +203,18 @@ def test_disk_full_then_resume_after_freeing_space(raw: Path, reference: Path, t
         assert not out.exists()
         subprocess.run(["mount", "-o", "remount,size=256m", str(small)], check=True)  # "free some space"
         check_resumed(raw, out, reference, backend)
+
+
+def test_a_worker_killed_mid_build_loses_nothing(raw: Path, reference: Path, tmp_path: Path) -> None:
+    """The OOM killer (or a decoder crash) takes one worker process: the pool is replaced, the lost
+    chunk's files are decoded again one by one, and the build ends normally with the same digest."""
+    out = tmp_path / "out.lmdb"
+    proc = start_build(raw, out)
+    wait_for_checkpoint(proc, out)
+    workers = [pid for pid in group_members(proc.pid) if pid != proc.pid]
+    assert workers, "no worker processes to kill"
+    os.kill(workers[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    m, ref = Manifest.load(out), Manifest.load(reference)
+    assert (m.digest, m.count, m.skipped) == (ref.digest, ref.count, ref.skipped)
