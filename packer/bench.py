@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .format import disk_bytes
+
 #: Sweep points within this fraction of the best throughput count as "not growing any more".
 KNEE_FRACTION = 0.9
 #: Samples per sweep point when --epochs is not given (one epoch of a big dataset takes too long).
@@ -52,10 +54,6 @@ def mem_available() -> Optional[int]:
     except OSError:
         pass
     return None
-
-
-def dataset_bytes(path: str | os.PathLike) -> int:
-    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
 
 
 def _proc_cpu_seconds(pid: int) -> float:
@@ -304,7 +302,7 @@ def run_bench(
     samples = len(ds) * epochs if epochs else min(len(ds), DEFAULT_MAX_SAMPLES)
     points = [measure(ds, w, batch_size, samples) for w in workers]
     prof = profile(ds, batch_size, min(profile_samples, max(samples, batch_size)))
-    size, avail = dataset_bytes(path), mem_available()
+    size, avail = disk_bytes(path), mem_available()
     return BenchResult(
         path=str(path), count=len(ds), format=ds.manifest.format, backend=ds.manifest.backend, dtype=dtype,
         batch_size=batch_size, crop_size=crop_size, train=train, cores=cores(), dataset_bytes=size,

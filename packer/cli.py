@@ -149,11 +149,11 @@ def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, **op
 
 def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     """The facts `packer info` shows, as a dict (its --json form)."""
-    from .format import Manifest, load_index
+    from .format import Manifest, disk_bytes, load_index
 
     manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
-    on_disk = sum(p.stat().st_size for p in Path(out).iterdir() if p.is_file())
+    on_disk = disk_bytes(out)
     record_bytes = int(index["length"].sum()) if len(index) else 0
     return {
         "path": str(out), "count": manifest.count, "classes": manifest.classes,

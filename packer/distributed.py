@@ -25,7 +25,6 @@ import socket
 import sys
 import time
 import uuid
-import zlib
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
@@ -99,7 +98,7 @@ def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options)
                     row = rows[count]
                     row["offset"], row["length"] = size, len(result.data)
                     row["height"], row["width"] = result.height, result.width
-                    row["crc32"] = zlib.crc32(result.data)
+                    row["crc32"] = result.crc32
                     count += 1
                     size += len(result.data)
                 else:
@@ -276,10 +275,7 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
         print(f"packer: assembling {len(slices)} shards ({expected_bytes / 1e6:.1f} MB)", file=sys.stderr,
               flush=True)
     journal = _Journal(staging, None)
-    for rel, reason in found.ignored:
-        journal.add_report(rel, "ignored", reason)
-    for rel, reason in found.missing:
-        journal.add_report(rel, "skipped", reason)
+    journal.add_scan_report(found)
     writer = (LmdbWriter(staging, map_size=max(1 << 30, int(expected_bytes * 1.25) + (64 << 20)))
               if backend == "lmdb" else None)
     digest, shards = Digest(), []

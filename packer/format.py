@@ -222,6 +222,11 @@ def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: M
             raise DatasetError(f"{root}: record {first} points outside its shard")
 
 
+def disk_bytes(root: str | os.PathLike) -> int:
+    """Bytes of the dataset's files on disk (data, index, manifest, report)."""
+    return sum(p.stat().st_size for p in Path(root).iterdir() if p.is_file())
+
+
 def source_path(sources: np.ndarray, row: np.void) -> str:
     start = int(row["src_offset"])
     return bytes(sources[start : start + int(row["src_length"])]).decode("utf-8", "replace")

@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 import time
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -115,6 +114,13 @@ class _Journal:
     def add_report(self, rel: str, status: str, reason: str) -> None:
         line = json.dumps({"path": rel, "status": status, "reason": reason}, ensure_ascii=False)
         self.files["report"].write(line.encode("utf-8", "surrogateescape") + b"\n")
+
+    def add_scan_report(self, found: Scan) -> None:
+        """What the scan already knows: ignored files, and --labels rows with no file behind them."""
+        for rel, reason in found.ignored:
+            self.add_report(rel, "ignored", reason)
+        for rel, reason in found.missing:
+            self.add_report(rel, "skipped", reason)
 
     def sources_size(self) -> int:
         return self.files["sources"].tell()
@@ -352,10 +358,7 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
     done = int(state["sources_done"]) if state else 0
     journal = _Journal(staging, state["journal"] if state else None)
     if state is None:
-        for rel, reason in found.ignored:
-            journal.add_report(rel, "ignored", reason)
-        for rel, reason in found.missing:
-            journal.add_report(rel, "skipped", reason)
+        journal.add_scan_report(found)
     written = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
     digest = _replay_digest(staging, backend, written)  # first: py-lmdb opens a path once per process
     writer = open_writer(backend, staging, state["writer"] if state else None, settings["shard_size"])
@@ -386,7 +389,7 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
                 rel = source.rel.encode("utf-8", "surrogateescape")
                 row["shard"], row["offset"], row["length"] = shard, offset, len(result.data)
                 row["label"], row["height"], row["width"] = source.label, result.height, result.width
-                row["crc32"] = zlib.crc32(result.data)
+                row["crc32"] = result.crc32
                 row["src_offset"], row["src_length"] = journal.sources_size(), len(rel)
                 for name in IDENTITY_FIELDS:
                     row[name] = identity[name]
@@ -415,7 +418,7 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
     progress.close()
     shards = writer.close()
     journal.close()
-    total = writer.total_bytes() if backend == "lmdb" else sum(int(s["bytes"]) for s in shards)
+    total = writer.total_bytes()
     if cache is not None:
         close_lmdb(out)  # before the rename replaces the old dataset under our handle
     report = complete(staging, out, found, settings, class_counts=class_counts, skipped=skipped,

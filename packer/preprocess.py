@@ -9,6 +9,7 @@ Any failure becomes a :class:`Skip` with a reason a person can act on.
 from __future__ import annotations
 
 import io
+import zlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class Record:
     data: bytes
     height: int
     width: int
+    crc32: int  # zlib.crc32 of data, computed where the data is made (in the worker, in parallel)
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def process(path: str, opts: Options) -> Result:
         rgb = np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
         h, w = rgb.shape[:2]
         data = encode_jpeg(rgb, opts.quality) if opts.format == "jpeg" else rgb.tobytes()
-        return Record(data, h, w)
+        return Record(data, h, w, zlib.crc32(data))
     except MemoryError:
         return Skip("out of memory while decoding")
     except Exception as e:  # any decoder failure is the file's problem, reported with its path

@@ -117,6 +117,6 @@ def ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Op
             if zlib.crc32(data) != int(row["crc32"]):  # damaged since it was written: decode it again
                 yield process_chunk([str(raw / source.rel)], opts)[0], False
                 continue
-            yield Record(data, int(row["height"]), int(row["width"])), True
+            yield Record(data, int(row["height"]), int(row["width"]), int(row["crc32"])), True
     finally:
         fresh.close()

@@ -7,12 +7,13 @@ arrive, so neither the queue of work nor the finished results pile up on a milli
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.pool
 import signal
 import threading
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Iterator
+from multiprocessing.connection import Connection, wait
+from multiprocessing.pool import AsyncResult
+from typing import Iterator, Optional
 
 from .preprocess import Options, Result, Skip, process_chunk
 
@@ -39,28 +40,42 @@ def _worker_context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
-def _stop(pool: ProcessPoolExecutor) -> None:
-    """End the pool now: on Ctrl-C or an error nobody waits for the chunks still being decoded."""
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
-        proc.terminate()
-    pool.shutdown(wait=True, cancel_futures=True)
+def _pids(pool: mp.pool.Pool) -> set[int]:
+    """The pool's worker pids (Pool's private list: it replaces a dead worker, so a new pid = a death)."""
+    return {proc.pid for proc in pool._pool}
+
+
+def _child(path: str, opts: Options, conn: Connection) -> None:
+    _worker_signals()
+    conn.send(process_chunk([path], opts)[0])
 
 
 def _isolated(path: str, opts: Options, ctx: mp.context.BaseContext) -> Result:
     """``path`` alone in a fresh process: after a worker died, find out whether this file killed it."""
-    with ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_signals) as one:
-        try:
-            return one.submit(process_chunk, [path], opts).result()[0]
-        except BrokenProcessPool:
-            return Skip("the decoder crashed its worker process (killed by a signal or out of memory)")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(path, opts, writer), daemon=True)
+    proc.start()
+    writer.close()
+    try:
+        if reader in wait([reader, proc.sentinel]):
+            try:
+                return reader.recv()
+            except EOFError:
+                pass
+        return Skip("the decoder crashed its worker process (killed by a signal or out of memory)")
+    finally:
+        reader.close()
+        proc.join()
 
 
 def results(paths: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
     """Preprocess ``paths`` in order with a bounded window of in-flight chunks (flat memory).
 
-    A worker that dies (a decoder crash, the kernel's OOM killer) breaks the pool: a new pool takes
-    the chunks still pending, and the files of the lost chunk run one by one in fresh processes, so
-    the file that kills its process is skipped with a reason and every other file is packed.
+    A worker that dies (a decoder crash, the kernel's OOM killer) takes its chunk with it, and
+    multiprocessing.Pool would wait for that result forever. So a death (a worker pid replaced)
+    retires the pool: results already back are kept, the files of every unfinished chunk run one by
+    one in fresh processes (the one that kills its process is skipped with a reason), and a new pool
+    takes the rest.
     """
     if workers <= 1:
         for i in range(0, len(paths), chunk):
@@ -68,33 +83,38 @@ def results(paths: list[str], opts: Options, workers: int, chunk: int) -> Iterat
         return
     ctx = _worker_context()
 
-    def start() -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_signals)
+    def start() -> tuple[mp.pool.Pool, set[int]]:
+        new = ctx.Pool(workers, initializer=_worker_signals)
+        return new, _pids(new)
 
-    pool = start()
-    pending: deque[tuple[list[str], Future]] = deque()
+    pool, pids = start()
+    pending: deque[tuple[list[str], Optional[AsyncResult]]] = deque()  # None: run its files isolated
 
     def next_results() -> list[Result]:
-        nonlocal pool
-        batch, future = pending.popleft()
-        try:
-            return future.result()
-        except BrokenProcessPool:
-            _stop(pool)
-            pool = start()
-            retry = [b for b, _ in pending]
-            pending.clear()
-            pending.extend((b, pool.submit(process_chunk, b, opts)) for b in retry)
-            return [_isolated(path, opts, ctx) for path in batch]
+        nonlocal pool, pids
+        batch, result = pending[0]
+        while result is not None and not result.ready():
+            result.wait(0.2)
+            if not result.ready() and _pids(pool) != pids:
+                pool.terminate()
+                pool.join()
+                unfinished = [(b, r if r is not None and r.ready() else None) for b, r in pending]
+                pending.clear()
+                pending.extend(unfinished)
+                pool, pids = start()
+                batch, result = pending[0]
+        pending.popleft()
+        return result.get() if result is not None else [_isolated(path, opts, ctx) for path in batch]
 
     try:
         for i in range(0, len(paths), chunk):
             batch = paths[i:i + chunk]
-            pending.append((batch, pool.submit(process_chunk, batch, opts)))
+            pending.append((batch, pool.apply_async(process_chunk, (batch, opts))))
             if len(pending) >= 8 * workers:
                 yield from next_results()
         while pending:
             yield from next_results()
-        pool.shutdown(wait=True)
+        pool.close()
     finally:
-        _stop(pool)
+        pool.terminate()
+        pool.join()

@@ -18,7 +18,6 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,29 +36,9 @@ from packer.codec import decode_jpeg, shrink_factor, turbojpeg  # noqa: E402
 from packer.format import Manifest, load_index, source_path  # noqa: E402
 from packer.preprocess import target_size  # noqa: E402
 from packer.read import open_reader  # noqa: E402
+from packer.sample import make_folder  # noqa: E402
 
 SHORT = 320
-
-
-def generate(raw: Path, n: int, size: tuple[int, int], workers: int) -> list[Path]:
-    """Camera-like 12 MP JPEGs (packer.sample), cached across runs in ``raw``."""
-    files = sorted(raw.rglob("*.jpg"))
-    if len(files) == n:
-        return files
-    shutil.rmtree(raw, ignore_errors=True)
-    per = -(-n // 4)
-    with mp.get_context("fork").Pool(workers) as pool:
-        pool.starmap(_make_class, [(str(raw), c, per, size, i) for i, c in enumerate("abcd")])
-    files = sorted(raw.rglob("*.jpg"))
-    for extra in files[n:]:
-        extra.unlink()
-    return sorted(raw.rglob("*.jpg"))
-
-
-def _make_class(raw: str, cls: str, per: int, size: tuple[int, int], seed: int) -> None:
-    from packer.sample import make_sample
-
-    make_sample(raw, classes=(cls,), per_class=per, size=size, seed=seed)
 
 
 def replicate(raw: Path, files: list[str], k: int, dest: Path) -> Path:
@@ -228,7 +207,7 @@ def main() -> None:
 
     size = tuple(int(v) for v in args.size.split("x"))
     raw = args.raw or args.work / f"raw-{args.images}-{args.size}"
-    files = [str(f) for f in (sorted(raw.rglob("*.jpg")) if args.raw else generate(raw, args.images, size, args.workers))]
+    files = [str(f) for f in (sorted(raw.rglob("*.jpg")) if args.raw else make_folder(raw, args.images, size, args.workers))]
     if args.replicate > 1:
         raw = replicate(raw, files, args.replicate, args.work / f"replicated-{len(files)}x{args.replicate}")
         files = [str(f) for f in sorted(raw.rglob("*.jpg"))]

@@ -41,6 +41,7 @@ from packer.codec import decode_jpeg  # noqa: E402
 from packer.dataset import ShardDataset  # noqa: E402
 from packer.format import Manifest, load_index, source_path  # noqa: E402
 from packer.read import open_reader  # noqa: E402
+from packer.sample import make_folder  # noqa: E402
 from packer.transform import IMAGENET_MEAN, IMAGENET_STD, random_resized_crop  # noqa: E402
 
 CROP = 224
@@ -116,21 +117,10 @@ def decode_limit(path: Path, samples: int, workers: int, count: int) -> tuple[fl
 # --- data ----------------------------------------------------------------------------------------
 
 def camera_images(n: int, workers: int) -> Path:
-    """``n`` generated 12 MP camera JPEGs; an existing cache folder (bench_build.py's) is reused as is."""
+    """``n`` generated 12 MP camera JPEGs, in the cache folder bench_build.py uses too."""
     raw = CACHE / f"raw-{n}-4000x3000"
-    if len(list(raw.rglob("*.jpg"))) >= n:
-        return raw
-    raw.mkdir(parents=True, exist_ok=True)
-    per = -(-n // 4)
-    with mp.get_context("fork").Pool(workers) as pool:
-        pool.starmap(_make_class, [(str(raw), c, per, (4000, 3000), i) for i, c in enumerate("abcd")])
+    make_folder(raw, n, (4000, 3000), workers)
     return raw
-
-
-def _make_class(raw: str, cls: str, per: int, size: tuple[int, int], seed: int) -> None:
-    from packer.sample import make_sample
-
-    make_sample(raw, classes=(cls,), per_class=per, size=size, seed=seed)
 
 
 def packed(raw: Path, out: Path, fmt: str, workers: int) -> Path:
@@ -181,10 +171,7 @@ def rss_growth(path: Path, epochs: int, workers: int, batch_size: int) -> dict[s
 def small_dataset(n: int, workers: int) -> Path:
     """A jpeg dataset of ``n`` records from small generated images (480x360, stored at 427x320)."""
     raw = CACHE / f"raw-{n}-480x360"
-    if len(list(raw.rglob("*.jpg"))) < n:
-        per = -(-n // 4)
-        with mp.get_context("fork").Pool(workers) as pool:
-            pool.starmap(_make_class, [(str(raw), c, per, (480, 360), i) for i, c in enumerate("abcd")])
+    make_folder(raw, n, (480, 360), workers)
     return packed(raw, CACHE / f"read-{n}-small.lmdb", "jpeg", workers)
 
 
