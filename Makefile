@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU wheel: a bare `torch` requirement pulls a multi-GB CUDA build.
+# Installed before packer, so that packer's own `torch` requirement is already met: a bare `torch`
+# requirement pulls a multi-GB CUDA build. Where torch==2.13.0 is not served as a CPU wheel (it is on
+# this project's machines), pass TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>".
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 # SIMD=1 swaps Pillow for pillow-simd built with AVX2 (same API, faster resize).
 SIMD ?= 0
 RAW ?= data/raw
@@ -36,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 	$(MAKE) system-deps
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
 	if [ "$(SIMD)" = 1 ]; then \
 	  $(PIP) uninstall -q -y pillow pillow-simd; \
