@@ -6,14 +6,13 @@ arrive, so neither the queue of work nor the finished results pile up on a milli
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
-import multiprocessing.pool
 import signal
 import threading
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from multiprocessing.pool import AsyncResult
-from typing import Iterator, Optional
+from typing import Iterator
 
 from .preprocess import Options, Result, Skip, process_chunk
 
@@ -40,81 +39,103 @@ def _worker_context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
-def _pids(pool: mp.pool.Pool) -> set[int]:
-    """The pool's worker pids (Pool's private list: it replaces a dead worker, so a new pid = a death)."""
-    return {proc.pid for proc in pool._pool}
+_CRASHED = "the decoder crashed its worker process (killed by a signal or out of memory)"
 
 
-def _child(path: str, opts: Options, conn: Connection) -> None:
+def _serve(conn: Connection, opts: Options) -> None:
+    """A worker's loop: a chunk of paths in, their results out, until told to stop (None or EOF)."""
     _worker_signals()
-    conn.send(process_chunk([path], opts)[0])
+    with contextlib.suppress(EOFError, OSError):  # the parent went away: nothing left to do
+        while (batch := conn.recv()) is not None:
+            conn.send(process_chunk(batch, opts))
+
+
+class _Worker:
+    """One process with its own pipe: nothing is shared, so a worker that dies cannot block the others
+    (a multiprocessing.Pool worker killed while holding the task queue's lock hangs the whole pool), and
+    the chunk it took down with it is known exactly."""
+
+    def __init__(self, ctx: mp.context.BaseContext, opts: Options) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, opts), daemon=True)
+        self.proc.start()
+        child.close()
+        # (chunk number, paths) handed over and not yet answered, oldest first; two at a time, so the
+        # next chunk is already waiting in the pipe while the parent writes the last results
+        self.tasks: deque[tuple[int, list[str]]] = deque()
+
+    def give(self, k: int, batch: list[str]) -> None:
+        """Hand over a chunk; if the process is already gone, the sentinel reports it as a death."""
+        self.tasks.append((k, batch))
+        with contextlib.suppress(OSError):
+            self.conn.send(batch)
+
+    def stop(self, now: bool) -> None:
+        if not now:
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join()
+        self.conn.close()
 
 
 def _isolated(path: str, opts: Options, ctx: mp.context.BaseContext) -> Result:
-    """``path`` alone in a fresh process: after a worker died, find out whether this file killed it."""
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(path, opts, writer), daemon=True)
-    proc.start()
-    writer.close()
+    """``path`` alone in a fresh process: did this file kill the worker, or was it a bystander?"""
+    worker = _Worker(ctx, opts)
     try:
-        if reader in wait([reader, proc.sentinel]):
-            try:
-                return reader.recv()
-            except EOFError:
-                pass
-        return Skip("the decoder crashed its worker process (killed by a signal or out of memory)")
+        worker.give(0, [path])
+        wait([worker.conn, worker.proc.sentinel])
+        return worker.conn.recv()[0] if worker.conn.poll() else Skip(_CRASHED)
+    except (EOFError, OSError):
+        return Skip(_CRASHED)
     finally:
-        reader.close()
-        proc.join()
+        worker.stop(now=False)
 
 
 def results(paths: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
     """Preprocess ``paths`` in order with a bounded window of in-flight chunks (flat memory).
 
-    A worker that dies (a decoder crash, the kernel's OOM killer) takes its chunk with it, and
-    multiprocessing.Pool would wait for that result forever. So a death (a worker pid replaced)
-    retires the pool: results already back are kept, the files of every unfinished chunk run one by
-    one in fresh processes (the one that kills its process is skipped with a reason), and a new pool
-    takes the rest.
+    A worker that dies (a decoder crash, the kernel's OOM killer) is replaced, and the files of the
+    chunk it held run one by one in fresh processes: the file that kills its process is skipped with
+    a reason, every other file is packed.
     """
     if workers <= 1:
         for i in range(0, len(paths), chunk):
             yield from process_chunk(paths[i:i + chunk], opts)
         return
     ctx = _worker_context()
-
-    def start() -> tuple[mp.pool.Pool, set[int]]:
-        new = ctx.Pool(workers, initializer=_worker_signals)
-        return new, _pids(new)
-
-    pool, pids = start()
-    pending: deque[tuple[list[str], Optional[AsyncResult]]] = deque()  # None: run its files isolated
-
-    def next_results() -> list[Result]:
-        nonlocal pool, pids
-        batch, result = pending[0]
-        while result is not None and not result.ready():
-            result.wait(0.2)
-            if not result.ready() and _pids(pool) != pids:
-                pool.terminate()
-                pool.join()
-                unfinished = [(b, r if r is not None and r.ready() else None) for b, r in pending]
-                pending.clear()
-                pending.extend(unfinished)
-                pool, pids = start()
-                batch, result = pending[0]
-        pending.popleft()
-        return result.get() if result is not None else [_isolated(path, opts, ctx) for path in batch]
-
+    chunks = [paths[i:i + chunk] for i in range(0, len(paths), chunk)]
+    pool = [_Worker(ctx, opts) for _ in range(min(workers, len(chunks)))]
+    done: dict[int, list[Result]] = {}
+    handed, emitted = 0, 0  # chunks given to workers; chunks yielded in order
+    window = 8 * workers  # finished-but-not-yet-yielded chunks stay few: memory stays flat
     try:
-        for i in range(0, len(paths), chunk):
-            batch = paths[i:i + chunk]
-            pending.append((batch, pool.apply_async(process_chunk, (batch, opts))))
-            if len(pending) >= 8 * workers:
-                yield from next_results()
-        while pending:
-            yield from next_results()
-        pool.close()
+        while emitted < len(chunks):
+            if emitted in done:
+                yield from done.pop(emitted)
+                emitted += 1
+                continue
+            for w in pool:
+                while len(w.tasks) < 2 and handed < min(len(chunks), emitted + window):
+                    w.give(handed, chunks[handed])
+                    handed += 1
+            busy = [w for w in pool if w.tasks]
+            ready = set(wait([w.conn for w in busy] + [w.proc.sentinel for w in busy]))
+            for n, w in enumerate(pool):
+                if not w.tasks or not (w.conn in ready or w.proc.sentinel in ready):
+                    continue
+                try:
+                    done[w.tasks[0][0]] = w.conn.recv()
+                    w.tasks.popleft()
+                except (EOFError, OSError):  # it died holding these chunks
+                    w.stop(now=True)
+                    pool[n] = _Worker(ctx, opts)
+                    for k, batch in w.tasks:
+                        done[k] = [_isolated(path, opts, ctx) for path in batch]
+        for w in pool:
+            w.stop(now=False)
     finally:
-        pool.terminate()
-        pool.join()
+        for w in pool:
+            w.stop(now=True)
