@@ -151,3 +151,21 @@ def test_cli_build_and_info_json(raw_photos: Path, tmp_path: Path) -> None:
 def test_import_packer_does_not_import_torch() -> None:
     code = "import sys, packer; packer.build; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_forkserver_workers_when_the_caller_runs_threads(raw_photos: Path, built, tmp_path: Path) -> None:
+    """A caller with threads (a notebook, tqdm, a web server) gets forkserver workers, not fork: same bytes."""
+    import threading
+
+    from packer.workers import _worker_context
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert _worker_context().get_start_method() == "forkserver"
+        report = build(raw_photos, tmp_path / "fs.lmdb", workers=2, quiet=True)
+    finally:
+        stop.set()
+        thread.join()
+    assert report.digest == Manifest.load(built("lmdb", "jpeg")).digest
