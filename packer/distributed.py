@@ -27,7 +27,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from .pipeline import (
 )
 from .preprocess import Options, Record, process_chunk
 from .scan import Scan
-from .write import LmdbWriter, fsync_path
+from .write import LmdbWriter, fsync_path, write_atomic
 
 FRAGMENTS = "fragments"
 DEFAULT_TASK_SIZE = 1000
@@ -58,20 +58,6 @@ def fragment_stem(k: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------- worker side
-
-def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write through a name unique to this attempt, fsync, rename: concurrent attempts never mix bytes."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
 
 def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options) -> dict[str, Any]:
     """One task: preprocess ``rels`` (paths under ``raw``) into fragment ``k``; returns its metadata.
@@ -108,10 +94,10 @@ def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options)
                                  f"(on worker {host})") from e
 
     try:
-        _write_atomic(stem.with_suffix(".bin"), write_records)
-        _write_atomic(stem.with_suffix(".npy"), lambda f: np.save(f, rows[:count], allow_pickle=False))
+        write_atomic(stem.with_suffix(".bin"), write_records)
+        write_atomic(stem.with_suffix(".npy"), lambda f: np.save(f, rows[:count], allow_pickle=False))
         meta = {"shard": k, "files": len(rels), "count": count, "bytes": size, "skipped": skipped}
-        _write_atomic(stem.with_suffix(".json"), lambda f: f.write(json.dumps(meta).encode("utf-8")))
+        write_atomic(stem.with_suffix(".json"), lambda f: f.write(json.dumps(meta).encode("utf-8")))
         fsync_path(fragments)
     except OSError as e:
         raise ShardError(f"shard {k}: cannot write its fragment in {fragments} on worker {host}: {e}") from e

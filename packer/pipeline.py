@@ -33,7 +33,7 @@ from .read import close_lmdb, mark_lmdb_pages_checked
 from .scan import Scan, ScanError, identify, scan
 from .split import TRAIN, check_splits, split_path, split_scan
 from .update import Cache, inputs_digest, ordered_results, previous_dataset, reuse_plan
-from .write import fsync_path, open_writer
+from .write import fsync_path, open_writer, write_atomic
 
 BUILD_STATE = "build.json"
 PROGRESS = "progress.json"
@@ -137,12 +137,8 @@ class _Journal:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    write_atomic(path, lambda f: f.write(text))
 
 
 class _Progress:

@@ -8,8 +8,9 @@ anything written after it (a crash between a commit and the checkpoint) and cont
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import lmdb
 
@@ -23,6 +24,21 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write through a name unique to this attempt, fsync, rename: a reader sees the old file or the whole
+    new one, and concurrent attempts (a retried Dask task) never mix bytes."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class LmdbWriter:
