@@ -142,7 +142,7 @@ class StageClock:
 
 
 #: Stage names in pipeline order, as the dataset ticks them.
-STAGES = ("read", "draw crop", "decode", "crop+resize", "flip", "to float", "copy to batch", "collate")
+STAGES = ("collate", "draw crop", "read", "decode", "crop+resize", "to float")
 
 
 def profile(ds: Any, batch_size: int, samples: int = PROFILE_SAMPLES, seed: int = 0) -> dict[str, Any]:

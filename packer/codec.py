@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import sys
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 from PIL import Image
@@ -67,9 +68,13 @@ def shrink_factor(width: int, height: int, min_short: int) -> tuple[int, int]:
     return best
 
 
-def decode_jpeg(data: bytes | memoryview, factor: tuple[int, int] = (1, 1)) -> np.ndarray:
-    """Decode JPEG bytes to an H x W x 3 uint8 RGB array, DCT-scaled by ``factor``.
+def decode_jpeg(
+    data: bytes | memoryview, factor: tuple[int, int] = (1, 1), rgbx: bool = False, out: Optional[np.ndarray] = None
+) -> np.ndarray:
+    """Decode JPEG bytes to an H x W x 3 uint8 RGB array (x 4 RGBX with ``rgbx``), DCT-scaled by ``factor``.
 
+    RGBX is Pillow's own pixel layout, so a Pillow image can map the result without converting it.
+    ``out`` is used as the destination when it has the decoded shape (saves an allocation per call).
     libjpeg warnings (truncated data, corrupt segments) raise instead of yielding grey-padded
     pixels. Without turbojpeg, Pillow's draft() gives the power-of-two scales.
     """
@@ -77,18 +82,18 @@ def decode_jpeg(data: bytes | memoryview, factor: tuple[int, int] = (1, 1)) -> n
     if tj is not None:
         import warnings
 
-        from turbojpeg import TJPF_RGB
+        from turbojpeg import TJPF_RGB, TJPF_RGBX
 
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             try:
-                return tj.decode(data, pixel_format=TJPF_RGB, scaling_factor=factor)
+                return tj.decode(data, pixel_format=TJPF_RGBX if rgbx else TJPF_RGB, scaling_factor=factor, dst=out)
             except (Warning, OSError) as e:
                 raise ValueError(f"corrupt JPEG data ({e})") from None
     try:
         im = Image.open(io.BytesIO(data))
         if factor != (1, 1):  # draft picks scale w // requested: ask for the rounded-down size
             im.draft("RGB", (im.width * factor[0] // factor[1], im.height * factor[0] // factor[1]))
-        return np.asarray(im.convert("RGB"))
+        return np.asarray(im.convert("RGBX" if rgbx else "RGB"))
     except (OSError, SyntaxError) as e:  # Pillow's ways of saying the data is bad
         raise ValueError(f"corrupt JPEG data ({e})") from None

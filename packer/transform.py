@@ -1,16 +1,23 @@
 """Augmentation on uint8 pixels, as pure functions of (seed, epoch, index).
 
-Every random draw for sample ``i`` in epoch ``e`` comes from a Philox generator keyed by
-(seed, epoch, i), so a sample's crop does not depend on which worker fetches it, how many workers
-there are, or what was fetched before. Crop and resize stay in uint8 (torch's antialiased uint8
-bilinear kernel measured 2.5x faster than Pillow's box resize here); conversion to float and
-normalization happen last, on the output crop only, or on the GPU with :func:`to_device`.
+Every random draw for sample ``i`` in epoch ``e`` is a counter-based hash of (seed, e, i, draw
+number), so a sample's crop does not depend on which worker fetches it, how many workers there
+are, or what was fetched before; a whole batch's crops are drawn in one vectorized numpy pass
+(~0.3 us a sample, where a generator object per sample cost 10-60 us).
+
+Crop and resize stay in uint8 and write straight into the sample's slot of the output batch, which
+is channels-last (H x W x C in memory) by default: that is the layout decoders and resize kernels
+produce, so no transposing copy is made (a CHW copy cost ~70 us per 224 crop here). The resize is
+antialiased bilinear, by Pillow-SIMD when it is installed, else by torch's uint8 kernel (measured
+per 224 crop here: Pillow-SIMD 96 us, torch 240 us, plain Pillow 480 us). Conversion to float
+and normalization happen last, on the output crop only, or on the GPU with :func:`to_device`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -25,11 +32,12 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 #: DCT scales tried when a crop will be downscaled by 2x or more. Powers of two only: libjpeg-turbo
-#: has SIMD reduced-size IDCTs for them, and Pillow's draft() (the fallback decoder) offers only these.
+#: has SIMD reduced-size IDCTs for them (7/8, 3/4 and 5/8 measured slower than a full decode here),
+#: and Pillow's draft() (the fallback decoder) offers only these.
 DCT_SCALES = ((1, 8), (1, 4), (1, 2))
 
-_MASK32 = (1 << 32) - 1
-_MASK64 = (1 << 64) - 1
+#: Random draws per train sample: 10 RandomResizedCrop tries x (area, aspect, top, left), then flip.
+DRAWS = 41
 
 
 class Crop(NamedTuple):
@@ -42,45 +50,71 @@ class Crop(NamedTuple):
     flip: bool
 
 
-def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """A generator private to one (seed, epoch, index): ~10 us, cheaper than a SeedSequence."""
-    key = ((seed & _MASK64) << 64) | ((epoch & _MASK32) << 32) | (index & _MASK32)
-    return np.random.Generator(np.random.Philox(key=key))
+# --- random draws --------------------------------------------------------------------------------
+
+_U64 = np.uint64
 
 
-def random_resized_crop(
-    rng: np.random.Generator,
-    height: int,
-    width: int,
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijective avalanche on uint64 (wrapping arithmetic)."""
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def uniforms(seed: int, epoch: int, indices: np.ndarray, count: int) -> np.ndarray:
+    """A ``len(indices) x count`` array of floats in [0, 1); entry (k, j) depends only on
+    (seed, epoch, indices[k], j): the counter-based scheme of splitmix64 with a per-sample key."""
+    golden = _U64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        key = _mix(np.array([seed & (2**64 - 1)], dtype=np.uint64) * golden)
+        key = _mix((key ^ _U64(epoch & (2**64 - 1))) * golden)
+        key = _mix((key ^ np.asarray(indices, dtype=np.int64).astype(np.uint64)) * golden)
+        bits = _mix(key[:, None] + np.arange(1, count + 1, dtype=np.uint64) * golden)
+    return (bits >> _U64(11)).astype(np.float64) * 2.0**-53
+
+
+# --- crop boxes ----------------------------------------------------------------------------------
+
+def random_resized_crops(
+    u: np.ndarray,
+    heights: np.ndarray,
+    widths: np.ndarray,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
-) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop.get_params: 10 tries, then a center crop clamped to ``ratio``."""
-    area = height * width
+) -> np.ndarray:
+    """torchvision's RandomResizedCrop.get_params for a batch: 10 tries from ``u[:, :40]``, then a
+    center crop clamped to ``ratio``. Returns int64 rows (top, left, height, width)."""
+    H = np.asarray(heights, dtype=np.float64)[:, None]
+    W = np.asarray(widths, dtype=np.float64)[:, None]
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    draws = rng.random(40).tolist()  # 10 tries x (area, aspect, top, left)
-    for k in range(0, 40, 4):
-        target_area = area * (scale[0] + (scale[1] - scale[0]) * draws[k])
-        aspect = math.exp(log_lo + (log_hi - log_lo) * draws[k + 1])
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return int(draws[k + 2] * (height - h + 1)), int(draws[k + 3] * (width - w + 1)), h, w
-    in_ratio = width / height
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
-    else:
-        h, w = height, width
-    return (height - h) // 2, (width - w) // 2, h, w
+    target = H * W * (scale[0] + (scale[1] - scale[0]) * u[:, 0:40:4])
+    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, 1:40:4])
+    w = np.rint(np.sqrt(target * aspect))
+    h = np.rint(np.sqrt(target / aspect))
+    ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
+    rows = np.arange(len(u))
+    first = ok.argmax(axis=1)
+    h, w, H, W = h[rows, first], w[rows, first], H[:, 0], W[:, 0]
+    top = np.floor(u[rows, 4 * first + 2] * (H - h + 1))
+    left = np.floor(u[rows, 4 * first + 3] * (W - w + 1))
+    # no try fits: the whole image, cropped to the nearest allowed aspect ratio, centred
+    in_ratio = W / H
+    fh = np.where(in_ratio < min(ratio), np.rint(W / min(ratio)), H)
+    fw = np.where(in_ratio > max(ratio), np.rint(H * max(ratio)), W)
+    fallback = ~ok.any(axis=1)
+    h, w = np.where(fallback, fh, h), np.where(fallback, fw, w)
+    top = np.where(fallback, (H - h) // 2, top)
+    left = np.where(fallback, (W - w) // 2, left)
+    return np.stack([top, left, h, w], axis=1).astype(np.int64)
 
 
-def center_crop(height: int, width: int, crop_size: int, eval_ratio: float) -> tuple[int, int, int, int]:
-    """Resize-short-edge-to ``crop_size / eval_ratio`` then center-crop, expressed as one source box."""
+def center_crops(heights: np.ndarray, widths: np.ndarray, crop_size: int, eval_ratio: float) -> np.ndarray:
+    """Resize-short-edge-to ``crop_size / eval_ratio`` then center-crop, as one source box per image."""
+    H, W = np.asarray(heights, dtype=np.int64), np.asarray(widths, dtype=np.int64)
     resized_short = int(crop_size / eval_ratio)
-    side = min(round(crop_size * min(height, width) / resized_short), height, width)
-    return (height - side) // 2, (width - side) // 2, side, side
+    side = np.minimum(np.rint(crop_size * np.minimum(H, W) / resized_short).astype(np.int64), np.minimum(H, W))
+    return np.stack([(H - side) // 2, (W - side) // 2, side, side], axis=1)
 
 
 @dataclass(frozen=True)
@@ -94,12 +128,19 @@ class Augment:
     eval_ratio: float = 0.875
     flip: bool = True
 
-    def crop(self, seed: int, epoch: int, index: int, height: int, width: int) -> Crop:
+    def crops(self, seed: int, epoch: int, indices: Sequence[int], heights: np.ndarray, widths: np.ndarray) -> list[Crop]:
+        """The crop of each of ``indices`` (stored sizes ``heights`` x ``widths``) in ``epoch``."""
         if not self.train:
-            return Crop(*center_crop(height, width, self.crop_size, self.eval_ratio), False)
-        rng = sample_rng(seed, epoch, index)
-        box = random_resized_crop(rng, height, width, self.scale, self.ratio)
-        return Crop(*box, self.flip and rng.random() < 0.5)
+            boxes, flips = center_crops(heights, widths, self.crop_size, self.eval_ratio), [False] * len(indices)
+        else:
+            u = uniforms(seed, epoch, np.asarray(indices), DRAWS)
+            boxes = random_resized_crops(u, heights, widths, self.scale, self.ratio)
+            flips = (u[:, 40] < 0.5) & self.flip
+        return [Crop(*box, bool(f)) for box, f in zip(boxes.tolist(), flips)]
+
+    def crop(self, seed: int, epoch: int, index: int, height: int, width: int) -> Crop:
+        """One sample's crop (the same as its entry in :meth:`crops`)."""
+        return self.crops(seed, epoch, [index], np.array([height]), np.array([width]))[0]
 
 
 def dct_scale(crop: Crop, size: int) -> Optional[tuple[int, int]]:
@@ -110,24 +151,28 @@ def dct_scale(crop: Crop, size: int) -> Optional[tuple[int, int]]:
     return None
 
 
-def _tensor(region: np.ndarray) -> torch.Tensor:
-    """A CHW tensor view of an HWC array; read-only record buffers are only ever read, so the
-    "not writable" warning torch raises for them is noise."""
+# --- pixels --------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def resize_backend() -> str:
+    """``"pillow"`` when Pillow-SIMD is installed (its version ends in ``.postN``), else ``"torch"``;
+    ``PACKER_RESIZE=pillow|torch`` overrides. Fixed per process, so every worker resizes alike."""
+    choice = os.environ.get("PACKER_RESIZE", "auto")
+    if choice in ("pillow", "torch"):
+        return choice
+    if choice != "auto":
+        raise ValueError(f"PACKER_RESIZE must be pillow, torch or auto, not {choice!r}")
+    import PIL
+
+    return "pillow" if ".post" in PIL.__version__ else "torch"
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """torch.from_numpy for arrays that may be read-only record buffers: they are only ever read,
+    so the "not writable" warning torch raises for them is noise."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(region).permute(2, 0, 1)
-
-
-def resize(region: np.ndarray, size: int) -> torch.Tensor:
-    """HWC uint8 region -> contiguous CHW uint8 ``size`` x ``size`` (antialiased bilinear).
-
-    The HWC view goes to torch as a channels-last tensor, the layout its vectorized uint8 kernel
-    works in, so the region is read straight from the decode buffer or the record itself.
-    """
-    x = _tensor(region)
-    if x.shape[1:] == (size, size):
-        return x.contiguous()
-    return F.interpolate(x[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+        return torch.from_numpy(array)
 
 
 def raw_image(data: memoryview, height: int, width: int) -> np.ndarray:
@@ -135,23 +180,62 @@ def raw_image(data: memoryview, height: int, width: int) -> np.ndarray:
     return np.frombuffer(data, np.uint8).reshape(height, width, 3)
 
 
-def decode_jpeg(data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]] = None) -> np.ndarray:
-    """Decode a JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size."""
+#: Per-process decode destinations by shape: a 427x320 RGBX image is 0.5 MB, worth not reallocating.
+_decode_buffers: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def decode_jpeg(data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]] = None,
+                rgbx: bool = False) -> np.ndarray:
+    """Decode a JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size.
+
+    The result is a per-process buffer, valid until the next call with the same size.
+    """
     factor = factor or (1, 1)
-    img = codec.decode_jpeg(data, factor)
     want_w, want_h = codec.scaled_size(width, height, factor)
-    if img.shape != (want_h, want_w, 3):
-        raise ValueError(f"JPEG decodes to {img.shape}, index says {height}x{width}")
+    shape = (want_h, want_w, 4 if rgbx else 3)
+    dst = _decode_buffers.get(shape)
+    if dst is None:
+        if len(_decode_buffers) >= 8:
+            _decode_buffers.clear()
+        dst = _decode_buffers[shape] = np.empty(shape, np.uint8)
+    img = codec.decode_jpeg(data, factor, rgbx, out=dst)
+    if img.shape != shape:
+        raise ValueError(f"JPEG decodes to {img.shape[:2]}, index says {want_h}x{want_w}")
     return img
 
 
-def crop_region(img: np.ndarray, crop: Crop, factor: Optional[tuple[int, int]]) -> np.ndarray:
-    """The crop box (in stored-image pixels) as a view of ``img``, decoded at DCT scale ``factor``."""
+def crop_box(crop: Crop, factor: Optional[tuple[int, int]]) -> tuple[int, int, int, int]:
+    """The crop box (stored-image pixels) as (top, left, bottom, right) in an image decoded at ``factor``."""
     num, den = factor or (1, 1)
-    top, left = crop.top * num // den, crop.left * num // den
-    bottom = -(-(crop.top + crop.height) * num // den)
-    right = -(-(crop.left + crop.width) * num // den)
-    return img[top:bottom, left:right]
+    return (crop.top * num // den, crop.left * num // den,
+            -(-(crop.top + crop.height) * num // den), -(-(crop.left + crop.width) * num // den))
+
+
+def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out: torch.Tensor) -> None:
+    """Write ``img[box]`` resized (antialiased bilinear) and optionally mirrored into ``out``, a
+    ``size x size x 3`` uint8 HWC tensor (a view of the output batch). ``img`` is HWC RGB, or RGBX
+    for Pillow, whose images map RGBX memory without a copy."""
+    top, left, bottom, right = box
+    size = out.shape[0]
+    if resize_backend() == "pillow":
+        from PIL import Image
+
+        if img.shape[2] == 4 and img.flags.c_contiguous:
+            src = Image.frombuffer("RGBX", (img.shape[1], img.shape[0]), img, "raw", "RGBX", 0, 1)
+        else:  # raw records are RGB: Pillow copies the region into its own layout
+            src = Image.fromarray(np.ascontiguousarray(img[top:bottom, left:right, :3]), "RGB")
+            top, left, bottom, right = 0, 0, bottom - top, right - left
+        small = src.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, right, bottom))
+        if flip:
+            small = small.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        pixels = np.frombuffer(small.tobytes("raw", "RGB"), np.uint8).reshape(size, size, 3)
+        np.copyto(out.numpy(), pixels)
+        return
+    region = _tensor(img[top:bottom, left:right, :3]).permute(2, 0, 1)[None]
+    if region.shape[2:] != (size, size):
+        region = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    hwc = region[0].permute(1, 2, 0)
+    out.copy_(hwc.flip(1) if flip else hwc)
 
 
 #: Called with a stage's name as each stage ends (``packer bench``'s profile); None in normal use,
@@ -159,10 +243,10 @@ def crop_region(img: np.ndarray, crop: Crop, factor: Optional[tuple[int, int]]) 
 Clock = Optional[Callable[[str], None]]
 
 
-def crop_record(
-    data: memoryview, fmt: str, height: int, width: int, crop: Crop, size: int, clock: Clock = None
-) -> torch.Tensor:
-    """One record -> its ``size`` x ``size`` uint8 CHW crop, flipped if the crop says so.
+def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, out: torch.Tensor,
+              clock: Clock = None) -> None:
+    """One record's crop, resized to ``out``'s size and flipped if the crop says so, written into
+    ``out`` (uint8 HWC).
 
     Raw records are cropped in place (no copy of the whole image); JPEG records decode with
     libjpeg-turbo, at a reduced DCT scale when the crop shrinks by 2x or more.
@@ -170,24 +254,19 @@ def crop_record(
     if fmt == "raw":
         factor, img = None, raw_image(data, height, width)
     else:
-        factor = dct_scale(crop, size)
-        img = decode_jpeg(data, height, width, factor)
+        factor = dct_scale(crop, out.shape[0])
+        img = decode_jpeg(data, height, width, factor, rgbx=resize_backend() == "pillow")
     if clock:
         clock("decode")
-    x = resize(crop_region(img, crop, factor), size)
+    resize_into(img, crop_box(crop, factor), crop.flip, out)
     if clock:
         clock("crop+resize")
-    if crop.flip:
-        x = x.flip(-1)
-        if clock:
-            clock("flip")
-    return x
 
 
 def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.Tensor:
-    """One record -> the whole stored image as contiguous uint8 CHW (a copy: buffers are transient)."""
+    """One record -> the whole stored image as uint8 HWC (a copy: buffers are transient)."""
     img = raw_image(data, height, width) if fmt == "raw" else decode_jpeg(data, height, width)
-    return _tensor(img).contiguous()
+    return _tensor(img).clone()
 
 
 def norm_constants(mean: Sequence[float], std: Sequence[float], shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,6 +284,29 @@ def normalize_into(x: torch.Tensor, out: torch.Tensor, mean255: torch.Tensor, in
     """
     out.copy_(x)
     return out.sub_(mean255).mul_(inv_std255)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_constants(mean: tuple[float, ...], std: tuple[float, ...], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_constants repeated along one H x W x C row (W x C values)."""
+    m, inv = norm_constants(mean, std, (len(mean),))
+    return m.repeat(width), inv.repeat(width)
+
+
+def normalize_hwc(x: torch.Tensor, out: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """:func:`normalize_into` for H x W x C uint8 ``x`` into ``out`` (an H x W x C view).
+
+    Broadcasting a C-vector over the innermost dimension runs torch's kernels C elements at a time
+    (measured ~550 us per 224 crop); over rows of W x C with the constants repeated along the row,
+    they vectorize (~60 us). An H x W x C view of C x H x W memory is done per plane instead.
+    """
+    h, w, c = out.shape
+    if out.is_contiguous():
+        m, inv = _row_constants(mean, std, w)
+        return normalize_into(x.reshape(h, w * c), out.view(h, w * c), m, inv).view(h, w, c)
+    m, inv = norm_constants(mean, std, (c, 1, 1))
+    normalize_into(x.permute(2, 0, 1), out.permute(2, 0, 1), m, inv)
+    return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -235,6 +337,6 @@ def to_device(
         batch = batch.pin_memory()
     mean255, inv_std255 = _device_constants(device, tuple(mean), tuple(std))
     x = batch.to(device, non_blocking=True)
-    out = torch.empty(x.shape, dtype=torch.float32, device=device)
+    out = torch.empty_like(x, dtype=torch.float32)  # keeps the batch's memory format (channels-last)
     normalize_into(x, out, mean255, inv_std255)
     return out if dtype == torch.float32 else out.to(dtype)

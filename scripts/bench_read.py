@@ -42,7 +42,7 @@ from packer.dataset import ShardDataset  # noqa: E402
 from packer.format import Manifest, load_index, source_path  # noqa: E402
 from packer.read import open_reader  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
-from packer.transform import IMAGENET_MEAN, IMAGENET_STD, random_resized_crop  # noqa: E402
+from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_crops  # noqa: E402
 
 CROP = 224
 CACHE = Path("/tmp/packer-bench")
@@ -66,9 +66,10 @@ class FolderDataset(Dataset):
         rng = np.random.default_rng()
         with Image.open(self.files[i]) as im:
             im = ImageOps.exif_transpose(im).convert("RGB")
-        top, left, h, w = random_resized_crop(rng, im.height, im.width)
+        u = rng.random((1, DRAWS))
+        top, left, h, w = random_resized_crops(u, [im.height], [im.width])[0].tolist()
         im = im.resize((CROP, CROP), Image.BILINEAR, box=(left, top, left + w, top + h))
-        if rng.random() < 0.5:
+        if u[0, -1] < 0.5:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
         x = torch.from_numpy(np.array(im)).permute(2, 0, 1).float().div(255)
         return x.sub_(self.mean).div_(self.std), 0

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, WeightedRandomSampler
 from packer import DatasetError
 from packer.dataset import ShardDataset
 from packer.format import lmdb_key
-from packer.transform import IMAGENET_MEAN, IMAGENET_STD, sample_rng, to_device
+from packer import transform
+from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_crops, to_device, uniforms
 
 from .conftest import COMBOS
 
@@ -99,11 +100,84 @@ def test_spawn_persistent_workers_follow_set_epoch(built) -> None:
 
 
 def test_random_streams_are_per_sample() -> None:
-    """Each (seed, epoch, index) has its own stream, so no two workers or samples share draws."""
-    keys = [(s, e, i) for s in (0, 1, 2**63) for e in (0, 1, 2**32 - 1) for i in range(200)]
-    draws = {tuple(sample_rng(*k).random(2)) for k in keys}
-    assert len(draws) == len(keys)
-    assert np.array_equal(sample_rng(5, 2, 9).random(4), sample_rng(5, 2, 9).random(4))
+    """Each (seed, epoch, index) has its own draws, whatever else is in the batch."""
+    seeds, epochs, indices = (0, 1, 2**63), (0, 1, 2**32 - 1), np.arange(200)
+    draws = np.concatenate([uniforms(s, e, indices, 2) for s in seeds for e in epochs])
+    assert len({tuple(d) for d in draws}) == len(draws) and (0 <= draws).all() and (draws < 1).all()
+    batch = uniforms(5, 2, np.array([9, 4, 9]), 6)
+    assert np.array_equal(batch[0], batch[2]) and np.array_equal(batch[0], uniforms(5, 2, np.array([9]), 6)[0])
+    big = uniforms(0, 0, np.arange(20_000), 2)  # roughly uniform: decile counts within 10%
+    counts = np.histogram(big, bins=10, range=(0, 1))[0]
+    assert counts.min() > 0.9 * counts.mean()
+
+
+def reference_crop(u: np.ndarray, height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop.get_params, one image at a time, fed the same draws."""
+    import math
+
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for k in range(0, 40, 4):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * u[k])
+        aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * u[k + 1])
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return int(u[k + 2] * (height - h + 1)), int(u[k + 3] * (width - w + 1)), h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def test_batched_crops_match_torchvision_semantics() -> None:
+    """The vectorized RandomResizedCrop equals the per-image reference, fallback branch included
+    (scales that never fit, and very wide or tall images)."""
+    rng = np.random.default_rng(0)
+    heights = np.concatenate([rng.integers(1, 700, 500), [320, 10, 3000, 5]])
+    widths = np.concatenate([rng.integers(1, 700, 500), [427, 3000, 10, 5]])
+    u = uniforms(3, 1, np.arange(len(heights)), DRAWS)
+    for scale in ((0.08, 1.0), (1.5, 2.0), (0.5, 0.5)):
+        got = random_resized_crops(u, heights, widths, scale)
+        want = [reference_crop(u[k], int(heights[k]), int(widths[k]), scale) for k in range(len(u))]
+        assert got.tolist() == [list(w) for w in want]
+    boxes = random_resized_crops(u, heights, widths)
+    assert ((boxes[:, 0] >= 0) & (boxes[:, 0] + boxes[:, 2] <= heights)).all()
+    assert ((boxes[:, 1] >= 0) & (boxes[:, 1] + boxes[:, 3] <= widths)).all()
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+def test_memory_formats_and_resize_backends_agree(built, fmt: str, monkeypatch) -> None:
+    """channels-last (default) and contiguous batches hold the same values; torch's and Pillow's
+    antialiased bilinear resizes agree to within rounding away from the crop's border (each backend
+    is used whole per process)."""
+    path = built("lmdb", fmt)
+    results = {}
+    for backend in ("torch", "pillow"):
+        monkeypatch.setenv("PACKER_RESIZE", backend)
+        transform.resize_backend.cache_clear()
+        try:
+            for memory_format in (torch.channels_last, torch.contiguous_format):
+                for dtype in (torch.uint8, torch.float32):
+                    ds = ShardDataset(path, crop_size=CROP, seed=6, dtype=dtype, memory_format=memory_format)
+                    images = load(ds)[0][0]
+                    assert images.is_contiguous(memory_format=memory_format)
+                    results[backend, memory_format, dtype] = images
+        finally:
+            monkeypatch.delenv("PACKER_RESIZE")
+            transform.resize_backend.cache_clear()
+    for backend in ("torch", "pillow"):
+        u8, f32 = results[backend, torch.channels_last, torch.uint8], results[backend, torch.channels_last, torch.float32]
+        assert torch.equal(u8, results[backend, torch.contiguous_format, torch.uint8])
+        assert torch.equal(f32, results[backend, torch.contiguous_format, torch.float32])
+        assert torch.allclose(to_device(u8, "cpu"), f32, atol=1e-6)
+    diff = (results["torch", torch.channels_last, torch.uint8].int() - results["pillow", torch.channels_last, torch.uint8].int()).abs()
+    # Pillow's box resize reads source pixels just outside the box; torch stops at its edge
+    assert diff.float().mean() < 0.5 and diff[..., 2:-2, 2:-2].max() <= 3
 
 
 def test_pickle_round_trip_before_and_after_use(built) -> None:
