@@ -13,10 +13,11 @@ Design points, each answering a known DataLoader failure:
 
 from __future__ import annotations
 
+import gc
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -213,37 +214,65 @@ class ShardDataset(Dataset):
         if clock:
             clock("draw crop")
         size = self.augment.crop_size
-        hwc = (len(indices), size, size, 3)
         if self.memory_format == torch.channels_last:
-            images = batch_tensor(hwc, self.dtype, shared).permute(0, 3, 1, 2)
+            images = batch_tensor((len(indices), size, size, 3), self.dtype, shared).permute(0, 3, 1, 2)
         else:
             images = batch_tensor((len(indices), 3, size, size), self.dtype, shared)
+        slots = images.permute(0, 2, 3, 1)  # each sample's H x W x C view
+        if self.dtype == torch.uint8:
+            outs = slots.numpy()
+        else:
+            if self._scratch is None or self._scratch.shape != (size, size, 3):
+                self._scratch = np.empty((size, size, 3), np.uint8)
+            outs = [self._scratch] * len(indices)
         if clock:
             clock("collate")
-        for k, i in enumerate(indices):
-            self._crop_into(i, crops[k], images[k].permute(1, 2, 0), clock)
+        try:
+            datas = self._reader.get_many(indices)
+        except DatasetError as e:
+            raise self._damaged(e.record, e) if e.record is not None else e from None
+        heights, widths, crcs = rows["height"].tolist(), rows["width"].tolist(), rows["crc32"].tolist()
+        fmt = self.manifest.format
+        collecting = gc.isenabled()
+        gc.disable()  # the loop frees what it allocates; collections during it cost 3-4% here
+        try:
+            for k, i in enumerate(indices):  # per sample: as few Python steps as possible
+                try:
+                    if self.verify and zlib.crc32(datas[k]) != crcs[k]:
+                        raise ValueError("CRC-32 mismatch (record damaged on disk)")
+                    if clock:
+                        clock("read")
+                    transform.crop_into(datas[k], fmt, heights[k], widths[k], crops[k], outs[k], clock)
+                except (DatasetError, ValueError) as e:
+                    raise self._damaged(i, e) from None
+                if self.dtype != torch.uint8:
+                    transform.normalize_hwc(torch.from_numpy(outs[k]), slots[k], self.mean, self.std)
+                    if clock:
+                        clock("to float")
+        finally:
+            if collecting:
+                gc.enable()
         return [Sample(images[k], label) for k, label in enumerate(labels)]
-
-    def _crop_into(self, i: int, crop: transform.Crop, out: torch.Tensor, clock: transform.Clock = None) -> None:
-        """Record ``i``'s crop into ``out`` (an H x W x C view of its batch slot), in ``dtype``."""
-        if self.dtype == torch.uint8:
-            self._record(i, lambda data, fmt, h, w: transform.crop_into(data, fmt, h, w, crop, out, clock), clock)
-            return
-        if self._scratch is None or self._scratch.shape != out.shape:
-            self._scratch = torch.empty(out.shape, dtype=torch.uint8)
-        scratch = self._scratch
-        self._record(i, lambda data, fmt, h, w: transform.crop_into(data, fmt, h, w, crop, scratch, clock), clock)
-        transform.normalize_hwc(scratch, out, self.mean, self.std)
-        if clock:
-            clock("to float")
 
     def _whole(self, i: int) -> torch.Tensor:
         """Record ``i``'s whole stored image as a C x H x W tensor of ``dtype``."""
-        hwc = self._record(i, transform.whole_record)
+        row = self.index[i]
+        try:
+            data = self._reader.get(i)
+            if self.verify and zlib.crc32(data) != int(row["crc32"]):
+                raise ValueError("CRC-32 mismatch (record damaged on disk)")
+            hwc = transform.whole_record(data, self.manifest.format, int(row["height"]), int(row["width"]))
+        except (DatasetError, ValueError) as e:
+            raise self._damaged(i, e) from None
         if self.dtype != torch.uint8:
             hwc = transform.normalize_hwc(hwc, torch.empty(hwc.shape, dtype=self.dtype), self.mean, self.std)
         chw = hwc.permute(2, 0, 1)
         return chw if self.memory_format == torch.channels_last else chw.contiguous()
+
+    def _damaged(self, i: int, e: Exception) -> DatasetError:
+        """``e`` (found reading record ``i``) as a DatasetError naming the dataset, record and source."""
+        why = str(e).removeprefix(f"{self.root}: ").removeprefix(f"record {i}: ")
+        return DatasetError(f"{self.root}: record {i} (source {self.source(i)!r}): {why}", record=i)
 
     def _check(self, i: int) -> int:
         n = self.manifest.count
@@ -251,21 +280,6 @@ class ShardDataset(Dataset):
         if not -n <= i < n:
             raise IndexError(f"record {i} out of range for a dataset of {n}")
         return i % n
-
-    def _record(self, i: int, use: Callable[[memoryview, str, int, int], Any], clock: transform.Clock = None) -> Any:
-        """``use(data, format, height, width)`` on record ``i``'s bytes, checked; any damage found
-        (here or by ``use``) becomes a DatasetError naming the dataset, the record and its source."""
-        row = self.index[i]
-        try:
-            data = self._reader.get(i)
-            if self.verify and zlib.crc32(data) != int(row["crc32"]):
-                raise ValueError("CRC-32 mismatch (record damaged on disk)")
-            if clock:
-                clock("read")
-            return use(data, self.manifest.format, int(row["height"]), int(row["width"]))
-        except (DatasetError, ValueError) as e:
-            why = str(e).removeprefix(f"{self.root}: ").removeprefix(f"record {i}: ")
-            raise DatasetError(f"{self.root}: record {i} (source {self.source(i)!r}): {why}") from None
 
     def __repr__(self) -> str:
         a = self.augment

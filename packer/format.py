@@ -13,7 +13,7 @@ import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -51,7 +51,12 @@ IDENTITY_DTYPE = np.dtype([(name, INDEX_DTYPE[name]) for name in IDENTITY_FIELDS
 
 
 class DatasetError(Exception):
-    """A dataset on disk is missing, damaged or not one packer can read; the message says which."""
+    """A dataset on disk is missing, damaged or not one packer can read; the message says which.
+    ``record`` is the damaged record's index, when one is to blame."""
+
+    def __init__(self, message: str, record: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.record = record
 
 
 def lmdb_key(i: int) -> bytes:

@@ -14,7 +14,7 @@ import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import lmdb
 import numpy as np
@@ -162,8 +162,20 @@ class Reader:
     def get(self, i: int) -> Buffer:
         raise NotImplementedError
 
+    def get_many(self, indices: Sequence[int]) -> list[Buffer]:
+        """Records ``indices``' bytes, fetched together (a batch's worth: fewer per-record steps).
+        A DatasetError names the record it was raised for in its ``record``."""
+        out = []
+        for i in indices:
+            try:
+                out.append(self.get(i))
+            except DatasetError as e:
+                e.record = i if e.record is None else e.record
+                raise
+        return out
+
     def _bad(self, i: int, why: str) -> DatasetError:
-        return DatasetError(f"{self.root}: record {i}: {why}")
+        return DatasetError(f"{self.root}: record {i}: {why}", record=i)
 
 
 class LmdbReader(Reader):
@@ -173,15 +185,23 @@ class LmdbReader(Reader):
             _drop_stale(os.getpid())
 
     def get(self, i: int) -> Buffer:
-        try:
-            value = _lmdb_txn(self.root).get(lmdb_key(i))
-        except lmdb.Error as e:  # a damaged B-tree (MDB_PAGE_NOTFOUND, MDB_CORRUPTED, ...)
-            raise self._bad(i, f"unreadable in data.mdb ({e})") from None
-        if value is None:
-            raise self._bad(i, "missing from data.mdb")
-        if len(value) != int(self.index[i]["length"]):
-            raise self._bad(i, f"has {len(value)} bytes, index says {int(self.index[i]['length'])}")
-        return value
+        return self.get_many([i])[0]
+
+    def get_many(self, indices: Sequence[int]) -> list[Buffer]:
+        txn = _lmdb_txn(self.root)
+        lengths = self.index["length"][np.asarray(indices, dtype=np.int64)].tolist()
+        values = []
+        for i, length in zip(indices, lengths):
+            try:
+                value = txn.get(lmdb_key(i))
+            except lmdb.Error as e:  # a damaged B-tree (MDB_PAGE_NOTFOUND, MDB_CORRUPTED, ...)
+                raise self._bad(i, f"unreadable in data.mdb ({e})") from None
+            if value is None:
+                raise self._bad(i, "missing from data.mdb")
+            if len(value) != length:
+                raise self._bad(i, f"has {len(value)} bytes, index says {length}")
+            values.append(value)
+        return values
 
 
 class MemmapReader(Reader):

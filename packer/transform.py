@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from . import codec
 
@@ -211,31 +212,32 @@ def crop_box(crop: Crop, factor: Optional[tuple[int, int]]) -> tuple[int, int, i
             -(-(crop.top + crop.height) * num // den), -(-(crop.left + crop.width) * num // den))
 
 
-def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out: torch.Tensor) -> None:
+def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out: np.ndarray) -> None:
     """Write ``img[box]`` resized (antialiased bilinear) and optionally mirrored into ``out``, a
-    ``size x size x 3`` uint8 HWC tensor (a view of the output batch). ``img`` is HWC RGB, or RGBX
+    ``size x size x 3`` uint8 HWC array (a view of the output batch). ``img`` is HWC RGB, or RGBX
     for Pillow, whose images map RGBX memory without a copy."""
     top, left, bottom, right = box
     size = out.shape[0]
     if resize_backend() == "pillow":
-        from PIL import Image
-
         if img.shape[2] == 4 and img.flags.c_contiguous:
             src = Image.frombuffer("RGBX", (img.shape[1], img.shape[0]), img, "raw", "RGBX", 0, 1)
-        else:  # raw records are RGB: Pillow copies the region into its own layout
-            src = Image.fromarray(np.ascontiguousarray(img[top:bottom, left:right, :3]), "RGB")
+        else:  # RGB (raw records): Pillow unpacks just the box's rows, read in place, to its layout
+            rows = img if img.flags.c_contiguous else np.ascontiguousarray(img)
+            start = (top * img.shape[1] + left) * 3
+            src = Image.frombuffer("RGB", (right - left, bottom - top), rows.reshape(-1)[start:], "raw", "RGB",
+                                   img.shape[1] * 3, 1)
             top, left, bottom, right = 0, 0, bottom - top, right - left
         small = src.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, right, bottom))
         if flip:
             small = small.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         pixels = np.frombuffer(small.tobytes("raw", "RGB"), np.uint8).reshape(size, size, 3)
-        np.copyto(out.numpy(), pixels)
+        np.copyto(out, pixels)
         return
     region = _tensor(img[top:bottom, left:right, :3]).permute(2, 0, 1)[None]
     if region.shape[2:] != (size, size):
         region = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     hwc = region[0].permute(1, 2, 0)
-    out.copy_(hwc.flip(1) if flip else hwc)
+    torch.from_numpy(out).copy_(hwc.flip(1) if flip else hwc)
 
 
 #: Called with a stage's name as each stage ends (``packer bench``'s profile); None in normal use,
@@ -243,10 +245,10 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
 Clock = Optional[Callable[[str], None]]
 
 
-def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, out: torch.Tensor,
+def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, out: np.ndarray,
               clock: Clock = None) -> None:
     """One record's crop, resized to ``out``'s size and flipped if the crop says so, written into
-    ``out`` (uint8 HWC).
+    ``out`` (a uint8 H x W x C array).
 
     Raw records are cropped in place (no copy of the whole image); JPEG records decode with
     libjpeg-turbo, at a reduced DCT scale when the crop shrinks by 2x or more.
