@@ -212,7 +212,13 @@ def crop_box(crop: Crop, factor: Optional[tuple[int, int]]) -> tuple[int, int, i
             -(-(crop.top + crop.height) * num // den), -(-(crop.left + crop.width) * num // den))
 
 
-def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out: np.ndarray) -> None:
+#: Called with a stage's name as each stage ends (``packer bench``'s profile); None in normal use,
+#: so the profile times the very code that training runs.
+Clock = Optional[Callable[[str], None]]
+
+
+def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out: np.ndarray,
+                clock: Clock = None) -> None:
     """Write ``img[box]`` resized (antialiased bilinear) and optionally mirrored into ``out``, a
     ``size x size x 3`` uint8 HWC array (a view of the output batch). ``img`` is HWC RGB, or RGBX
     for Pillow, whose images map RGBX memory without a copy."""
@@ -230,19 +236,21 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
         small = src.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, right, bottom))
         if flip:
             small = small.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        pixels = np.frombuffer(small.tobytes("raw", "RGB"), np.uint8).reshape(size, size, 3)
-        np.copyto(out, pixels)
-        return
-    region = _tensor(img[top:bottom, left:right, :3]).permute(2, 0, 1)[None]
-    if region.shape[2:] != (size, size):
-        region = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    hwc = region[0].permute(1, 2, 0)
-    torch.from_numpy(out).copy_(hwc.flip(1) if flip else hwc)
-
-
-#: Called with a stage's name as each stage ends (``packer bench``'s profile); None in normal use,
-#: so the profile times the very code that training runs.
-Clock = Optional[Callable[[str], None]]
+        if clock:
+            clock("resize")
+        np.copyto(out, np.frombuffer(small.tobytes("raw", "RGB"), np.uint8).reshape(size, size, 3))
+    else:
+        region = _tensor(img[top:bottom, left:right, :3]).permute(2, 0, 1)[None]
+        if region.shape[2:] != (size, size):
+            region = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        hwc = region[0].permute(1, 2, 0)
+        if flip:
+            hwc = hwc.flip(1)
+        if clock:
+            clock("resize")
+        torch.from_numpy(out).copy_(hwc)
+    if clock:
+        clock("write to batch")
 
 
 def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, out: np.ndarray,
@@ -260,9 +268,7 @@ def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, o
         img = decode_jpeg(data, height, width, factor, rgbx=resize_backend() == "pillow")
     if clock:
         clock("decode")
-    resize_into(img, crop_box(crop, factor), crop.flip, out)
-    if clock:
-        clock("crop+resize")
+    resize_into(img, crop_box(crop, factor), crop.flip, out, clock)
 
 
 def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.Tensor:

@@ -260,7 +260,8 @@ def main() -> None:
 
     if not args.no_rss:
         ds = small_dataset(args.rss_records, w)
-        epochs = max(1, 20_000 // args.rss_records)
+        per_epoch = args.rss_records - args.rss_records % bs  # drop_last
+        epochs = max(1, -(-20_000 // per_epoch))  # at least 20,000 samples
         mem = rss_growth(ds, epochs, w, bs)
         g = mem["max_growth_mib"]
         print(f"\nworker RSS over {mem['samples']:,} samples ({mem['records']:,} records x {epochs} epochs), "

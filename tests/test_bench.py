@@ -29,7 +29,7 @@ def test_bench_json(built, fmt: str, dtype: str) -> None:
     assert all(p["samples_per_s"] > 0 and p["samples"] == 36 for p in report["throughput"])
     assert report["knee"]["workers"] in (0, 1) and report["knee"]["samples_per_s"] > 0
     stages = {s["stage"]: s for s in report["profile"]["stages"]}
-    assert {"read", "decode", "crop+resize", "collate"} <= set(stages)
+    assert {"read", "decode", "resize", "write to batch", "collate"} <= set(stages)
     assert ("to float" in stages) == (dtype == "float32")
     assert all(s["us_per_sample"] > 0 for s in stages.values())
     assert sum(s["percent"] for s in stages.values()) == pytest.approx(100, abs=0.5)

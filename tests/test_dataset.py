@@ -294,9 +294,11 @@ np.save(sys.argv[2], torch.stack([ds[i][0] for i in range(len(ds))]).numpy())
 """
 
 
-def test_pillow_fallback_reads_dct_scaled_crops(raw_photos, tmp_path: Path) -> None:
+@pytest.mark.parametrize("resize", ["torch", "pillow"])
+def test_pillow_fallback_reads_dct_scaled_crops(raw_photos, tmp_path: Path, resize: str, monkeypatch) -> None:
     """Without libjpeg-turbo, reads decode with Pillow, DCT scaling included (a 561 px center crop of a
-    641 px short edge decodes at 1/2), and match the turbojpeg path within decoder rounding."""
+    641 px short edge decodes at 1/2), and match the turbojpeg path within decoder rounding, with
+    either resize backend (Pillow's reads RGBX decodes in place)."""
     import subprocess
     import sys
 
@@ -305,12 +307,18 @@ def test_pillow_fallback_reads_dct_scaled_crops(raw_photos, tmp_path: Path) -> N
     out = tmp_path / "big.lmdb"
     build(raw_photos, out, short_edge=641, workers=1, quiet=True)  # odd sizes: 962x641
     fallback = tmp_path / "fallback.npy"
-    run = subprocess.run([sys.executable, "-c", FALLBACK_READ, str(out), str(fallback)],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "using Pillow" in run.stderr
-    ds = ShardDataset(out, crop_size=224, train=False, dtype=torch.uint8)
-    turbo = torch.stack([ds[i][0] for i in range(len(ds))]).numpy().astype(np.int16)
+    monkeypatch.setenv("PACKER_RESIZE", resize)
+    transform.resize_backend.cache_clear()
+    try:
+        run = subprocess.run([sys.executable, "-c", FALLBACK_READ, str(out), str(fallback)],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        assert "using Pillow" in run.stderr
+        ds = ShardDataset(out, crop_size=224, train=False, dtype=torch.uint8)
+        turbo = torch.stack([ds[i][0] for i in range(len(ds))]).numpy().astype(np.int16)
+    finally:
+        monkeypatch.delenv("PACKER_RESIZE")
+        transform.resize_backend.cache_clear()
     pillow = np.load(fallback).astype(np.int16)
     assert pillow.shape == turbo.shape == (18, 3, 224, 224)
     assert np.abs(pillow - turbo).mean() < 2.0
