@@ -212,6 +212,23 @@ def crop_box(crop: Crop, factor: Optional[tuple[int, int]]) -> tuple[int, int, i
             -(-(crop.top + crop.height) * num // den), -(-(crop.left + crop.width) * num // den))
 
 
+def _rgb_bytes(im: Image.Image) -> bytes:
+    """``im.tobytes("raw", "RGB")`` in one encoder call. tobytes packs in 64 KB chunks and joins
+    them, one more copy of the whole crop (~18 us of ~85 per 224 crop written to a batch here).
+    Mirrors tobytes' own use of Pillow's encoder; falls back to tobytes where that differs."""
+    size = im.width * im.height * 3
+    try:
+        encoder = Image._getencoder(im.mode, "raw", "RGB")
+        try:
+            encoder.setimage(im.im, (0, 0, *im.size))
+            _, done, data = encoder.encode(size + 1)
+        finally:
+            encoder.cleanup()
+    except (AttributeError, TypeError):  # another Pillow's internals
+        return im.tobytes("raw", "RGB")
+    return data if done > 0 and len(data) == size else im.tobytes("raw", "RGB")
+
+
 #: Called with a stage's name as each stage ends (``packer bench``'s profile); None in normal use,
 #: so the profile times the very code that training runs.
 Clock = Optional[Callable[[str], None]]
@@ -238,7 +255,7 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
             small = small.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if clock:
             clock("resize")
-        np.copyto(out, np.frombuffer(small.tobytes("raw", "RGB"), np.uint8).reshape(size, size, 3))
+        np.copyto(out, np.frombuffer(_rgb_bytes(small), np.uint8).reshape(size, size, 3))
     else:
         region = _tensor(img[top:bottom, left:right, :3]).permute(2, 0, 1)[None]
         if region.shape[2:] != (size, size):

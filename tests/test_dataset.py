@@ -322,3 +322,13 @@ def test_pillow_fallback_reads_dct_scaled_crops(raw_photos, tmp_path: Path, resi
     pillow = np.load(fallback).astype(np.int16)
     assert pillow.shape == turbo.shape == (18, 3, 224, 224)
     assert np.abs(pillow - turbo).mean() < 2.0
+
+
+def test_rgb_bytes_matches_tobytes() -> None:
+    """The one-call RGB packing (Pillow's encoder, as tobytes drives it) gives tobytes' bytes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for w, h in ((1, 1), (224, 224), (300, 17), (17, 300)):
+        im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert("RGBX")
+        assert transform._rgb_bytes(im) == im.tobytes("raw", "RGB")
