@@ -139,10 +139,6 @@ class Augment:
             flips = (u[:, 40] < 0.5) & self.flip
         return [Crop(*box, bool(f)) for box, f in zip(boxes.tolist(), flips)]
 
-    def crop(self, seed: int, epoch: int, index: int, height: int, width: int) -> Crop:
-        """One sample's crop (the same as its entry in :meth:`crops`)."""
-        return self.crops(seed, epoch, [index], np.array([height]), np.array([width]))[0]
-
 
 def dct_scale(crop: Crop, size: int) -> Optional[tuple[int, int]]:
     """The smallest power-of-two DCT scale keeping the crop >= ``size`` in both dimensions, if any."""
