@@ -142,7 +142,6 @@ class ShardDataset(Dataset):
         self.index, self._sources = load_index(self.root, self.manifest)
         self._labels = np.asarray(self.index["label"], dtype=np.int64)
         self._reader = open_reader(self.root, self.manifest, self.index)
-        self._scratch: Optional[torch.Tensor] = None  # uint8 crop before float conversion
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("root", "seed", "dtype", "memory_format", "mean", "std", "augment", "_epoch", "verify")
@@ -219,12 +218,8 @@ class ShardDataset(Dataset):
         else:
             images = batch_tensor((len(indices), 3, size, size), self.dtype, shared)
         slots = images.permute(0, 2, 3, 1)  # each sample's H x W x C view
-        if self.dtype == torch.uint8:
-            outs = slots.numpy()
-        else:
-            if self._scratch is None or self._scratch.shape != (size, size, 3):
-                self._scratch = np.empty((size, size, 3), np.uint8)
-            outs = [self._scratch] * len(indices)
+        # uint8: crops go straight into the batch; float: through one uint8 crop buffer per batch
+        outs = slots.numpy() if self.dtype == torch.uint8 else [np.empty((size, size, 3), np.uint8)] * len(indices)
         if clock:
             clock("collate")
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -177,24 +178,25 @@ def raw_image(data: memoryview, height: int, width: int) -> np.ndarray:
     return np.frombuffer(data, np.uint8).reshape(height, width, 3)
 
 
-#: Per-process decode destinations by shape: a 427x320 RGBX image is 0.5 MB, worth not reallocating.
-_decode_buffers: dict[tuple[int, int, int], np.ndarray] = {}
+#: Decode destinations by shape, per thread: a 427x320 RGBX image is 0.5 MB, worth not reallocating.
+_decode_buffers = threading.local()
 
 
 def decode_jpeg(data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]] = None,
                 rgbx: bool = False) -> np.ndarray:
     """Decode a JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size.
 
-    The result is a per-process buffer, valid until the next call with the same size.
+    The result is this thread's buffer for that size, valid until the thread's next such call.
     """
     factor = factor or (1, 1)
     want_w, want_h = codec.scaled_size(width, height, factor)
     shape = (want_h, want_w, 4 if rgbx else 3)
-    dst = _decode_buffers.get(shape)
+    buffers = _decode_buffers.__dict__
+    dst = buffers.get(shape)
     if dst is None:
-        if len(_decode_buffers) >= 8:
-            _decode_buffers.clear()
-        dst = _decode_buffers[shape] = np.empty(shape, np.uint8)
+        if len(buffers) >= 8:
+            buffers.clear()
+        dst = buffers[shape] = np.empty(shape, np.uint8)
     img = codec.decode_jpeg(data, factor, rgbx, out=dst)
     if img.shape != shape:
         raise ValueError(f"JPEG decodes to {img.shape[:2]}, index says {want_h}x{want_w}")

@@ -101,3 +101,23 @@ def test_a_forked_child_dropping_a_received_batch_does_not_free_it(built) -> Non
         for _batch in loader:
             pass
     assert torch.equal(images, copy)
+
+
+def test_more_held_batches_than_the_pool_holds_fall_back_to_fresh_memory(built) -> None:
+    ds = ShardDataset(built("memmap", "raw"), crop_size=16, seed=3, dtype=torch.uint8)
+    loader = DataLoader(ds, batch_size=1, num_workers=1, persistent_workers=True)
+    held = []
+    for _ in range(2):
+        held += [(images, images.clone()) for images, _ in loader]  # 36 batches alive at once
+    assert len(held) > batchpool.POOL_MAX
+    assert all(torch.equal(kept, copy) for kept, copy in held)
+
+
+def test_without_memfd_batches_use_torch_shared_memory(built, monkeypatch) -> None:
+    """Where memfd_create is missing (macOS, Windows) nothing is pooled and batches still arrive."""
+    monkeypatch.delattr(os, "memfd_create")
+    ds = ShardDataset(built("lmdb", "jpeg"), crop_size=16, seed=3, dtype=torch.uint8)
+    assert batchpool.lend((2, 2), torch.uint8) is None
+    expected = torch.stack([ds[i][0] for i in range(6)])
+    got = torch.cat([b[0] for b in DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="fork")])
+    assert torch.equal(got[:6], expected)

@@ -332,3 +332,17 @@ def test_rgb_bytes_matches_tobytes() -> None:
     for w, h in ((1, 1), (224, 224), (300, 17), (17, 300)):
         im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert("RGBX")
         assert transform._rgb_bytes(im) == im.tobytes("raw", "RGB")
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+def test_threads_sharing_a_dataset_get_the_same_samples(built, fmt: str) -> None:
+    """Decode buffers are per thread: a thread pool over one dataset (decodes release the GIL)
+    gives what a single thread gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ds = ShardDataset(built("lmdb", fmt), crop_size=CROP, seed=9, dtype=torch.float32)
+    order = [i % len(ds) for i in range(72)]
+    expected = [ds[i][0].clone() for i in order]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: ds[i][0].clone(), order))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
