@@ -142,7 +142,7 @@ class StageClock:
 
 
 #: Stage names in pipeline order, as the dataset ticks them.
-STAGES = ("collate", "draw crop", "read", "decode", "resize", "write to batch", "to float")
+STAGES = ("collate", "draw crop", "read", "decode", "resize", "flip", "write to batch", "to float")
 
 
 def profile(ds: Any, batch_size: int, samples: int = PROFILE_SAMPLES, seed: int = 0) -> dict[str, Any]:

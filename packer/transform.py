@@ -249,20 +249,24 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
                                    img.shape[1] * 3, 1)
             top, left, bottom, right = 0, 0, bottom - top, right - left
         small = src.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, right, bottom))
-        if flip:
-            small = small.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if clock:
             clock("resize")
+        if flip:
+            small = small.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            if clock:
+                clock("flip")
         np.copyto(out, np.frombuffer(_rgb_bytes(small), np.uint8).reshape(size, size, 3))
     else:
         region = _tensor(img[top:bottom, left:right, :3]).permute(2, 0, 1)[None]
         if region.shape[2:] != (size, size):
             region = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         hwc = region[0].permute(1, 2, 0)
-        if flip:
-            hwc = hwc.flip(1)
         if clock:
             clock("resize")
+        if flip:
+            hwc = hwc.flip(1)
+            if clock:
+                clock("flip")
         torch.from_numpy(out).copy_(hwc)
     if clock:
         clock("write to batch")
