@@ -189,7 +189,7 @@ def knee(points: Sequence[Point]) -> Point:
 
 
 def advice(points: Sequence[Point], stages: Sequence[dict[str, Any]], fmt: str, dtype: str,
-           resize: str = "pillow") -> dict[str, Any]:
+           resize: str) -> dict[str, Any]:
     """DataLoader settings and notes that follow from the sweep and the profile."""
     k = knee(points)
     top = max(p.workers for p in points)
@@ -311,7 +311,8 @@ def run_bench(
     size, avail = disk_bytes(path), mem_available()
     return BenchResult(
         path=str(path), count=len(ds), format=ds.manifest.format, backend=ds.manifest.backend, dtype=dtype,
-        resize=resize_backend(), batch_size=batch_size, crop_size=crop_size, train=train, cores=cores(), dataset_bytes=size,
+        resize=resize_backend(), batch_size=batch_size, crop_size=crop_size, train=train, cores=cores(),
+        dataset_bytes=size,
         mem_available=avail, fits_in_page_cache=None if avail is None else size < avail,
         cold_read=COLD_READ_HINT, throughput=points, knee=knee(points), profile=prof,
         recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize_backend()),

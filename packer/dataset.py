@@ -205,10 +205,11 @@ class ShardDataset(Dataset):
         self, indices: Sequence[int], epoch: int, shared: bool = False, clock: transform.Clock = None
     ) -> list[Sample]:
         """Samples for in-range ``indices``, written into one output tensor when crops have one size."""
-        labels = self._labels[np.asarray(indices, dtype=np.int64)].tolist()
+        at = np.asarray(indices, dtype=np.int64)
+        labels = self._labels[at].tolist()
         if self.augment is None:  # whole images differ in size: nothing to preallocate
             return [Sample(self._whole(i), label) for i, label in zip(indices, labels)]
-        rows = self.index[np.asarray(indices, dtype=np.int64)]
+        rows = self.index[at]
         crops = self.augment.crops(self.seed, epoch, indices, rows["height"], rows["width"])
         if clock:
             clock("draw crop")
@@ -233,8 +234,7 @@ class ShardDataset(Dataset):
         try:
             for k, i in enumerate(indices):  # per sample: as few Python steps as possible
                 try:
-                    if self.verify and zlib.crc32(datas[k]) != crcs[k]:
-                        raise ValueError("CRC-32 mismatch (record damaged on disk)")
+                    self._verify(datas[k], crcs[k])
                     if clock:
                         clock("read")
                     transform.crop_into(datas[k], fmt, heights[k], widths[k], crops[k], outs[k], clock)
@@ -254,8 +254,7 @@ class ShardDataset(Dataset):
         row = self.index[i]
         try:
             data = self._reader.get(i)
-            if self.verify and zlib.crc32(data) != int(row["crc32"]):
-                raise ValueError("CRC-32 mismatch (record damaged on disk)")
+            self._verify(data, int(row["crc32"]))
             hwc = transform.whole_record(data, self.manifest.format, int(row["height"]), int(row["width"]))
         except (DatasetError, ValueError) as e:
             raise self._damaged(i, e) from None
@@ -263,6 +262,10 @@ class ShardDataset(Dataset):
             hwc = transform.normalize_hwc(hwc, torch.empty(hwc.shape, dtype=self.dtype), self.mean, self.std)
         chw = hwc.permute(2, 0, 1)
         return chw if self.memory_format == torch.channels_last else chw.contiguous()
+
+    def _verify(self, data: memoryview, crc32: int) -> None:
+        if self.verify and zlib.crc32(data) != crc32:
+            raise ValueError("CRC-32 mismatch (record damaged on disk)")
 
     def _damaged(self, i: int, e: Exception) -> DatasetError:
         """``e`` (found reading record ``i``) as a DatasetError naming the dataset, record and source."""
