@@ -203,6 +203,36 @@ def decode_jpeg(data: memoryview, height: int, width: int, factor: Optional[tupl
     return img
 
 
+#: Per-thread output buffers for :func:`decode_jpeg_band`, grown as needed.
+_band_buffers = threading.local()
+
+
+def decode_jpeg_band(data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]],
+                     box: tuple[int, int, int, int], margin: int, rgbx: bool) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """Decode only ``box`` (top, left, bottom, right, in the image decoded at ``factor``) of a JPEG
+    record, plus ``margin`` pixels around it (for the resize filter's reach and so that the box's
+    pixels equal a full decode's); ValueError unless the record has the indexed size.
+
+    Returns the decoded band (this thread's buffer, valid until its next call) and the box in it.
+    """
+    factor = factor or (1, 1)
+    want_w, want_h = codec.scaled_size(width, height, factor)
+    top, left, bottom, right = box
+    t, l = max(0, top - margin), max(0, left - margin)
+    b, r = min(want_h, bottom + margin), min(want_w, right + margin)
+    channels = 4 if rgbx else 3
+    need = (b - t) * (r - l + 64) * channels  # the band widens to whole iMCUs (<= 32 px each side)
+    buffer = getattr(_band_buffers, "array", None)
+    if buffer is None or buffer.size < need:
+        buffer = _band_buffers.array = np.empty(max(need, 1 << 20), np.uint8)
+    if not (0 <= t < b <= want_h and 0 <= l < r <= want_w):
+        raise ValueError(f"crop {box} outside the indexed {want_h}x{want_w} image")
+    band, x_offset, size = codec.decode_jpeg_region(data, factor, t, l, b - t, r - l, rgbx, buffer)
+    if size != (want_w, want_h):
+        raise ValueError(f"JPEG decodes to {size[1]}x{size[0]}, index says {want_h}x{want_w}")
+    return band, (top - t, left - x_offset, bottom - t, right - x_offset)
+
+
 def crop_box(crop: Crop, factor: Optional[tuple[int, int]]) -> tuple[int, int, int, int]:
     """The crop box (stored-image pixels) as (top, left, bottom, right) in an image decoded at ``factor``."""
     num, den = factor or (1, 1)
@@ -278,16 +308,23 @@ def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, o
     ``out`` (a uint8 H x W x C array).
 
     Raw records are cropped in place (no copy of the whole image); JPEG records decode with
-    libjpeg-turbo, at a reduced DCT scale when the crop shrinks by 2x or more.
+    libjpeg-turbo, at a reduced DCT scale when the crop shrinks by 2x or more, and only the crop's
+    band of the image where packer's libjpeg binding is built (:func:`decode_jpeg_band`).
     """
+    size = out.shape[0]
     if fmt == "raw":
-        factor, img = None, raw_image(data, height, width)
+        img, box = raw_image(data, height, width), crop_box(crop, None)
     else:
-        factor = dct_scale(crop, out.shape[0])
-        img = decode_jpeg(data, height, width, factor, rgbx=resize_backend() == "pillow")
+        factor = dct_scale(crop, size)
+        box, rgbx = crop_box(crop, factor), resize_backend() == "pillow"
+        if codec.can_decode_region():
+            reach = -(-max(box[2] - box[0], box[3] - box[1]) // size)  # the resize filter's, in pixels
+            img, box = decode_jpeg_band(data, height, width, factor, box, reach + 1, rgbx)
+        else:
+            img = decode_jpeg(data, height, width, factor, rgbx)
     if clock:
         clock("decode")
-    resize_into(img, crop_box(crop, factor), crop.flip, out, clock)
+    resize_into(img, box, crop.flip, out, clock)
 
 
 def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, WeightedRandomSampler
 from packer import DatasetError
 from packer.dataset import ShardDataset
 from packer.format import lmdb_key
-from packer import transform
+from packer import codec, transform
 from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_crops, to_device, uniforms
 
 from .conftest import COMBOS
@@ -287,6 +287,7 @@ def test_index_errors(built) -> None:
 FALLBACK_READ = """
 import sys
 sys.modules["turbojpeg"] = None  # as on a machine without PyTurboJPEG: packer must use Pillow
+sys.modules["packer._jpegcrop"] = None  # and without packer's libjpeg binding
 import numpy as np, torch
 from packer import ShardDataset
 ds = ShardDataset(sys.argv[1], crop_size=224, train=False, dtype=torch.uint8)
@@ -346,3 +347,47 @@ def test_threads_sharing_a_dataset_get_the_same_samples(built, fmt: str) -> None
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda i: ds[i][0].clone(), order))
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._jpegcrop not built (no C compiler or libjpeg "
+                    "headers when packer was installed): crops decode whole records")
+@pytest.mark.parametrize("short_edge", [320, 641])
+def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_edge: int, monkeypatch) -> None:
+    """Decoding only a crop's band gives the crop a full decode gives: exactly with torch's resize
+    (it stops at the box), within 1 with Pillow's (its filter weights depend on the box's position).
+    At short edge 641, eval crops decode at 1/2 scale (the DCT-scaled band path)."""
+    from packer import build
+
+    out = tmp_path / "ds.lmdb"
+    build(raw_photos, out, short_edge=short_edge, workers=1, quiet=True)
+    for backend, tolerance in (("torch", 0), ("pillow", 1)):
+        monkeypatch.setenv("PACKER_RESIZE", backend)
+        transform.resize_backend.cache_clear()
+        try:
+            for train in (True, False):
+                ds = ShardDataset(out, crop_size=224, train=train, seed=2, dtype=torch.uint8)
+                band = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
+                with monkeypatch.context() as m:
+                    m.setattr(codec, "_jpegcrop", None)
+                    full = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
+                assert (band.int() - full.int()).abs().max() <= tolerance, (backend, train)
+        finally:
+            monkeypatch.delenv("PACKER_RESIZE")
+            transform.resize_backend.cache_clear()
+
+
+@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._jpegcrop not built")
+def test_crop_decoder_refuses_bad_data_and_boxes() -> None:
+    out = np.empty(1 << 16, np.uint8)
+    for bad in (b"", b"\xff\xd8 not a jpeg", b"\x00" * 100):
+        with pytest.raises(ValueError, match="corrupt JPEG data"):
+            codec.decode_jpeg_region(bad, (1, 1), 0, 0, 8, 8, False, out)
+    good = codec.encode_jpeg(np.zeros((32, 48, 3), np.uint8), 90)
+    band, x0, size = codec.decode_jpeg_region(good, (1, 1), 8, 17, 8, 8, True, out)
+    assert size == (48, 32) and band.shape[0] == 8 and band.shape[2] == 4 and x0 <= 17 < x0 + band.shape[1]
+    with pytest.raises(ValueError, match="outside"):
+        codec.decode_jpeg_region(good, (1, 1), 30, 0, 8, 8, False, out)
+    with pytest.raises(ValueError, match="too small"):
+        codec.decode_jpeg_region(good, (1, 1), 0, 0, 32, 48, True, np.empty(100, np.uint8))
+    with pytest.raises(ValueError, match="corrupt JPEG data"):  # truncated inside the rows asked for
+        codec.decode_jpeg_region(good[: len(good) // 2], (1, 1), 0, 0, 32, 48, False, out)
