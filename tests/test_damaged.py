@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from packer import build
+from packer import build, codec
 from packer.format import INDEX, MANIFEST, SOURCES, DatasetError, Manifest, load_index, source_path
 from packer.read import open_reader
 from packer.verify import verify
@@ -423,3 +423,45 @@ def test_page_check_runs_once_per_data_file_version(pristine, tmp_path: Path) ->
     marker = _marker_dir() / _pages_key(str(root / "data.mdb"))
     assert not marker.exists()
     assert isolated(reader_outcome, root) == "ok" and marker.exists()
+
+
+CROP_DECODE_FUZZ = r"""
+import sys
+import numpy as np
+from packer import codec
+from packer.format import Manifest, load_index
+from packer.read import open_reader
+
+root = sys.argv[1]
+manifest = Manifest.load(root)
+index, _ = load_index(root, manifest)
+reader = open_reader(root, manifest, index)
+rng = np.random.default_rng(0)
+out = np.empty(1 << 22, np.uint8)
+errors = 0
+for trial in range(400):
+    i = int(rng.integers(len(index)))
+    data = bytearray(reader.get(i))
+    for _ in range(int(rng.integers(1, 4))):
+        data[int(rng.integers(len(data)))] = int(rng.integers(256))
+    h, w = int(index[i]["height"]), int(index[i]["width"])
+    top, left = int(rng.integers(h)), int(rng.integers(w))
+    factor = [(1, 1), (1, 2), (1, 4)][trial % 3]
+    sh, sw = -(-h * factor[0] // factor[1]), -(-w * factor[0] // factor[1])
+    top, left = min(top, sh - 1), min(left, sw - 1)
+    try:
+        codec.decode_jpeg_region(bytes(data), factor, top, left, sh - top, sw - left, trial % 2 == 0, out)
+    except ValueError:
+        errors += 1
+print("done", errors)
+"""
+
+
+@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._jpegcrop not built (no C compiler or libjpeg headers)")
+def test_crop_on_decode_of_damaged_records_never_crashes(pristine) -> None:
+    """400 byte-flipped JPEG records through the libjpeg binding (no CRC check in front), random
+    bands and DCT scales, in a subprocess: a crash would fail the test; errors are ValueErrors."""
+    run = subprocess.run([sys.executable, "-c", CROP_DECODE_FUZZ, str(pristine("lmdb", "jpeg"))],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("done ") and int(run.stdout.split()[1]) > 0
