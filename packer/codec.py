@@ -3,7 +3,7 @@
 PyTurboJPEG 1.x binds the system libjpeg-turbo (apt ``libturbojpeg0``); where the library is
 missing, packer warns once and uses Pillow, which bundles its own libjpeg(-turbo). Reading a
 crop of a record, packer decodes only the crop's rows and columns when its small libjpeg binding
-(``packer/_jpegcrop.c``, built at install where a compiler and libjpeg's headers are present) is
+(``packer/_native.c``, built at install where a compiler and libjpeg's headers are present) is
 there: neither PyTurboJPEG 1.x nor Pillow can, and it saves ~30% of a decode for training crops.
 """
 
@@ -17,10 +17,10 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
-try:  # crop-on-decode through libjpeg (packer/_jpegcrop.c); absent where it could not be compiled
-    from . import _jpegcrop
+try:  # crop-on-decode through libjpeg (packer/_native.c); absent where it could not be compiled
+    from . import _native
 except ImportError:
-    _jpegcrop = None
+    _native = None
 
 
 @lru_cache(maxsize=None)
@@ -109,7 +109,7 @@ def decode_jpeg(
 
 def can_decode_region() -> bool:
     """Whether :func:`decode_jpeg_region` is available (the compiled binding imported)."""
-    return _jpegcrop is not None
+    return _native is not None
 
 
 def decode_jpeg_region(
@@ -125,7 +125,7 @@ def decode_jpeg_region(
     ValueError."""
     channels = 4 if rgbx else 3
     try:
-        x_offset, band_width, image_width, image_height = _jpegcrop.decode_crop(
+        x_offset, band_width, image_width, image_height = _native.decode_crop(
             data, top, left, height, width, factor[0], factor[1], channels, out)
     except ValueError as e:
         raise ValueError(f"corrupt JPEG data ({e})") from None

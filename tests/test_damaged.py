@@ -457,7 +457,7 @@ print("done", errors)
 """
 
 
-@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._jpegcrop not built (no C compiler or libjpeg headers)")
+@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._native not built (no C compiler or libjpeg headers)")
 def test_crop_on_decode_of_damaged_records_never_crashes(pristine) -> None:
     """400 byte-flipped JPEG records through the libjpeg binding (no CRC check in front), random
     bands and DCT scales, in a subprocess: a crash would fail the test; errors are ValueErrors."""

@@ -287,7 +287,7 @@ def test_index_errors(built) -> None:
 FALLBACK_READ = """
 import sys
 sys.modules["turbojpeg"] = None  # as on a machine without PyTurboJPEG: packer must use Pillow
-sys.modules["packer._jpegcrop"] = None  # and without packer's libjpeg binding
+sys.modules["packer._native"] = None  # and without packer's libjpeg binding
 import numpy as np, torch
 from packer import ShardDataset
 ds = ShardDataset(sys.argv[1], crop_size=224, train=False, dtype=torch.uint8)
@@ -325,14 +325,14 @@ def test_pillow_fallback_reads_dct_scaled_crops(raw_photos, tmp_path: Path, resi
     assert np.abs(pillow - turbo).mean() < 2.0
 
 
-def test_rgb_bytes_matches_tobytes() -> None:
+def test_raw_bytes_matches_tobytes() -> None:
     """The one-call RGB packing (Pillow's encoder, as tobytes drives it) gives tobytes' bytes."""
     from PIL import Image
 
     rng = np.random.default_rng(1)
     for w, h in ((1, 1), (224, 224), (300, 17), (17, 300)):
         im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert("RGBX")
-        assert transform._rgb_bytes(im) == im.tobytes("raw", "RGB")
+        assert transform._raw_bytes(im, "RGB") == im.tobytes("raw", "RGB")
 
 
 @pytest.mark.parametrize("fmt", ["jpeg", "raw"])
@@ -349,7 +349,7 @@ def test_threads_sharing_a_dataset_get_the_same_samples(built, fmt: str) -> None
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
-@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._jpegcrop not built (no C compiler or libjpeg "
+@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._native not built (no C compiler or libjpeg "
                     "headers when packer was installed): crops decode whole records")
 @pytest.mark.parametrize("short_edge", [320, 641])
 def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_edge: int, monkeypatch) -> None:
@@ -368,7 +368,7 @@ def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_
                 ds = ShardDataset(out, crop_size=224, train=train, seed=2, dtype=torch.uint8)
                 band = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
                 with monkeypatch.context() as m:
-                    m.setattr(codec, "_jpegcrop", None)
+                    m.setattr(codec, "_native", None)
                     full = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
                 assert (band.int() - full.int()).abs().max() <= tolerance, (backend, train)
         finally:
@@ -376,7 +376,7 @@ def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_
             transform.resize_backend.cache_clear()
 
 
-@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._jpegcrop not built")
+@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._native not built")
 def test_crop_decoder_refuses_bad_data_and_boxes() -> None:
     out = np.empty(1 << 16, np.uint8)
     for bad in (b"", b"\xff\xd8 not a jpeg", b"\x00" * 100):
@@ -391,3 +391,22 @@ def test_crop_decoder_refuses_bad_data_and_boxes() -> None:
         codec.decode_jpeg_region(good, (1, 1), 0, 0, 32, 48, True, np.empty(100, np.uint8))
     with pytest.raises(ValueError, match="corrupt JPEG data"):  # truncated inside the rows asked for
         codec.decode_jpeg_region(good[: len(good) // 2], (1, 1), 0, 0, 32, 48, False, out)
+
+
+@pytest.mark.skipif(transform._native is None, reason="packer._native not built (no C compiler or libjpeg headers)")
+@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+def test_native_packing_matches_pillows(built, fmt: str, monkeypatch) -> None:
+    """Writing a Pillow-resized crop to its batch slot with the compiled RGBX->RGB packer (mirroring
+    included) gives Pillow's own transpose + tobytes result, byte for byte."""
+    monkeypatch.setenv("PACKER_RESIZE", "pillow")
+    transform.resize_backend.cache_clear()
+    try:
+        ds = ShardDataset(built("memmap", fmt), crop_size=CROP, seed=4, dtype=torch.uint8)
+        indices = list(range(len(ds)))
+        native = torch.stack([s.image for s in ds._batch(indices, 0)])
+        monkeypatch.setattr(transform, "_native", None)
+        fallback = torch.stack([s.image for s in ds._batch(indices, 0)])
+    finally:
+        monkeypatch.delenv("PACKER_RESIZE")
+        transform.resize_backend.cache_clear()
+    assert torch.equal(native, fallback)

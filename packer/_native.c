@@ -1,4 +1,5 @@
-/* Crop-on-decode for JPEG records: libjpeg's jpeg_crop_scanline + jpeg_skip_scanlines.
+/* packer's compiled helpers for the read path: crop-on-decode for JPEG records (libjpeg's
+ * jpeg_crop_scanline + jpeg_skip_scanlines) and writing a resized crop into its batch slot.
  *
  * A training crop covers ~45% of a record on average, but a plain decode does the inverse DCT,
  * upsampling and colour conversion of every pixel. libjpeg (libjpeg-turbo >= 1.5, Debian's 2.1
@@ -17,6 +18,7 @@
 #include <Python.h>
 
 #include <setjmp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -143,13 +145,117 @@ static PyObject *decode_crop(PyObject *self, PyObject *args) {
     return Py_BuildValue("(IIII)", j.x_offset, j.out_width, j.image_width, j.image_height);
 }
 
+/* The Arrow C data interface (a stable ABI): Pillow exports an image's pixels through it without a copy. */
+struct ArrowSchema {
+    const char *format, *name, *metadata;
+    int64_t flags, n_children;
+    struct ArrowSchema **children, *dictionary;
+    void (*release)(struct ArrowSchema *);
+    void *private_data;
+};
+struct ArrowArray {
+    int64_t length, null_count, offset, n_buffers, n_children;
+    const void **buffers;
+    struct ArrowArray **children, *dictionary;
+    void (*release)(struct ArrowArray *);
+    void *private_data;
+};
+
+/* The RGBX pixels of an image exported by Pillow's __arrow_c_array__() (a fixed-size list of 4 uint8
+ * per pixel, width x height of them), or NULL with an exception set. */
+static const unsigned char *arrow_pixels(PyObject *exported, unsigned int width, unsigned int height) {
+    PyObject *schema_capsule, *array_capsule;
+    const struct ArrowSchema *schema;
+    const struct ArrowArray *array, *child;
+
+    if (!PyArg_ParseTuple(exported, "OO", &schema_capsule, &array_capsule)) return NULL;
+    schema = PyCapsule_GetPointer(schema_capsule, "arrow_schema");
+    array = schema ? PyCapsule_GetPointer(array_capsule, "arrow_array") : NULL;
+    if (!array) return NULL;
+    if (strcmp(schema->format, "+w:4") != 0 || schema->n_children != 1 || strcmp(schema->children[0]->format, "C") != 0 ||
+        array->n_children != 1 || array->length != (int64_t)width * height) {
+        PyErr_SetString(PyExc_ValueError, "not RGBX pixels of the expected size");
+        return NULL;
+    }
+    child = array->children[0];
+    if (child->n_buffers != 2 || child->buffers[1] == NULL || child->length < (array->offset + array->length) * 4) {
+        PyErr_SetString(PyExc_ValueError, "unexpected Arrow layout");
+        return NULL;
+    }
+    return (const unsigned char *)child->buffers[1] + (child->offset + array->offset * 4);
+}
+
+/* One row of RGBX pixels to RGB, mirrored if `flip`. */
+static void pack_row(const unsigned char *src, unsigned char *dst, unsigned int width, int flip) {
+    if (flip) {
+        const unsigned char *p = src + (size_t)(width - 1) * 4;
+        for (unsigned int x = 0; x < width; x++, p -= 4, dst += 3) {
+            dst[0] = p[0];
+            dst[1] = p[1];
+            dst[2] = p[2];
+        }
+    } else {
+        const unsigned char *p = src;
+        for (unsigned int x = 0; x < width; x++, p += 4, dst += 3) {
+            dst[0] = p[0];
+            dst[1] = p[1];
+            dst[2] = p[2];
+        }
+    }
+}
+
+/* pack_rgb(src, width, height, flip, out): RGBX pixels (Pillow's layout, 4 bytes a pixel) to packed
+ * RGB in the writable buffer `out` (a batch slot), mirrored left-right when `flip`, in one pass.
+ * `src` is the pair Image.__arrow_c_array__() returns (read in place) or a bytes-like object. */
+static PyObject *pack_rgb(PyObject *self, PyObject *args) {
+    PyObject *src;
+    Py_buffer src_view, out;
+    unsigned int width, height;
+    int flip, have_view = 0;
+    const unsigned char *s;
+
+    if (!PyArg_ParseTuple(args, "OIIpw*", &src, &width, &height, &flip, &out)) {
+        return NULL;
+    }
+    if (PyTuple_Check(src)) {
+        s = arrow_pixels(src, width, height);
+    } else if (PyObject_GetBuffer(src, &src_view, PyBUF_SIMPLE) == 0) {
+        have_view = 1;
+        s = src_view.buf;
+        if ((size_t)src_view.len < (size_t)width * height * 4) {
+            PyErr_SetString(PyExc_ValueError, "source too small for the image");
+            s = NULL;
+        }
+    } else {
+        s = NULL;
+    }
+    if (s != NULL && (size_t)out.len < (size_t)width * height * 3) {
+        PyErr_SetString(PyExc_ValueError, "output too small for the image");
+        s = NULL;
+    }
+    if (s != NULL) {
+        unsigned char *d = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (unsigned int y = 0; y < height; y++) {
+            pack_row(s + (size_t)y * width * 4, d + (size_t)y * width * 3, width, flip);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    if (have_view) PyBuffer_Release(&src_view);
+    PyBuffer_Release(&out);
+    if (s == NULL) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, top, left, height, width, scale_num, scale_denom, channels, out) -> "
      "(x_offset, out_width, image_width, image_height)"},
+    {"pack_rgb", pack_rgb, METH_VARARGS,
+     "pack_rgb(src, width, height, flip, out): RGBX pixels (Image.__arrow_c_array__() or bytes) to RGB in out"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpegcrop", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__jpegcrop(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
