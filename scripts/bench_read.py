@@ -42,7 +42,7 @@ from packer.batchpool import POOL_MAX  # noqa: E402
 from packer.bench import cores, measure, proc_rss, worker_pids  # noqa: E402
 from packer.codec import decode_jpeg  # noqa: E402
 from packer.dataset import ShardDataset  # noqa: E402
-from packer.format import Manifest, load_index, source_path  # noqa: E402
+from packer.format import Manifest, disk_bytes, load_index, source_path  # noqa: E402
 from packer.read import open_reader  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_crops, resize_backend  # noqa: E402
@@ -267,12 +267,12 @@ def main() -> None:
         print(f"\nworker RSS over {mem['samples']:,} samples ({mem['records']:,} records x {epochs} epochs), "
               f"largest growth of {w} workers, MiB: " + ", ".join(f"{k} {v:+.1f}" for k, v in g.items()))
         print("  after: " + ", ".join(f"{k} {v:.1f}" for k, v in mem["after_mib"].items()))
-        private = g["RssAnon"] + g["RssFile"]
         batch_mib = bs * CROP * CROP * 3 / 2**20
-        print(f"  RssShmem is the worker's reused batch segments (packer.batchpool, {batch_mib:.0f} MiB a batch, "
-              f"one per batch in flight, at most {POOL_MAX}), not growth per sample read")
-        print(f"  goal: growth < 50 MiB (copy-on-access: RssAnon + RssFile): {private:+.1f} MiB, "
-              f"{'met' if private < 50 else 'NOT met'}; VmRSS incl. batch segments {g['VmRSS']:+.1f} MiB")
+        print(f"  RssFile is the dataset's pages mapped as they are read (shared page cache, at most the dataset's "
+              f"{disk_bytes(ds) / 2**20:.0f} MiB); RssShmem the worker's reused batch segments (packer.batchpool, "
+              f"{batch_mib:.0f} MiB a batch, one per batch in flight, at most {POOL_MAX})")
+        print(f"  goal: growth < 50 MiB of private memory (RssAnon, where copy-on-access growth shows): "
+              f"{g['RssAnon']:+.1f} MiB, {'met' if g['RssAnon'] < 50 else 'NOT met'}; VmRSS {g['VmRSS']:+.1f} MiB")
 
 
 if __name__ == "__main__":
