@@ -410,3 +410,21 @@ def test_native_packing_matches_pillows(built, fmt: str, monkeypatch) -> None:
         monkeypatch.delenv("PACKER_RESIZE")
         transform.resize_backend.cache_clear()
     assert torch.equal(native, fallback)
+
+
+@pytest.mark.skipif(transform._native is None, reason="packer._native not built (no C compiler or libjpeg headers)")
+def test_native_pack_rgb_any_width_both_directions() -> None:
+    """The compiled RGBX->RGB packer (vector path with a scalar tail) against numpy, mirrored or not."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    for w, h in ((1, 1), (3, 2), (4, 3), (5, 2), (8, 4), (9, 3), (13, 5), (224, 7)):
+        rgb = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        im = Image.fromarray(rgb).convert("RGBX")
+        for src in (transform._pixels(im), transform._raw_bytes(im, "RGBX")):
+            for flip in (False, True):
+                out = np.zeros((h, w, 3), np.uint8)
+                transform._native.pack_rgb(src, w, h, flip, out)
+                assert np.array_equal(out, rgb[:, ::-1] if flip else rgb), (w, h, flip)
+    with pytest.raises(ValueError, match="too small"):
+        transform._native.pack_rgb(bytes(10), 4, 4, False, np.zeros((4, 4, 3), np.uint8))
