@@ -284,12 +284,12 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
     top, left, bottom, right = box
     size = out.shape[0]
     if resize_backend() == "pillow":
-        if img.shape[2] == 4 and img.flags.c_contiguous:
+        img = np.ascontiguousarray(img)  # already so, from the decoders and raw records
+        if img.shape[2] == 4:
             src = Image.frombuffer("RGBX", (img.shape[1], img.shape[0]), img, "raw", "RGBX", 0, 1)
         else:  # RGB (raw records): Pillow unpacks just the box's rows, read in place, to its layout
-            rows = img if img.flags.c_contiguous else np.ascontiguousarray(img)
             start = (top * img.shape[1] + left) * 3
-            src = Image.frombuffer("RGB", (right - left, bottom - top), rows.reshape(-1)[start:], "raw", "RGB",
+            src = Image.frombuffer("RGB", (right - left, bottom - top), img.reshape(-1)[start:], "raw", "RGB",
                                    img.shape[1] * 3, 1)
             top, left, bottom, right = 0, 0, bottom - top, right - left
         small = src.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, right, bottom))
