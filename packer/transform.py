@@ -374,14 +374,26 @@ def _row_constants(mean: tuple[float, ...], std: tuple[float, ...], width: int) 
     return m.repeat(width), inv.repeat(width)
 
 
+@functools.lru_cache(maxsize=16)
+def _native_constants(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """norm_constants as the float tuples _native.normalize takes."""
+    m, inv = norm_constants(mean, std, (len(mean),))
+    return tuple(m.tolist()), tuple(inv.tolist())
+
+
 def normalize_hwc(x: torch.Tensor, out: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """:func:`normalize_into` for H x W x C uint8 ``x`` into ``out`` (an H x W x C view).
 
     Broadcasting a C-vector over the innermost dimension runs torch's kernels C elements at a time
     (measured ~550 us per 224 crop); over rows of W x C with the constants repeated along the row,
     they vectorize (~60 us). An H x W x C view of C x H x W memory is done per plane instead.
+    For float32 RGB, packer's compiled ``normalize`` does it in one pass with non-temporal stores
+    (~48 us against ~92 per 224 crop written into a batch larger than the caches), same arithmetic.
     """
     h, w, c = out.shape
+    if _native is not None and c == 3 and out.dtype == torch.float32 and out.is_contiguous() and x.is_contiguous():
+        _native.normalize(x.numpy(), out.numpy(), *_native_constants(mean, std))
+        return out
     if out.is_contiguous():
         m, inv = _row_constants(mean, std, w)
         return normalize_into(x.reshape(h, w * c), out.view(h, w * c), m, inv).view(h, w, c)

@@ -428,3 +428,20 @@ def test_native_pack_rgb_any_width_both_directions() -> None:
                 assert np.array_equal(out, rgb[:, ::-1] if flip else rgb), (w, h, flip)
     with pytest.raises(ValueError, match="too small"):
         transform._native.pack_rgb(bytes(10), 4, 4, False, np.zeros((4, 4, 3), np.uint8))
+
+
+@pytest.mark.skipif(transform._native is None, reason="packer._native not built (no C compiler or libjpeg headers)")
+def test_native_normalize_equals_torchs_arithmetic() -> None:
+    """The compiled float32 normalization (vector steps of 16 pixels, a scalar tail, streaming stores
+    only on 16-byte aligned output) gives torch's sub-then-multiply result bit for bit."""
+    rng = np.random.default_rng(6)
+    mean, std = (0.3, 0.5, 0.7), (0.2, 0.25, 0.3)
+    for h, w in ((1, 1), (1, 5), (3, 7), (2, 16), (5, 17), (224, 224)):
+        x = torch.from_numpy(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        m, inv = transform.norm_constants(mean, std, (3,))
+        want = (x.float() - m) * inv
+        for offset in (0, 1):  # an unaligned output takes the plain-store path
+            out = torch.empty(h * w * 3 + offset)[offset:].view(h, w, 3)
+            assert torch.equal(transform.normalize_hwc(x, out, mean, std), want), (h, w, offset)
+    with pytest.raises(ValueError, match="3-channel"):
+        transform._native.normalize(np.zeros(6, np.uint8), np.zeros(5, np.float32), (0, 0, 0), (1, 1, 1))
