@@ -106,8 +106,11 @@ def make_loader(ds: Any, workers: int, batch_size: int, samples: int, seed: int 
 
 
 def measure(ds: Any, workers: int, batch_size: int, samples: int, prefetch_factor: int = 2) -> Point:
-    """samples/s of ``samples`` samples after each worker's first batch (start-up) is excluded."""
-    warm = max(1, workers)
+    """samples/s of ``samples`` samples after a warm-up: each worker's first ``prefetch_factor + 1``
+    batches, which pay its start-up and the first use of each batch segment it will reuse for the
+    rest of the epoch (packer.batchpool: one per batch in flight, ~150 MB each for float32 at 224
+    px, whose pages fault in once; counted in, they cost float32 runs of 20 batches ~15%)."""
+    warm = max(1, workers * (prefetch_factor + 1))
     # persistent: the workers outlive the last batch, so their CPU time can still be read
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True} if workers else {}
     loader = make_loader(ds, workers, batch_size, samples + warm * batch_size, **extra)
