@@ -35,7 +35,7 @@ system-deps:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libturbojpeg0 libjpeg62-turbo-dev zlib1g-dev; \
 	fi
 
-$(VENV)/.installed: pyproject.toml packer/_native.c
+$(VENV)/.installed: pyproject.toml packer/_native.c packer/_resize.c packer/_resize.h
 	$(MAKE) system-deps
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip

@@ -24,6 +24,8 @@
 
 #include <jpeglib.h>
 
+#include "_resize.h"
+
 typedef struct {
     struct jpeg_error_mgr pub;
     jmp_buf jump;
@@ -356,6 +358,39 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* resize_crop(src, src_height, src_width, top, left, height, width, out, out_height, out_width, flip,
+ * vector=True): packer/_resize.c's resize of a box of packed RGB pixels into `out`, GIL released. */
+static PyObject *resize_crop(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    int src_height, src_width, top, left, height, width, out_height, out_width, flip, vector = 1, status = 0;
+    const char *problem = NULL;
+
+    if (!PyArg_ParseTuple(args, "y*iiiiiiw*iip|p", &src, &src_height, &src_width, &top, &left, &height, &width, &out,
+                          &out_height, &out_width, &flip, &vector)) {
+        return NULL;
+    }
+    if (src_height <= 0 || src_width <= 0 || (size_t)src.len < (size_t)src_height * src_width * 3) {
+        problem = "source smaller than its stated size";
+    } else if (top < 0 || left < 0 || height <= 0 || width <= 0 || top + height > src_height || left + width > src_width) {
+        problem = "crop box outside the source image";
+    } else if (out_height <= 0 || out_width <= 0 || (size_t)out.len < (size_t)out_height * out_width * 3) {
+        problem = "output too small for the resized crop";
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        status = resize_crop_rgb(src.buf, src_width, top, left, height, width, out.buf, out_height,
+                                 out_width, flip, vector);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, top, left, height, width, scale_num, scale_denom, channels, out) -> "
@@ -364,6 +399,9 @@ static PyMethodDef methods[] = {
      "pack_rgb(src, width, height, flip, out): RGBX pixels (Image.__arrow_c_array__() or bytes) to RGB in out"},
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, mean255, inv_std255): 3-channel uint8 pixels to (x - mean255) * inv_std255 as float32 in out"},
+    {"resize_crop", resize_crop, METH_VARARGS,
+     "resize_crop(src, src_height, src_width, top, left, height, width, out, out_height, out_width, flip, "
+     "vector=True): antialiased bilinear resize of a box of packed RGB pixels into out"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -374,5 +412,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     __builtin_cpu_init();
     have_ssse3 = __builtin_cpu_supports("ssse3");
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "RESIZE_VECTOR", resize_vector_available()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

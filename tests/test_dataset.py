@@ -24,6 +24,8 @@ from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_
 from .conftest import COMBOS
 
 CROP = 64
+#: The resize kernels this install has (packer's own needs packer._native built).
+BACKENDS = ("torch", "pillow") + (("packer",) if transform._native is not None else ())
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -152,12 +154,12 @@ def test_batched_crops_match_torchvision_semantics() -> None:
 
 @pytest.mark.parametrize("fmt", ["jpeg", "raw"])
 def test_memory_formats_and_resize_backends_agree(built, fmt: str, monkeypatch) -> None:
-    """channels-last (default) and contiguous batches hold the same values; torch's and Pillow's
-    antialiased bilinear resizes agree to within rounding away from the crop's border (each backend
-    is used whole per process)."""
+    """channels-last (default) and contiguous batches hold the same values; torch's, Pillow's and
+    packer's antialiased bilinear resizes agree to within rounding away from the crop's border, and
+    packer's with Pillow's everywhere (same filter; each backend is used whole per process)."""
     path = built("lmdb", fmt)
     results = {}
-    for backend in ("torch", "pillow"):
+    for backend in BACKENDS:
         monkeypatch.setenv("PACKER_RESIZE", backend)
         transform.resize_backend.cache_clear()
         try:
@@ -170,7 +172,7 @@ def test_memory_formats_and_resize_backends_agree(built, fmt: str, monkeypatch) 
         finally:
             monkeypatch.delenv("PACKER_RESIZE")
             transform.resize_backend.cache_clear()
-    for backend in ("torch", "pillow"):
+    for backend in BACKENDS:
         u8, f32 = results[backend, torch.channels_last, torch.uint8], results[backend, torch.channels_last, torch.float32]
         assert torch.equal(u8, results[backend, torch.contiguous_format, torch.uint8])
         assert torch.equal(f32, results[backend, torch.contiguous_format, torch.float32])
@@ -178,6 +180,10 @@ def test_memory_formats_and_resize_backends_agree(built, fmt: str, monkeypatch) 
     diff = (results["torch", torch.channels_last, torch.uint8].int() - results["pillow", torch.channels_last, torch.uint8].int()).abs()
     # Pillow's box resize reads source pixels just outside the box; torch stops at its edge
     assert diff.float().mean() < 0.5 and diff[..., 2:-2, 2:-2].max() <= 3
+    if "packer" in BACKENDS:  # torch's kernel ports Pillow's filter, as packer's does; both stop at the box
+        ours = results["packer", torch.channels_last, torch.uint8].int()
+        diff = (ours - results["torch", torch.channels_last, torch.uint8].int()).abs()
+        assert diff.float().mean() < 0.25 and diff.max() <= 2
 
 
 def test_pickle_round_trip_before_and_after_use(built) -> None:
@@ -354,13 +360,14 @@ def test_threads_sharing_a_dataset_get_the_same_samples(built, fmt: str) -> None
 @pytest.mark.parametrize("short_edge", [320, 641])
 def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_edge: int, monkeypatch) -> None:
     """Decoding only a crop's band gives the crop a full decode gives: exactly with torch's resize
-    (it stops at the box), within 1 with Pillow's (its filter weights depend on the box's position).
+    and with packer's (they stop at the box), within 1 with Pillow's (its filter weights depend on
+    the box's position in the decoded image, in floating point).
     At short edge 641, eval crops decode at 1/2 scale (the DCT-scaled band path)."""
     from packer import build
 
     out = tmp_path / "ds.lmdb"
     build(raw_photos, out, short_edge=short_edge, workers=1, quiet=True)
-    for backend, tolerance in (("torch", 0), ("pillow", 1)):
+    for backend, tolerance in [("torch", 0), ("pillow", 1), ("packer", 0)][: len(BACKENDS)]:
         monkeypatch.setenv("PACKER_RESIZE", backend)
         transform.resize_backend.cache_clear()
         try:
@@ -445,3 +452,40 @@ def test_native_normalize_equals_torchs_arithmetic() -> None:
             assert torch.equal(transform.normalize_hwc(x, out, mean, std), want), (h, w, offset)
     with pytest.raises(ValueError, match="3-channel"):
         transform._native.normalize(np.zeros(6, np.uint8), np.zeros(5, np.float32), (0, 0, 0), (1, 1, 1))
+
+
+@pytest.mark.skipif(transform._native is None, reason="packer._native not built (no C compiler or libjpeg headers)")
+def test_native_resize_matches_pillows_filter() -> None:
+    """packer's resize kernel against Pillow's BILINEAR resize of the cropped image (the filter it
+    implements): random boxes anywhere in the image, down- and upscaling, odd widths, 1 px sides,
+    mirrored or not; within 2 (rounding: the passes run in the other order), and the AVX2 and scalar
+    code give the same bytes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    smooth = np.linspace(0, 255, 427 * 3).reshape(1, 427, 3) + np.linspace(0, 60, 320).reshape(320, 1, 1)
+    for img in (rng.integers(0, 256, (320, 427, 3), dtype=np.uint8), smooth.astype(np.uint8)):
+        pil = Image.fromarray(img)
+        for _ in range(150):
+            h, w = int(rng.integers(1, 321)), int(rng.integers(1, 428))
+            top, left = int(rng.integers(0, 321 - h)), int(rng.integers(0, 428 - w))
+            oh, ow = (int(rng.choice([1, 7, 64, 224, 301])) for _ in range(2))
+            flip = bool(rng.integers(0, 2))
+            want = np.asarray(pil.crop((left, top, left + w, top + h)).resize((ow, oh), Image.Resampling.BILINEAR))
+            if flip:
+                want = want[:, ::-1]
+            got = {}
+            for vector in (True, False):
+                got[vector] = np.zeros((oh, ow, 3), np.uint8)
+                transform._native.resize_crop(img, 320, 427, top, left, h, w, got[vector], oh, ow, flip, vector)
+            case = (top, left, h, w, oh, ow, flip)
+            assert np.array_equal(got[True], got[False]), case
+            assert np.abs(got[True].astype(int) - want).max() <= 2, case
+    out = np.zeros((4, 4, 3), np.uint8)
+    for bad in ((0, 0, 321, 10), (-1, 0, 5, 5), (0, 420, 5, 8), (0, 0, 0, 5)):
+        with pytest.raises(ValueError, match="outside"):
+            transform._native.resize_crop(img, 320, 427, *bad, out, 4, 4, False)
+    with pytest.raises(ValueError, match="output too small"):
+        transform._native.resize_crop(img, 320, 427, 0, 0, 8, 8, out, 5, 4, False)
+    with pytest.raises(ValueError, match="source smaller"):
+        transform._native.resize_crop(img[:10], 320, 427, 0, 0, 8, 8, out, 4, 4, False)
