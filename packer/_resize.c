@@ -24,7 +24,7 @@
 
 #define PRECISION 14 /* coefficient bits: 255 * 2^14 * (taps summing to ~1) fits easily in int32 */
 #define ROUND (1 << (PRECISION - 1))
-#define PAD 32 /* bytes readable past the intermediate row (vector loads of its last pixels) */
+#define PAD 16 /* bytes readable past a row of the horizontal pass (vector loads of its last pixels) */
 
 typedef struct {
     int *first; /* first source pixel of each output pixel */
@@ -114,11 +114,11 @@ static void vertical_scalar(const unsigned char *src, size_t src_stride, const t
     }
 }
 
-static void horizontal_scalar(const unsigned char *row, const taps *h, int xlo, unsigned char *dst, int width, int flip) {
+static void horizontal_scalar(const unsigned char *row, const taps *h, unsigned char *dst, int width, int flip) {
     for (int j = 0; j < width; j++) {
         int x = flip ? width - 1 - j : j;
         const int16_t *c = h->coeff + (size_t)x * h->stride;
-        const unsigned char *p = row + (size_t)(h->first[x] - xlo) * 3;
+        const unsigned char *p = row + (size_t)h->first[x] * 3;
         int32_t r = ROUND, g = ROUND, b = ROUND;
         for (int k = 0; k < h->count[x]; k++, p += 3) {
             r += c[k] * p[0];
@@ -182,48 +182,46 @@ AVX2 static void vertical_vector(const unsigned char *src, size_t src_stride, co
     }
 }
 
-/* Two output pixels per step, one per 128-bit lane. Per pixel: 16 bytes from its first tap (5 RGB
- * pixels: taps 4g .. 4g+3 and one spare), taps 4g, 4g+1 and 4g+2, 4g+3 gathered as 16-bit
- * (r, r', g, g', b, b', 0, 0) for a multiply-add with (c, c', c, c', c, c', 0, 0) -> int32
- * (r, g, b, 0). The 4-byte store of a pixel spills one byte into the next, which is stored after it;
- * the row's last pixel is stored in 3 bytes. */
-AVX2 static void horizontal_vector(const unsigned char *row, const taps *h, int xlo, unsigned char *dst, int width,
-                                   int flip) {
+/* Four rows at once (`rows`, `stride` bytes apart; each readable PAD bytes past its end), sharing
+ * each output pixel's coefficients: rows 0 and 1 in the lanes of one register, 2 and 3 of another.
+ * Per row and output pixel: 16 bytes from its first tap (5 RGB pixels: taps 4g .. 4g+3 and one
+ * spare), taps 4g, 4g+1 and 4g+2, 4g+3 gathered as 16-bit (r, r', g, g', b, b', 0, 0) for a
+ * multiply-add with (c, c', c, c', c, c', 0, 0) -> int32 (r, g, b, 0). The 4-byte store of a pixel
+ * spills one byte into the next, which is stored after it; a row's last pixel is stored in 3 bytes. */
+AVX2 static void horizontal_vector(const unsigned char *rows, size_t stride, const taps *h, unsigned char *const dst[4],
+                                   int width, int flip) {
     const __m256i taps01 = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
                                             0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
     const __m256i taps23 = _mm256_setr_epi8(6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1,
                                             6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
-    int j = 0;
-    for (; j + 2 <= width; j += 2) {
-        int xa = flip ? width - 1 - j : j, xb = flip ? width - 2 - j : j + 1;
-        const __m128i *ca = (const __m128i *)(h->pairs + (size_t)xa * h->stride * 4);
-        const __m128i *cb = (const __m128i *)(h->pairs + (size_t)xb * h->stride * 4);
-        const unsigned char *pa = row + (size_t)(h->first[xa] - xlo) * 3, *pb = row + (size_t)(h->first[xb] - xlo) * 3;
-        int n = h->count[xa] > h->count[xb] ? h->count[xa] : h->count[xb];
-        __m256i acc = _mm256_set1_epi32(ROUND);
-        for (int g = 0; g < n; g += 4, pa += 12, pb += 12, ca += 2, cb += 2) {
-            __m256i pixels = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)pa)),
-                                                     _mm_loadu_si128((const __m128i *)pb), 1);
-            __m256i c01 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(ca)), _mm_loadu_si128(cb), 1);
-            __m256i c23 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(ca + 1)),
-                                                  _mm_loadu_si128(cb + 1), 1);
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(pixels, taps01), c01));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(pixels, taps23), c23));
+    for (int j = 0; j < width; j++) {
+        int x = flip ? width - 1 - j : j;
+        const __m128i *c = (const __m128i *)(h->pairs + (size_t)x * h->stride * 4);
+        const unsigned char *p = rows + (size_t)h->first[x] * 3;
+        __m256i acc01 = _mm256_set1_epi32(ROUND), acc23 = acc01;
+        for (int g = 0; g < h->count[x]; g += 4, p += 12, c += 2) {
+            __m256i c01 = _mm256_broadcastsi128_si256(_mm_loadu_si128(c));
+            __m256i c23 = _mm256_broadcastsi128_si256(_mm_loadu_si128(c + 1));
+            __m256i p01 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                  _mm_loadu_si128((const __m128i *)(p + stride)), 1);
+            __m256i p23 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2 * stride))),
+                                                  _mm_loadu_si128((const __m128i *)(p + 3 * stride)), 1);
+            acc01 = _mm256_add_epi32(acc01, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, taps01), c01));
+            acc01 = _mm256_add_epi32(acc01, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, taps23), c23));
+            acc23 = _mm256_add_epi32(acc23, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, taps01), c01));
+            acc23 = _mm256_add_epi32(acc23, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, taps23), c23));
         }
-        __m256i words = _mm256_packs_epi32(_mm256_srai_epi32(acc, PRECISION), acc);
+        /* lanes: (row 0, row 2) and (row 1, row 3), 4 bytes a pixel */
+        __m256i words = _mm256_packs_epi32(_mm256_srai_epi32(acc01, PRECISION), _mm256_srai_epi32(acc23, PRECISION));
         __m256i bytes = _mm256_packus_epi16(words, words);
-        uint32_t a = (uint32_t)_mm256_cvtsi256_si32(bytes);
-        uint32_t b = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(bytes, 1));
-        memcpy(dst + 3 * j, &a, 4);
-        memcpy(dst + 3 * j + 3, &b, j + 2 < width ? 4 : 3); /* little-endian: r, g, b are the low bytes */
-    }
-    if (j < width) { /* an odd width's last pixel */
-        int x = flip ? 0 : j;
-        taps one = *h;
-        one.first = h->first + x;
-        one.count = h->count + x;
-        one.coeff = h->coeff + (size_t)x * h->stride;
-        horizontal_scalar(row, &one, xlo, dst + 3 * j, 1, 0);
+        __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+        uint32_t pixel[4] = {(uint32_t)_mm_cvtsi128_si32(lo), (uint32_t)_mm_cvtsi128_si32(hi),
+                             (uint32_t)_mm_extract_epi32(lo, 1), (uint32_t)_mm_extract_epi32(hi, 1)};
+        if (j + 1 < width) {
+            for (int r = 0; r < 4; r++) memcpy(dst[r] + 3 * j, &pixel[r], 4);
+        } else { /* little-endian: r, g, b are the low bytes */
+            for (int r = 0; r < 4; r++) memcpy(dst[r] + 3 * j, &pixel[r], 3);
+        }
     }
 }
 
@@ -242,37 +240,72 @@ int resize_vector_available(void) {
 #endif
 }
 
-int resize_crop_rgb(const unsigned char *src, int src_width, int top, int left, int height,
-                    int width, unsigned char *out, int out_height, int out_width, int flip, int vector) {
+/* The horizontal pass over `n` (1-4) rows of `width` pixels, `stride` bytes apart, into out_rows. */
+static void horizontal_rows(const unsigned char *rows, size_t stride, int n, const taps *h, unsigned char *const out_rows[4],
+                            unsigned char *spare, int out_width, int flip, int vector) {
+#ifdef HAVE_VECTOR_PASSES
+    if (vector) {
+        unsigned char *dst[4] = {out_rows[0], spare, spare, spare};
+        for (int r = 1; r < n; r++) dst[r] = out_rows[r];
+        horizontal_vector(rows, stride, h, dst, out_width, flip);
+        return;
+    }
+#endif
+    for (int r = 0; r < n; r++) horizontal_scalar(rows + r * stride, h, out_rows[r], out_width, flip);
+}
+
+int resize_crop_rgb(const unsigned char *src, int src_width, int top, int left, int height, int width,
+                    unsigned char *out, int out_height, int out_width, int flip, int vector) {
     taps v, h;
     int status = -1;
+    size_t src_stride = (size_t)src_width * 3, out_stride = (size_t)out_width * 3;
+    /* the crop is the image: taps stop at its edges, as when torchvision crops, then resizes */
+    src += (size_t)top * src_stride + (size_t)left * 3;
     memset(&v, 0, sizeof v);
     memset(&h, 0, sizeof h);
-    /* the crop is the image: taps stop at its edges, as when torchvision crops, then resizes */
-    size_t src_stride = (size_t)src_width * 3;
-    src += (size_t)top * src_stride + (size_t)left * 3;
-    if (make_taps(&v, height, 0, height, out_height) == 0 && make_taps(&h, width, 0, width, out_width) == 0) {
-        /* the columns the horizontal taps reach: the vertical pass makes only those */
-        int xlo = h.first[0], xhi = h.first[out_width - 1] + h.count[out_width - 1];
-        int bytes = (xhi - xlo) * 3;
-        unsigned char *mid = malloc((size_t)bytes + PAD);
-        unsigned char *rgb_row = mid;
-        vector = vector && resize_vector_available();
-        if (mid != NULL && (!vector || make_pairs(&h, out_width) == 0)) {
-            memset(mid + bytes, 0, PAD);
-            for (int y = 0; y < out_height; y++) {
+    vector = vector && resize_vector_available();
+    if (make_taps(&v, height, 0, height, out_height) == 0 && make_taps(&h, width, 0, width, out_width) == 0 &&
+        (!vector || make_pairs(&h, out_width) == 0)) {
+        /* The horizontal pass costs the most per row, so it runs on the fewer rows: the output's
+         * (vertical pass first) when the crop is taller, else the crop's. Its input rows are padded
+         * copies, four at a time, as its vector loads read past a row's last pixel. */
+        int vertical_first = height >= out_height, rows = vertical_first ? out_height : height;
+        size_t stride = (size_t)width * 3 + PAD;
+        unsigned char *scratch = calloc(4 * stride + out_stride, 1), *spare = scratch + 4 * stride;
+        unsigned char *mid = vertical_first ? NULL : malloc((size_t)height * out_stride);
+        if (scratch != NULL && (vertical_first || mid != NULL)) {
+            for (int y = 0; y < rows; y += 4) {
+                int n = rows - y < 4 ? rows - y : 4;
+                unsigned char *dst[4];
+                for (int r = 0; r < n; r++) {
+                    unsigned char *row = scratch + r * stride;
+                    dst[r] = (vertical_first ? out : mid) + (size_t)(y + r) * out_stride;
+                    if (!vertical_first) {
+                        memcpy(row, src + (size_t)(y + r) * src_stride, (size_t)width * 3);
+                    }
+#ifdef HAVE_VECTOR_PASSES
+                    else if (vector) {
+                        vertical_vector(src, src_stride, &v, y + r, row, width * 3);
+                    }
+#endif
+                    else {
+                        vertical_scalar(src, src_stride, &v, y + r, row, width * 3);
+                    }
+                }
+                horizontal_rows(scratch, stride, n, &h, dst, spare, out_width, flip, vector);
+            }
+            for (int y = 0; !vertical_first && y < out_height; y++) { /* then the vertical pass into the output */
 #ifdef HAVE_VECTOR_PASSES
                 if (vector) {
-                    vertical_vector(src + (size_t)xlo * 3, src_stride, &v, y, rgb_row, bytes);
-                    horizontal_vector(rgb_row, &h, xlo, out + (size_t)y * out_width * 3, out_width, flip);
+                    vertical_vector(mid, out_stride, &v, y, out + (size_t)y * out_stride, (int)out_stride);
                     continue;
                 }
 #endif
-                vertical_scalar(src + (size_t)xlo * 3, src_stride, &v, y, rgb_row, bytes);
-                horizontal_scalar(rgb_row, &h, xlo, out + (size_t)y * out_width * 3, out_width, flip);
+                vertical_scalar(mid, out_stride, &v, y, out + (size_t)y * out_stride, (int)out_stride);
             }
             status = 0;
         }
+        free(scratch);
         free(mid);
     }
     free_taps(&v);

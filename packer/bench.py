@@ -27,6 +27,9 @@ from .format import disk_bytes
 KNEE_FRACTION = 0.9
 #: Samples per sweep point when --epochs is not given (one epoch of a big dataset takes too long).
 DEFAULT_MAX_SAMPLES = 10_000
+#: ... and at least this many batches (a small dataset's records are then read more than once),
+#: so that a point is not a handful of batches timed against the warm-up's noise.
+DEFAULT_MIN_BATCHES = 8
 #: Records drawn for the stage profile (it runs in one process, so it is kept short).
 PROFILE_SAMPLES = 1024
 
@@ -308,9 +311,9 @@ def run_bench(
 
     ds = ShardDataset(path, crop_size=crop_size, train=train, dtype=getattr(torch, dtype))
     workers = sorted(set(workers)) if workers else list(range(cores() + 1))
-    samples = len(ds) * epochs if epochs else min(len(ds), DEFAULT_MAX_SAMPLES)
+    samples = len(ds) * epochs if epochs else max(min(len(ds), DEFAULT_MAX_SAMPLES), DEFAULT_MIN_BATCHES * batch_size)
     points = [measure(ds, w, batch_size, samples) for w in workers]
-    prof = profile(ds, batch_size, min(profile_samples, max(samples, batch_size)))
+    prof = profile(ds, batch_size, profile_samples)
     size, avail = disk_bytes(path), mem_available()
     return BenchResult(
         path=str(path), count=len(ds), format=ds.manifest.format, backend=ds.manifest.backend, dtype=dtype,

@@ -287,7 +287,7 @@ def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--crop-size", type=click.IntRange(min=1), default=224, show_default=True)
 @click.option("--eval", "eval_", is_flag=True, help="Eval transform (resize + center crop) instead of train.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None,
-              help="Full passes per sweep point [default: one pass, at most 10,000 samples].")
+              help="Full passes per sweep point [default: one pass, at least 8 batches and at most 10,000 samples].")
 @click.option("--dtype", type=click.Choice(["uint8", "float32"]), default="float32", show_default=True,
               help="Output dtype (uint8: normalize on the GPU with packer.transform.to_device).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
