@@ -228,6 +228,17 @@ AVX2 static void horizontal_vector(const unsigned char *rows, size_t stride, con
 static int have_avx2 = -1;
 #endif
 
+/* Ask for source rows [from, to) (`bytes` each) ahead of use: the crop's rows lie across 4 KiB pages
+ * of the page cache, where the hardware prefetcher stops (measured: a record not in the cache cost
+ * ~35 us more per crop; this takes back about half). */
+static void prefetch_rows(const unsigned char *src, size_t src_stride, int from, int to, size_t bytes) {
+    for (int y = from; y < to; y++) {
+        const unsigned char *row = src + (size_t)y * src_stride;
+        for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
+        __builtin_prefetch(row + bytes - 1, 0, 3);
+    }
+}
+
 int resize_vector_available(void) {
 #ifdef HAVE_VECTOR_PASSES
     if (have_avx2 < 0) {
@@ -271,15 +282,24 @@ int resize_crop_rgb(const unsigned char *src, int src_width, int top, int left, 
          * copies, four at a time, as its vector loads read past a row's last pixel. */
         int vertical_first = height >= out_height, rows = vertical_first ? out_height : height;
         size_t stride = (size_t)width * 3 + PAD;
-        unsigned char *scratch = calloc(4 * stride + out_stride, 1), *spare = scratch + 4 * stride;
+        /* Output rows are made in `staged` (in the L1 cache), then copied to `out` whole: writing a
+         * batch slot not in the cache a few bytes at a time cost up to as much as the resize. */
+        unsigned char *scratch = calloc(4 * stride + 5 * out_stride, 1), *staged = scratch + 4 * stride;
+        unsigned char *spare = staged + 4 * out_stride;
         unsigned char *mid = vertical_first ? NULL : malloc((size_t)height * out_stride);
         if (scratch != NULL && (vertical_first || mid != NULL)) {
+            int fetched = 0; /* source rows asked for so far */
             for (int y = 0; y < rows; y += 4) {
-                int n = rows - y < 4 ? rows - y : 4;
+                int n = rows - y < 4 ? rows - y : 4, last = y + 7 < rows ? y + 7 : rows - 1;
+                int until = vertical_first ? v.first[last] + v.count[last] : last + 1; /* the next group's rows */
+                if (until > fetched) {
+                    prefetch_rows(src, src_stride, fetched, until, (size_t)width * 3);
+                    fetched = until;
+                }
                 unsigned char *dst[4];
                 for (int r = 0; r < n; r++) {
                     unsigned char *row = scratch + r * stride;
-                    dst[r] = (vertical_first ? out : mid) + (size_t)(y + r) * out_stride;
+                    dst[r] = vertical_first ? staged + r * out_stride : mid + (size_t)(y + r) * out_stride;
                     if (!vertical_first) {
                         memcpy(row, src + (size_t)(y + r) * src_stride, (size_t)width * 3);
                     }
@@ -293,15 +313,20 @@ int resize_crop_rgb(const unsigned char *src, int src_width, int top, int left, 
                     }
                 }
                 horizontal_rows(scratch, stride, n, &h, dst, spare, out_width, flip, vector);
+                for (int r = 0; vertical_first && r < n; r++) {
+                    memcpy(out + (size_t)(y + r) * out_stride, dst[r], out_stride);
+                }
             }
-            for (int y = 0; !vertical_first && y < out_height; y++) { /* then the vertical pass into the output */
+            for (int y = 0; !vertical_first && y < out_height; y++) { /* then the vertical pass */
 #ifdef HAVE_VECTOR_PASSES
                 if (vector) {
-                    vertical_vector(mid, out_stride, &v, y, out + (size_t)y * out_stride, (int)out_stride);
-                    continue;
-                }
+                    vertical_vector(mid, out_stride, &v, y, staged, (int)out_stride);
+                } else
 #endif
-                vertical_scalar(mid, out_stride, &v, y, out + (size_t)y * out_stride, (int)out_stride);
+                {
+                    vertical_scalar(mid, out_stride, &v, y, staged, (int)out_stride);
+                }
+                memcpy(out + (size_t)y * out_stride, staged, out_stride);
             }
             status = 0;
         }

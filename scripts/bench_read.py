@@ -255,8 +255,8 @@ def main() -> None:
         vals = [m[a] / m[b] if b else m[a] for m in (med, med_cpu)]
         verdict = "/".join("met" if v >= goal else "NOT met" for v in vals)
         print(f"  {label:<34} {vals[0]:>10,.2f} {vals[1]:>10,.2f}  goal >= {goal:,}: {verdict}")
-    print("  * FFCV's figures are quoted from the issue (2 cores, 224 crops, images at a long side of 320),\n"
-          "    measured on another machine: FFCV is not installed here, so these two rows are not side by side")
+    print("  * FFCV's figures as the issue quotes them (2 cores, 224 crops, images at a long side of 320); FFCV\n"
+          "    needs its own venv, so the side-by-side run is scripts/bench_ffcv.py (see docs/PERFORMANCE.md)")
 
     if not args.no_rss:
         ds = small_dataset(args.rss_records, w)
