@@ -9,8 +9,8 @@ Crop and resize stay in uint8 and write straight into the sample's slot of the o
 is channels-last (H x W x C in memory) by default: that is the layout decoders and resize kernels
 produce, so no transposing copy is made (a CHW copy cost ~70 us per 224 crop here). The resize is
 antialiased bilinear, by packer's own kernel where it is built (see :func:`resize_backend`; per
-RandomResizedCrop 224 here, into the slot: packer 83 us, Pillow-SIMD 157, torch 340, plain Pillow
-476). Conversion to float and normalization happen last, on the output crop only, or on the GPU
+RandomResizedCrop 224 here, into the slot: packer 92 us, Pillow-SIMD 180, torch 389, plain Pillow
+564). Conversion to float and normalization happen last, on the output crop only, or on the GPU
 with :func:`to_device`.
 """
 
@@ -165,9 +165,9 @@ def resize_backend() -> str:
     """The resize kernel, the fastest measured that this install has (per 224 crop here):
 
     - ``"packer"``: packer's own (packer/_resize.c, AVX2), which reads the RGB crop in place and
-      writes the batch slot directly: 83 us against Pillow-SIMD's 157 (its resize 135, unpacking
-      the crop to its RGBX layout and packing the result back the rest), torch's 340 and plain
-      Pillow's 476 (scripts/bench_resize.py);
+      writes the batch slot directly: 92 us against Pillow-SIMD's 180 (its resize 150, unpacking
+      the crop to its RGBX layout and packing the result back the rest), torch's 389 and plain
+      Pillow's 564 (scripts/bench_resize.py);
     - ``"pillow"``: Pillow-SIMD (its version ends in ``.postN``), where packer's kernel is not built
       or the CPU lacks AVX2;
     - ``"torch"``: torch's uint8 kernel.
