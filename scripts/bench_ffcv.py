@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ import numpy as np
 import torch
 
 # bench_read.py (beside this file) puts the repository on sys.path: packer comes from this tree
-from bench_read import CACHE, CROP, camera_images, packed
+from bench_read import CACHE, CROP, camera_images, median_table, packed, run_interleaved
 
 from packer import __version__ as packer_version
 from packer.bench import cores, measure
@@ -232,9 +231,6 @@ def main() -> None:
         "packer jpeg uint8": lambda: packer_rate(jpeg, samples, bs, w),
         "FFCV jpeg uint8": lambda: ffcv_rate(jpg_beton, count, samples, bs, w),
     }
-    wall: dict[str, list[float]] = {k: [] for k in runs}
-    cpu: dict[str, list[float]] = {k: [] for k in runs}
-
     import cv2
     import numba
     import PIL
@@ -246,22 +242,13 @@ def main() -> None:
           f"FFCV {importlib.metadata.version('ffcv')}, numba {numba.__version__}, numpy {np.__version__}, "
           f"torch {torch.__version__}, opencv-python-headless {cv2.__version__} (writing the JPEG .beton only)")
     print(stored, flush=True)
-    for r in range(args.repeats):
-        for name, fn in runs.items():
-            rate, us = fn()
-            wall[name].append(rate)
-            cpu[name].append(w * 1e6 / us)  # what w fully available cores would give
-            print(f"  repeat {r + 1}: {name:<18} {rate:>9,.0f} samples/s, {us:>7,.0f} CPU us/sample", flush=True)
+    wall, cpu = run_interleaved(runs, args.repeats, w, width=18)
     print(f"FFCV's decoder links {linked('libturbojpeg')}, {linked('libopencv_imgproc')}; "
           f"numba threading layer {numba.threading_layer()}")
 
     print(f"\nmedians of {args.repeats}; 'CPU-based' = {w} x 1e6 / (CPU us per sample, all processes and threads): "
           f"the rate {w} idle cores would give")
-    print(f"  {'':<18} {'samples/s':>10} {'CPU-based':>10}  wall-clock runs")
-    med = {k: statistics.median(v) for k, v in wall.items()}
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    for name, v in wall.items():
-        print(f"  {name:<18} {med[name]:>10,.0f} {med_cpu[name]:>10,.0f}  {', '.join(f'{x:,.0f}' for x in v)}")
+    med, med_cpu = median_table(wall, cpu, width=18)
     print("\npacker / FFCV        wall-clock  CPU-based")
     for fmt in ("raw", "jpeg"):
         a, b = f"packer {fmt} uint8", f"FFCV {fmt} uint8"

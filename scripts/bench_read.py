@@ -179,6 +179,36 @@ def small_dataset(n: int, workers: int) -> Path:
     return packed(raw, CACHE / f"read-{n}-small.lmdb", "jpeg", workers)
 
 
+# --- running and reporting (bench_ffcv.py uses these too) ---------------------------------------
+
+Rates = dict[str, list[float]]
+
+
+def run_interleaved(runs: dict[str, Callable[[], tuple[float, float]]], repeats: int, workers: int,
+                    width: int = 20) -> tuple[Rates, Rates]:
+    """Each run once per repeat, in turn, so that drifting machine load hits all alike. Returns the
+    wall-clock samples/s and the CPU-based rates (what ``workers`` fully available cores would give)."""
+    wall: Rates = {k: [] for k in runs}
+    cpu: Rates = {k: [] for k in runs}
+    for r in range(repeats):
+        for name, fn in runs.items():
+            rate, us = fn()
+            wall[name].append(rate)
+            cpu[name].append(workers * 1e6 / us)
+            print(f"  repeat {r + 1}: {name:<{width}} {rate:>9,.0f} samples/s, {us:>7,.0f} CPU us/sample", flush=True)
+    return wall, cpu
+
+
+def median_table(wall: Rates, cpu: Rates, width: int = 20) -> tuple[dict[str, float], dict[str, float]]:
+    """Print medians (wall-clock, CPU-based) and every run; return the two medians by run name."""
+    print(f"  {'':<{width}} {'samples/s':>10} {'CPU-based':>10}  wall-clock runs")
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    for name, v in wall.items():
+        print(f"  {name:<{width}} {med[name]:>10,.0f} {med_cpu[name]:>10,.0f}  {', '.join(f'{x:,.0f}' for x in v)}")
+    return med, med_cpu
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -220,26 +250,14 @@ def main() -> None:
         "camera JPEGs": lambda: loader_rate(FolderDataset(camera_files), args.camera_samples,
                                             args.camera_batch, w),
     }
-    wall: dict[str, list[float]] = {k: [] for k in runs}
-    cpu: dict[str, list[float]] = {k: [] for k in runs}
     import PIL
 
     print(f"{count} images, {w} workers, batch {bs} (camera: {args.camera_batch}), crop {CROP}, "
           f"{args.repeats} repeats; resize by {resize_backend()} (Pillow {PIL.__version__})", flush=True)
-    for r in range(args.repeats):
-        for name, fn in runs.items():
-            rate, us = fn()
-            wall[name].append(rate)
-            cpu[name].append(w * 1e6 / us)  # what w fully available cores would give
-            print(f"  repeat {r + 1}: {name:<20} {rate:>9,.0f} samples/s, {us:>7,.0f} CPU us/sample", flush=True)
-
+    wall, cpu = run_interleaved(runs, args.repeats, w)
     print(f"\nmedians of {args.repeats} ({w} workers, RandomResizedCrop {CROP} + flip); 'CPU-based' = "
           f"{w} x 1e6 / (CPU us per sample, main process + workers): the rate {w} idle cores would give")
-    print(f"  {'':<20} {'samples/s':>10} {'CPU-based':>10}  wall-clock runs")
-    med = {k: statistics.median(v) for k, v in wall.items()}
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    for name, v in wall.items():
-        print(f"  {name:<20} {med[name]:>10,.0f} {med_cpu[name]:>10,.0f}  {', '.join(f'{x:,.0f}' for x in v)}")
+    med, med_cpu = median_table(wall, cpu)
     goals = [
         ("jpeg uint8 / bare decode limit", "packer jpeg uint8", "bare decode limit", 0.8),
         ("jpeg float32 / bare decode limit", "packer jpeg float32", "bare decode limit", 0.65),
