@@ -1,5 +1,7 @@
-/* packer's compiled helpers for the read path: crop-on-decode for JPEG records (libjpeg's
- * jpeg_crop_scanline + jpeg_skip_scanlines) and writing a resized crop into its batch slot.
+/* packer's compiled helpers for the read path, the module packer._native: crop-on-decode for JPEG
+ * records (libjpeg's jpeg_crop_scanline + jpeg_skip_scanlines, below), the crop resize
+ * (resize_crop: packer/_resize.c), Pillow's RGBX result packed into a batch slot (pack_rgb) and
+ * float32 normalization with streaming stores (normalize).
  *
  * A training crop covers ~45% of a record on average, but a plain decode does the inverse DCT,
  * upsampling and colour conversion of every pixel. libjpeg (libjpeg-turbo >= 1.5, Debian's 2.1

@@ -3,17 +3,19 @@
  * The same filter and coefficients as Pillow's BILINEAR resize of the cropped image (its
  * precompute_coeffs: a triangle filter widened by the downscale factor), and so torch's antialiased
  * bilinear interpolate, which ports it; taps stop at the crop's edges, as in torchvision's
- * crop-then-resize. 14-bit fixed point, each pass rounded to uint8 as Pillow rounds. Why not Pillow: it reads RGB
- * only after unpacking it to its 4-byte RGBX layout (~40 us per raw crop here), its result must be
- * packed back to RGB for the batch (~30 us), and plain Pillow's kernel has no SIMD (480 us per 224
- * crop, against ~96 for Pillow-SIMD). Here the crop is read in place (a raw record or a decoded
- * band) and the second pass writes straight into the slot.
+ * crop-then-resize. 14-bit fixed point, each pass rounded to uint8 as Pillow rounds.
  *
- * Per output row, the vertical pass makes one intermediate row (over whole rows of contiguous
- * bytes, 32 at a time with AVX2), which stays in the L1 cache for the horizontal pass (two output
- * pixels per step, up to 4 taps each, with byte shuffles and 16-bit multiply-adds). CPUs without
- * AVX2 (checked at run time) take the scalar code, the same integer arithmetic: both give identical
- * bytes (tested).
+ * Why not a library's kernel: each needs the crop copied into its own layout first (Pillow's 4-byte
+ * RGBX: ~40 us per crop here) and the result copied out again (~30 us), and only Pillow-SIMD's has
+ * SIMD (plain Pillow takes ~560 us per crop, torch ~390). Here the crop is read in place (a raw
+ * record or a decoded band) and finished rows are copied into the slot: ~90 us in all, against
+ * ~180 for Pillow-SIMD with its copies (scripts/bench_resize.py).
+ *
+ * The horizontal pass costs the most per row, so it runs on the fewer rows: after the vertical pass
+ * when the crop is taller than the output, before it otherwise. It does four rows at a time with
+ * shared coefficients (byte shuffles and 16-bit multiply-adds, AVX2); the vertical pass works on
+ * whole rows of contiguous bytes, 32 at a time. CPUs without AVX2 (checked at run time) take the
+ * scalar code, the same integer arithmetic: both give identical bytes (tested).
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,10 +42,10 @@ static double triangle(double x) {
     return x < 1.0 ? 1.0 - x : 0.0;
 }
 
-/* Pillow's precompute_coeffs for the box [lo, hi) of a dimension of `size` pixels -> `out` pixels;
- * 0, or -1 when out of memory. `stride` is rounded up to whole groups of 4 taps. */
-static int make_taps(taps *t, int size, double lo, double hi, int out) {
-    double scale = (hi - lo) / out, filterscale = scale < 1.0 ? 1.0 : scale, support = filterscale;
+/* Pillow's precompute_coeffs for a dimension of `size` pixels -> `out` pixels; 0, or -1 when out of
+ * memory. `stride` is rounded up to whole groups of 4 taps. */
+static int make_taps(taps *t, int size, int out) {
+    double scale = (double)size / out, filterscale = scale < 1.0 ? 1.0 : scale, support = filterscale;
     int ksize = (int)ceil(support) * 2 + 1, stride = (ksize + 3) & ~3;
     double *k = malloc(sizeof(double) * ksize);
     t->first = malloc(sizeof(int) * out);
@@ -55,7 +57,7 @@ static int make_taps(taps *t, int size, double lo, double hi, int out) {
         return -1;
     }
     for (int x = 0; x < out; x++) {
-        double center = lo + (x + 0.5) * scale, total = 0.0;
+        double center = (x + 0.5) * scale, total = 0.0;
         int first = (int)(center - support + 0.5), last = (int)(center + support + 0.5);
         if (first < 0) first = 0;
         if (last > size) last = size;
@@ -261,6 +263,8 @@ static void horizontal_rows(const unsigned char *rows, size_t stride, int n, con
         horizontal_vector(rows, stride, h, dst, out_width, flip);
         return;
     }
+#else
+    (void)spare, (void)vector;
 #endif
     for (int r = 0; r < n; r++) horizontal_scalar(rows + r * stride, h, out_rows[r], out_width, flip);
 }
@@ -275,7 +279,7 @@ int resize_crop_rgb(const unsigned char *src, int src_width, int top, int left, 
     memset(&v, 0, sizeof v);
     memset(&h, 0, sizeof h);
     vector = vector && resize_vector_available();
-    if (make_taps(&v, height, 0, height, out_height) == 0 && make_taps(&h, width, 0, width, out_width) == 0 &&
+    if (make_taps(&v, height, out_height) == 0 && make_taps(&h, width, out_width) == 0 &&
         (!vector || make_pairs(&h, out_width) == 0)) {
         /* The horizontal pass costs the most per row, so it runs on the fewer rows: the output's
          * (vertical pass first) when the crop is taller, else the crop's. Its input rows are padded
