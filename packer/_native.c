@@ -361,14 +361,16 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
 }
 
 /* resize_crop(src, src_height, src_width, top, left, height, width, out, out_height, out_width, flip,
- * vector=True): packer/_resize.c's resize of a box of packed RGB pixels into `out`, GIL released. */
+ * vector=True, lanczos=False): packer/_resize.c's resize of a box of packed RGB pixels into `out`,
+ * antialiased bilinear or Lanczos, GIL released. */
 static PyObject *resize_crop(PyObject *self, PyObject *args) {
     Py_buffer src, out;
-    int src_height, src_width, top, left, height, width, out_height, out_width, flip, vector = 1, status = 0;
+    int src_height, src_width, top, left, height, width, out_height, out_width, flip, vector = 1, lanczos = 0;
+    int status = 0;
     const char *problem = NULL;
 
-    if (!PyArg_ParseTuple(args, "y*iiiiiiw*iip|p", &src, &src_height, &src_width, &top, &left, &height, &width, &out,
-                          &out_height, &out_width, &flip, &vector)) {
+    if (!PyArg_ParseTuple(args, "y*iiiiiiw*iip|pp", &src, &src_height, &src_width, &top, &left, &height, &width, &out,
+                          &out_height, &out_width, &flip, &vector, &lanczos)) {
         return NULL;
     }
     if (src_height <= 0 || src_width <= 0 || (size_t)src.len < (size_t)src_height * src_width * 3) {
@@ -380,7 +382,7 @@ static PyObject *resize_crop(PyObject *self, PyObject *args) {
     } else {
         Py_BEGIN_ALLOW_THREADS
         status = resize_crop_rgb(src.buf, src_width, top, left, height, width, out.buf, out_height,
-                                 out_width, flip, vector);
+                                 out_width, flip, lanczos, vector);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&src);
@@ -403,7 +405,7 @@ static PyMethodDef methods[] = {
      "normalize(src, out, mean255, inv_std255): 3-channel uint8 pixels to (x - mean255) * inv_std255 as float32 in out"},
     {"resize_crop", resize_crop, METH_VARARGS,
      "resize_crop(src, src_height, src_width, top, left, height, width, out, out_height, out_width, flip, "
-     "vector=True): antialiased bilinear resize of a box of packed RGB pixels into out"},
+     "vector=True, lanczos=False): antialiased bilinear (or Lanczos) resize of a box of packed RGB pixels into out"},
     {NULL, NULL, 0, NULL},
 };
 

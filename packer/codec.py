@@ -35,12 +35,21 @@ def turbojpeg():
         return None
 
 
+def native_shrink() -> bool:
+    """Whether builds shrink decoded JPEGs with packer's own Lanczos kernel (packer/_resize.c: built,
+    and this CPU has AVX2) rather than Pillow's: ~0.5 ms for 500x375 -> 427x320 here, reading the
+    decoded pixels in place, against 3.0 ms for plain Pillow with its copies (0.85 for Pillow-SIMD)."""
+    return turbojpeg() is not None and _native is not None and bool(_native.RESIZE_VECTOR)
+
+
 def codec_name() -> str:
-    """Recorded in the manifest: JPEG bytes (and so the digest) depend on the encoder build."""
+    """Recorded in the manifest: record bytes (and so the digest) depend on the decoder, the resize
+    and the encoder builds."""
     import PIL
 
-    tj = turbojpeg()
-    return "turbojpeg" if tj is not None else f"pillow-{PIL.__version__}"
+    if turbojpeg() is None:
+        return f"pillow-{PIL.__version__}"
+    return "turbojpeg, resize " + ("packer" if native_shrink() else f"pillow-{PIL.__version__}")
 
 
 def encode_jpeg(rgb: np.ndarray, quality: int) -> bytes:

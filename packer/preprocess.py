@@ -18,7 +18,8 @@ from typing import Optional, Union
 import numpy as np
 from PIL import Image
 
-from .codec import decode_jpeg, encode_jpeg, shrink_factor, turbojpeg
+from . import codec
+from .codec import decode_jpeg, encode_jpeg, native_shrink, shrink_factor, turbojpeg
 
 Image.MAX_IMAGE_PIXELS = None  # packer enforces its own, configurable limit (max_pixels) below
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
@@ -121,7 +122,7 @@ def load(path: str, opts: Options) -> Image.Image:
         orientation = im.getexif().get(0x0112, 1)
         if im.format == "JPEG" and im.mode in ("RGB", "L") and turbojpeg() is not None:
             factor = shrink_factor(width, height, opts.short_edge)
-            rgb = Image.fromarray(decode_jpeg(data, factor), "RGB")
+            rgb = Image.fromarray(shrink(decode_jpeg(data, factor), target), "RGB")
         else:
             if im.format == "JPEG" and target != (width, height):
                 im.draft(im.mode, target)  # DCT-domain downscale; result stays >= the requested size
@@ -132,6 +133,18 @@ def load(path: str, opts: Options) -> Image.Image:
     if rgb.size != target:
         rgb = rgb.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
     return _apply_orientation(rgb, orientation)
+
+
+def shrink(pixels: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """H x W x 3 ``pixels`` at the ``target`` (width, height) with Pillow's LANCZOS filter, by
+    packer's kernel where :func:`~packer.codec.native_shrink`; else unchanged, for Pillow to resize."""
+    height, width = pixels.shape[:2]
+    if (width, height) == target or not native_shrink():
+        return pixels
+    out = np.empty((target[1], target[0], 3), np.uint8)
+    codec._native.resize_crop(pixels, height, width, 0, 0, height, width, out, target[1], target[0], False,
+                              True, True)
+    return out
 
 
 def _apply_orientation(im: Image.Image, orientation: int) -> Image.Image:

@@ -383,3 +383,29 @@ def test_labels_csv_refusals(tmp_path: Path, row: str, message: str) -> None:
     assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr
     assert str(labels) in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_builds_shrink_like_pillows_lanczos(tmp_path: Path, monkeypatch) -> None:
+    """Where packer's Lanczos kernel shrinks decoded JPEGs (packer.codec.native_shrink), records are
+    within 2 levels of Pillow's LANCZOS resize of the same decode, orientation included; the codec
+    name recorded in the manifest says which resize made them."""
+    from packer import codec, preprocess
+
+    if not codec.native_shrink():
+        pytest.skip("packer's resize kernel is not used here (not built, no AVX2, or no libjpeg-turbo)")
+    assert codec.codec_name() == "turbojpeg, resize packer"
+    rng = np.random.default_rng(3)
+    for k, (size, orientation) in enumerate((((1000, 750), 1), ((999, 641), 6), ((641, 999), 3), ((2600, 1700), 8))):
+        pixels = np.clip(gradient(*size, seed=k).astype(int) + rng.integers(-40, 40, (size[1], size[0], 3)), 0, 255)
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        path = save(tmp_path / f"{k}.jpg", Image.fromarray(pixels.astype(np.uint8)), quality=95, exif=exif)
+        ours = process(str(path), Options(format="raw"))
+        with monkeypatch.context() as m:
+            m.setattr(preprocess, "native_shrink", lambda: False)
+            theirs = process(str(path), Options(format="raw"))
+            m.setattr(codec, "native_shrink", lambda: False)
+            assert codec.codec_name().startswith("turbojpeg, resize pillow-")
+        assert (ours.height, ours.width) == (theirs.height, theirs.width) and min(ours.height, ours.width) == 320
+        diff = np.abs(np.frombuffer(ours.data, np.uint8).astype(int) - np.frombuffer(theirs.data, np.uint8))
+        assert diff.max() <= 2 and diff.mean() < 0.1, (size, orientation)
