@@ -373,8 +373,15 @@ def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, o
 
 
 def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.Tensor:
-    """One record -> the whole stored image as uint8 HWC (a copy: buffers are transient)."""
-    img = raw_image(data, height, width) if fmt == "raw" else decode_jpeg(data, height, width)
+    """One record -> the whole stored image as uint8 HWC (a copy: buffers are transient). JPEG goes
+    through packer's libjpeg binding where it is built, as crops do: its damage checks run in C,
+    where PyTurboJPEG's go through the process-wide (not thread-safe) warnings filters."""
+    if fmt == "raw":
+        img = raw_image(data, height, width)
+    elif codec.can_decode_region():
+        img, _ = decode_jpeg_band(data, height, width, None, (0, 0, height, width), 0, False)
+    else:
+        img = decode_jpeg(data, height, width)
     return _tensor(img).clone()
 
 
