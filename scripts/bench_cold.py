@@ -1,0 +1,125 @@
+"""Cold vs warm reads: one epoch of ShardDataset with the dataset's pages evicted from the page cache
+first, then one with them cached, through the same DataLoader settings.
+
+A dataset that fits in RAM is read from disk only in its first epoch; one that does not is read from
+disk every epoch, so its speed is the cold figure. Eviction uses posix_fadvise(DONTNEED) on the
+dataset's files (what `vmtouch -e` does: no root needed, other files untouched); each measurement
+gets fresh DataLoader workers, so no process still maps the evicted pages.
+
+    python scripts/bench_cold.py                         # 2,000 generated photos, raw and JPEG, LMDB
+    python scripts/bench_cold.py --backend memmap --repeats 5
+
+Prints samples/s and MB/s of records per epoch (medians of the repeats, each epoch every record once,
+in a new random order), and how much of the dataset was cached before each epoch (fincore-style,
+through mincore).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from packer.bench import cores, disk_bytes  # noqa: E402
+from packer.dataset import ShardDataset  # noqa: E402
+from packer.sample import make_folder  # noqa: E402
+
+CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-bench"
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def files(dataset: Path) -> list[Path]:
+    return sorted(p for p in dataset.rglob("*") if p.is_file())
+
+
+def evict(dataset: Path) -> None:
+    """Drop the dataset's clean pages from the page cache (dirty ones are synced first)."""
+    for f in files(dataset):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_fraction(dataset: Path) -> float:
+    """Share of the dataset's pages in the page cache (mincore over a read-only mapping of each file)."""
+    resident = total = 0
+    for f in files(dataset):
+        size = f.stat().st_size
+        if size == 0:
+            continue
+        # a private mapping (never written): ctypes needs a writable buffer to take its address
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            buf = (ctypes.c_char * size).from_buffer(mm)
+            status = _libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
+            del buf  # the mapping cannot close while a ctypes view holds it
+            if status != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            resident += sum(v & 1 for v in vec)
+            total += pages
+    return resident / max(total, 1)
+
+
+def epoch(dataset: Path, workers: int, batch_size: int, seed: int) -> float:
+    """Seconds for one epoch (every record once, shuffled) with fresh workers."""
+    ds = ShardDataset(dataset, dtype=torch.uint8)
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=False,
+                        generator=torch.Generator().manual_seed(seed))
+    t0 = time.perf_counter()
+    n = sum(len(labels) for _, labels in loader)
+    assert n == len(ds)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--backend", default="lmdb", choices=["lmdb", "memmap"])
+    ap.add_argument("--workers", type=int, default=cores())
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from packer import build
+
+    raw = CACHE / f"raw-{args.images}-480x360"
+    make_folder(raw, args.images, (480, 360), args.workers)
+    suffix = ".lmdb" if args.backend == "lmdb" else ""
+    datasets = {}
+    for fmt in ("raw", "jpeg"):
+        out = CACHE / f"cold-{args.images}-{fmt}-{args.backend}{suffix}"
+        if not out.exists():
+            build(raw, out, format=fmt, backend=args.backend, workers=args.workers, quiet=True)
+        datasets[fmt] = out
+    print(f"{args.images} records (427x320 stored), {args.backend}, {args.workers} workers, batch {args.batch_size}, "
+          f"RandomResizedCrop 224 + flip, uint8, {args.repeats} repeats; a cold epoch reads every record from disk")
+    for fmt, path in datasets.items():
+        size = disk_bytes(path)
+        rates: dict[str, list[float]] = {"cold": [], "warm": []}
+        cached: dict[str, list[float]] = {"cold": [], "warm": []}
+        for r in range(args.repeats):
+            evict(path)
+            for kind in ("cold", "warm"):  # the warm epoch reads what the cold one brought in
+                cached[kind].append(cached_fraction(path))
+                rates[kind].append(args.images / epoch(path, args.workers, args.batch_size, seed=r))
+        for kind, v in rates.items():
+            med = statistics.median(v)
+            print(f"  {fmt:<5} {kind}: {med:>8,.0f} samples/s, {med * size / args.images / 1e6:>7,.0f} MB/s of "
+                  f"records (runs {', '.join(f'{x:,.0f}' for x in v)}; cached before: "
+                  f"{statistics.median(cached[kind]):.0%}); dataset {size / 1e6:,.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
