@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -121,6 +122,38 @@ def _check_pages_once(path: str) -> None:
     mark_lmdb_pages_checked(path)
 
 
+#: Threads per process that fetch a batch's LMDB records together. py-lmdb's ``get`` touches every
+#: page of a value (with the GIL released), and packer opens LMDB without readahead (random reads
+#: of data bigger than RAM), so a record not in the page cache is read one page after another:
+#: fetching in threads keeps that many reads in flight. Measured on a cold dataset here, 8 threads:
+#: raw records 4.3x, JPEG 4.2x faster to fetch; no slower once cached.
+FETCH_THREADS = 8
+
+_FETCH = threading.local()  # per thread: {path: (env, txn)} for the fetch threads' own transactions
+_POOL: tuple[int, Optional[ThreadPoolExecutor]] = (-1, None)  # (pid, executor) of this process
+
+
+def _fetch_pool() -> ThreadPoolExecutor:
+    """This process's fetch threads (a forked child starts its own: threads do not survive fork)."""
+    global _POOL
+    with _LMDB_LOCK:
+        if _POOL[0] != os.getpid() or _POOL[1] is None:
+            _POOL = (os.getpid(), ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="packer-fetch"))
+        return _POOL[1]
+
+
+def _thread_txn(path: str) -> lmdb.Transaction:
+    """A read transaction of this thread on the process's environment for ``path`` (an LMDB
+    transaction belongs to one thread); renewed when that environment was closed and reopened."""
+    _lmdb_txn(path)  # opens, or reopens a replaced dataset
+    env = _LMDB_ENVS[path][2]
+    mine = _FETCH.__dict__.setdefault("txns", {})
+    entry = mine.get(path)
+    if entry is None or entry[0] is not env:
+        entry = mine[path] = (env, env.begin(buffers=True))
+    return entry[1]
+
+
 def _lmdb_txn(path: str) -> lmdb.Transaction:
     """This process's shared read-only environment and long-lived read transaction for ``path``."""
     with _LMDB_LOCK:
@@ -185,10 +218,23 @@ class LmdbReader(Reader):
             _drop_stale(os.getpid())
 
     def get(self, i: int) -> Buffer:
-        return self.get_many([i])[0]
+        return self._fetch([i], _lmdb_txn(self.root))[0]
 
     def get_many(self, indices: Sequence[int]) -> list[Buffer]:
-        txn = _lmdb_txn(self.root)
+        """A batch's records, fetched by :data:`FETCH_THREADS` threads (each every n-th record)."""
+        n = FETCH_THREADS
+        if n <= 1 or len(indices) < 2 * n:
+            return self._fetch(indices, _lmdb_txn(self.root))
+        parts = list(_fetch_pool().map(self._fetch_in_thread, [indices[k::n] for k in range(n)]))
+        out: list[Buffer] = [None] * len(indices)  # type: ignore[list-item]
+        for k, part in enumerate(parts):
+            out[k::n] = part
+        return out
+
+    def _fetch_in_thread(self, indices: Sequence[int]) -> list[Buffer]:
+        return self._fetch(indices, _thread_txn(self.root))
+
+    def _fetch(self, indices: Sequence[int], txn: lmdb.Transaction) -> list[Buffer]:
         lengths = self.index["length"][np.asarray(indices, dtype=np.int64)].tolist()
         values = []
         for i, length in zip(indices, lengths):

@@ -465,3 +465,29 @@ def test_crop_on_decode_of_damaged_records_never_crashes(pristine) -> None:
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("done ") and int(run.stdout.split()[1]) > 0
+
+
+def test_threaded_lmdb_fetch_matches_serial_names_bad_records_and_survives_fork(pristine, tmp_path: Path) -> None:
+    """A batch's LMDB records are fetched by packer.read's fetch threads (each with its own read
+    transaction): the same bytes in the same order as one at a time, a bad record named by its index,
+    and a forked child (whose parent's threads did not survive the fork) fetching with its own."""
+    from packer import read
+
+    root = copy(pristine("lmdb", "raw"), tmp_path / "d.lmdb")
+    manifest = Manifest.load(root)
+    index, _ = load_index(root, manifest)
+    reader = open_reader(root, manifest, index)
+    order = [19, 3, 3, 0, 7, 12, 5, 5, 18, 1, 2, 4, 6, 8, 9, 10, 11, 13, 14, 15, 16, 17]
+    assert len(order) >= 2 * read.FETCH_THREADS
+    serial = [bytes(reader.get(i)) for i in order]
+    assert [bytes(b) for b in reader.get_many(order)] == serial
+
+    def child_fetch(_: Path) -> str:
+        return "same" if [bytes(b) for b in reader.get_many(order)] == serial else "different"
+
+    assert isolated(child_fetch, root) == "same"
+    wrong = index.copy()
+    wrong["length"][12] += 1
+    with pytest.raises(DatasetError, match=r"record 12: has \d+ bytes, index says \d+") as e:
+        open_reader(root, manifest, wrong).get_many(order)
+    assert e.value.record == 12
