@@ -5,7 +5,9 @@ environment must not be used across fork(), so LMDB environments live in a per-p
 keyed by path: every reader over that path shares one, and a forked child drops the inherited handle
 before opening its own. An entry whose data.mdb was deleted or replaced (a rebuild with --force, a
 deleted temporary dataset whose inode a new one reuses) is closed rather than served stale. Readers
-keep no handle in their pickled state, so they cross the spawn start method cleanly.
+keep no handle in their pickled state, so they cross the spawn start method cleanly. A batch's LMDB
+records are fetched by a few threads per process (see :data:`FETCH_THREADS`), each with its own
+read transaction on the shared environment, as LMDB wants one transaction per thread.
 """
 
 from __future__ import annotations
