@@ -210,8 +210,8 @@ def _resize_advice(resize: str) -> str:
 
 
 def advice(points: Sequence[Point], stages: Sequence[dict[str, Any]], fmt: str, dtype: str,
-           resize: str) -> dict[str, Any]:
-    """DataLoader settings and notes that follow from the sweep and the profile."""
+           resize: str, fits_in_page_cache: Optional[bool] = None) -> dict[str, Any]:
+    """DataLoader settings and notes that follow from the sweep, the profile and the dataset's size."""
     k = knee(points)
     top = max(p.workers for p in points)
     share = {s["stage"]: s["percent"] for s in stages}
@@ -229,6 +229,10 @@ def advice(points: Sequence[Point], stages: Sequence[dict[str, Any]], fmt: str, 
                      "fast local storage")
     if share.get("resize", 0) > 25 and resize != "packer":
         notes.append(_resize_advice(resize))
+    if fits_in_page_cache is False and fmt == "raw":
+        notes.append("the dataset does not fit in the page cache, so every epoch reads it from disk: JPEG "
+                     "records are ~14x smaller than raw ones (`packer build --format jpeg`); see "
+                     "docs/PERFORMANCE.md, \"Cold reads\"")
     if share.get("resize", 0) > 40:
         notes.append("the resize dominates: a smaller --short-edge at build time (closer to the crop size) "
                      "makes it cheaper")
@@ -335,7 +339,8 @@ def run_bench(
         dataset_bytes=size,
         mem_available=avail, fits_in_page_cache=None if avail is None else size < avail,
         cold_read=COLD_READ_HINT, throughput=points, knee=knee(points), profile=prof,
-        recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize_backend()),
+        recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize_backend(),
+                              None if avail is None else size < avail),
     )
 
 

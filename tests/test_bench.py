@@ -87,3 +87,13 @@ def test_advice_names_the_faster_resize(monkeypatch) -> None:
         assert "unset PACKER_RESIZE" in notes("pillow")
     monkeypatch.setattr(transform, "_native", None)
     assert "C extension was not built" in notes("torch") and "C extension was not built" in notes("pillow")
+
+
+def test_advice_for_a_raw_dataset_bigger_than_ram() -> None:
+    from packer import bench
+
+    points = [bench.Point(0, 100, 1.0, 100.0, 10.0)]
+    stages = [{"stage": "read", "percent": 10.0}]
+    for fmt, fits, told in (("raw", False, True), ("raw", True, False), ("jpeg", False, False), ("raw", None, False)):
+        notes = " ".join(bench.advice(points, stages, fmt, "uint8", "packer", fits)["notes"])
+        assert ("--format jpeg" in notes) == told, (fmt, fits)
