@@ -8,10 +8,12 @@ gets fresh DataLoader workers, so no process still maps the evicted pages.
 
     python scripts/bench_cold.py                         # 2,000 generated photos, raw and JPEG, LMDB
     python scripts/bench_cold.py --backend memmap --repeats 5
+    python scripts/bench_cold.py --formats raw --memory-limit 650                    # bigger than its page
+    python scripts/bench_cold.py --images 20000 --formats jpeg --memory-limit 650    # cache (needs root)
 
 Prints samples/s and MB/s of records per epoch (medians of the repeats, each epoch every record once,
 in a new random order), and how much of the dataset was cached before each epoch (fincore-style,
-through mincore).
+through mincore). With --memory-limit the "warm" epoch is one more read from disk.
 """
 
 from __future__ import annotations
@@ -73,6 +75,26 @@ def cached_fraction(dataset: Path) -> float:
     return resident / max(total, 1)
 
 
+def limit_memory(mib: int) -> str:
+    """Move this process (and so its DataLoader workers) into a memory cgroup of ``mib`` MiB, so that
+    the page cache left beside the processes' own memory is smaller than the dataset: every epoch then
+    reads from disk, as with a dataset bigger than RAM. Needs root; cgroup v2 or v1's memory controller."""
+    v2, v1 = Path("/sys/fs/cgroup/cgroup.controllers"), Path("/sys/fs/cgroup/memory")
+    if v2.exists() and "memory" in v2.read_text().split():
+        group, limit_file = Path("/sys/fs/cgroup/packer-bench-cold"), "memory.max"
+    elif v1.is_dir():
+        group, limit_file = v1 / "packer-bench-cold", "memory.limit_in_bytes"
+    else:
+        sys.exit("--memory-limit needs a cgroup memory controller (v2, or v1 at /sys/fs/cgroup/memory)")
+    try:
+        group.mkdir(exist_ok=True)
+        (group / limit_file).write_text(str(mib * 2**20))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as e:
+        sys.exit(f"--memory-limit: cannot set up {group} ({e}); run as root")
+    return str(group)
+
+
 def epoch(dataset: Path, workers: int, batch_size: int, seed: int) -> float:
     """Seconds for one epoch (every record once, shuffled) with fresh workers."""
     ds = ShardDataset(dataset, dtype=torch.uint8)
@@ -86,11 +108,15 @@ def epoch(dataset: Path, workers: int, batch_size: int, seed: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--backend", default="lmdb", choices=["lmdb", "memmap"])
     ap.add_argument("--workers", type=int, default=cores())
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--images", dest="images", type=int, default=2000)
+    ap.add_argument("--memory-limit", type=int, metavar="MIB",
+                    help="run in a memory cgroup this big (root): a dataset bigger than what it leaves for the "
+                         "page cache is read from disk every epoch")
+    ap.add_argument("--formats", default="raw,jpeg", help="record formats to build and read")
     args = ap.parse_args()
     from packer import build
 
@@ -98,11 +124,13 @@ def main() -> None:
     make_folder(raw, args.images, (480, 360), args.workers)
     suffix = ".lmdb" if args.backend == "lmdb" else ""
     datasets = {}
-    for fmt in ("raw", "jpeg"):
+    for fmt in args.formats.split(","):
         out = CACHE / f"cold-{args.images}-{fmt}-{args.backend}{suffix}"
         if not out.exists():
             build(raw, out, format=fmt, backend=args.backend, workers=args.workers, quiet=True)
         datasets[fmt] = out
+    if args.memory_limit:  # after the builds: only the reads run in the cgroup
+        print(f"in memory cgroup {limit_memory(args.memory_limit)} ({args.memory_limit} MiB)")
     print(f"{args.images} records (427x320 stored), {args.backend}, {args.workers} workers, batch {args.batch_size}, "
           f"RandomResizedCrop 224 + flip, uint8, {args.repeats} repeats; a cold epoch reads every record from disk")
     for fmt, path in datasets.items():
