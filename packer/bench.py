@@ -210,7 +210,7 @@ def _resize_advice(resize: str) -> str:
 
 
 def advice(points: Sequence[Point], stages: Sequence[dict[str, Any]], fmt: str, dtype: str,
-           resize: str, fits_in_page_cache: Optional[bool] = None) -> dict[str, Any]:
+           resize: str, fits_in_page_cache: Optional[bool] = None, backend: str = "lmdb") -> dict[str, Any]:
     """DataLoader settings and notes that follow from the sweep, the profile and the dataset's size."""
     k = knee(points)
     top = max(p.workers for p in points)
@@ -229,10 +229,11 @@ def advice(points: Sequence[Point], stages: Sequence[dict[str, Any]], fmt: str, 
                      "fast local storage")
     if share.get("resize", 0) > 25 and resize != "packer":
         notes.append(_resize_advice(resize))
-    if fits_in_page_cache is False and fmt == "raw":
-        notes.append("the dataset does not fit in the page cache, so every epoch reads it from disk: JPEG "
-                     "records are ~14x smaller than raw ones (`packer build --format jpeg`); see "
-                     "docs/PERFORMANCE.md, \"Cold reads\"")
+    if fits_in_page_cache is False and (fmt == "raw" or backend == "lmdb"):
+        better = [*(["JPEG records are ~14x smaller than raw ones (`--format jpeg`)"] if fmt == "raw" else []),
+                  *(["memmap shards read from disk faster than LMDB (`--backend memmap`)"] if backend == "lmdb" else [])]
+        notes.append("the dataset does not fit in the page cache, so every epoch reads it from disk: "
+                     + "; ".join(better) + " (docs/PERFORMANCE.md, \"Cold reads\")")
     if share.get("resize", 0) > 40:
         notes.append("the resize dominates: a smaller --short-edge at build time (closer to the crop size) "
                      "makes it cheaper")
@@ -340,7 +341,7 @@ def run_bench(
         mem_available=avail, fits_in_page_cache=None if avail is None else size < avail,
         cold_read=COLD_READ_HINT, throughput=points, knee=knee(points), profile=prof,
         recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize_backend(),
-                              None if avail is None else size < avail),
+                              None if avail is None else size < avail, ds.manifest.backend),
     )
 
 

@@ -89,11 +89,14 @@ def test_advice_names_the_faster_resize(monkeypatch) -> None:
     assert "C extension was not built" in notes("torch") and "C extension was not built" in notes("pillow")
 
 
-def test_advice_for_a_raw_dataset_bigger_than_ram() -> None:
+def test_advice_for_a_dataset_bigger_than_ram() -> None:
     from packer import bench
 
     points = [bench.Point(0, 100, 1.0, 100.0, 10.0)]
     stages = [{"stage": "read", "percent": 10.0}]
-    for fmt, fits, told in (("raw", False, True), ("raw", True, False), ("jpeg", False, False), ("raw", None, False)):
-        notes = " ".join(bench.advice(points, stages, fmt, "uint8", "packer", fits)["notes"])
-        assert ("--format jpeg" in notes) == told, (fmt, fits)
+    cases = [("raw", "memmap", False, "--format jpeg"), ("jpeg", "lmdb", False, "--backend memmap"),
+             ("raw", "lmdb", False, "--format jpeg"), ("raw", "lmdb", False, "--backend memmap"),
+             ("raw", "lmdb", True, None), ("jpeg", "memmap", False, None), ("raw", "lmdb", None, None)]
+    for fmt, backend, fits, told in cases:
+        notes = " ".join(bench.advice(points, stages, fmt, "uint8", "packer", fits, backend)["notes"])
+        assert ("from disk" in notes) == (told is not None) and (told is None or told in notes), (fmt, backend, fits)
