@@ -334,14 +334,13 @@ def run_bench(
     points = [measure(ds, w, batch_size, samples) for w in workers]
     prof = profile(ds, batch_size, profile_samples)
     size, avail = disk_bytes(path), mem_available()
+    fits, resize = None if avail is None else size < avail, resize_backend()
     return BenchResult(
         path=str(path), count=len(ds), format=ds.manifest.format, backend=ds.manifest.backend, dtype=dtype,
-        resize=resize_backend(), batch_size=batch_size, crop_size=crop_size, train=train, cores=cores(),
-        dataset_bytes=size,
-        mem_available=avail, fits_in_page_cache=None if avail is None else size < avail,
+        resize=resize, batch_size=batch_size, crop_size=crop_size, train=train, cores=cores(),
+        dataset_bytes=size, mem_available=avail, fits_in_page_cache=fits,
         cold_read=COLD_READ_HINT, throughput=points, knee=knee(points), profile=prof,
-        recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize_backend(),
-                              None if avail is None else size < avail, ds.manifest.backend),
+        recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize, fits, ds.manifest.backend),
     )
 
 

@@ -148,8 +148,7 @@ def _fetch_pool() -> ThreadPoolExecutor:
 def _thread_txn(path: str) -> lmdb.Transaction:
     """A read transaction of this thread on the process's environment for ``path`` (an LMDB
     transaction belongs to one thread); renewed when that environment was closed and reopened."""
-    _lmdb_txn(path)  # opens, or reopens a replaced dataset
-    env = _LMDB_ENVS[path][2]
+    env, _ = _lmdb_env_txn(path)  # opens, or reopens a replaced dataset
     mine = _FETCH.__dict__.setdefault("txns", {})
     entry = mine.get(path)
     if entry is None or entry[0] is not env:
@@ -158,12 +157,17 @@ def _thread_txn(path: str) -> lmdb.Transaction:
 
 
 def _lmdb_txn(path: str) -> lmdb.Transaction:
+    """This process's long-lived read transaction for ``path`` (see :func:`_lmdb_env_txn`)."""
+    return _lmdb_env_txn(path)[1]
+
+
+def _lmdb_env_txn(path: str) -> tuple[lmdb.Environment, lmdb.Transaction]:
     """This process's shared read-only environment and long-lived read transaction for ``path``."""
     with _LMDB_LOCK:
         pid = os.getpid()
         entry = _LMDB_ENVS.get(path)
         if entry is not None and entry[0] == pid:
-            return entry[3]
+            return entry[2], entry[3]
         _drop_stale(pid)
         _check_pages_once(path)
         try:
@@ -175,7 +179,7 @@ def _lmdb_txn(path: str) -> lmdb.Transaction:
         _check_lmdb_size(path, env)
         txn = env.begin(buffers=True)
         _LMDB_ENVS[path] = (pid, _files(path), env, txn)
-        return txn
+        return env, txn
 
 
 def _check_lmdb_size(path: str, env) -> None:

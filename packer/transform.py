@@ -31,10 +31,9 @@ from PIL import Image
 
 from . import codec
 
-try:  # packer's compiled helpers (packer/_native.c); absent where they could not be built
-    from . import _native
-except ImportError:
-    _native = None
+#: packer's compiled helpers (packer/_native.c), or None where they could not be built; imported
+#: once, by codec. A module attribute of its own, so a test can take the resize kernel away alone.
+_native = codec._native
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
