@@ -1,4 +1,4 @@
-"""Shared fixtures: the real photos in ../shared laid out as an ImageFolder, and datasets built from them."""
+"""Shared fixtures: the real photos in tests/data laid out as an ImageFolder, and datasets built from them."""
 
 from __future__ import annotations
 
@@ -12,22 +12,15 @@ import pytest
 # Keep the "LMDB pages checked" markers (packer.read) out of the user's cache, for this run and its subprocesses.
 os.environ.setdefault("PACKER_CACHE_DIR", tempfile.mkdtemp(prefix="packer-test-cache-"))
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-PHOTOS = SHARED / "images" / "exif-orientation"
-
-
-def need_photos() -> Path:
-    if not PHOTOS.is_dir():
-        pytest.skip(f"test photos not found at {PHOTOS} (../shared is absent in this checkout)")
-    return PHOTOS
+# 18 real photos covering every EXIF orientation flag, downscaled, with their licence (see its README.md).
+PHOTOS = Path(__file__).resolve().parent / "data" / "exif-orientation"
 
 
 @pytest.fixture(scope="session")
 def raw_photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """landscape/ and portrait/ class folders holding copies of the 18 EXIF-orientation photos."""
-    src = need_photos()
     raw = tmp_path_factory.mktemp("raw")
-    for f in sorted(src.glob("*.jpg")):
+    for f in sorted(PHOTOS.glob("*.jpg")):
         cls = "landscape" if f.name.startswith("Landscape") else "portrait"
         (raw / cls).mkdir(exist_ok=True)
         shutil.copyfile(f, raw / cls / f.name)
