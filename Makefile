@@ -17,13 +17,18 @@ FORMAT ?= jpeg
 ARGS ?=
 DEMO_DIR ?= data/demo
 PYTEST_ARGS ?=
+# make test-sanitize: seconds of fuzzing under ASan/UBSan (make test runs a short one) and its seed.
+SANITIZE_SECONDS ?= 60
+SANITIZE_SEED ?= 0
+SANITIZE_DIR := build/sanitize
 
-.PHONY: help system-deps setup demo test dataset dataset-verify dataset-clean bench clean
+.PHONY: help system-deps setup demo test test-sanitize dataset dataset-verify dataset-clean bench clean
 
 help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
 	@echo "make demo       generate 12 MP sample photos, pack them, show info, read them back"
-	@echo "make test       run the test suite"
+	@echo "make test       run the test suite and a short fuzz of the C extension under ASan/UBSan"
+	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
 	@echo "make dataset-verify OUT=out.lmdb   re-read and check OUT (each split dataset inside it, with --split)"
 	@echo "make dataset-clean OUT=out.lmdb    delete OUT and any interrupted build of it"
@@ -57,6 +62,19 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-sanitize SANITIZE_SECONDS=20
+
+# packer/_native.c and _resize.c built with AddressSanitizer and UBSan (any report aborts), then fuzzed with
+# damaged and random JPEGs, crop boxes and buffer sizes (scripts/fuzz_native.py). Python itself is not
+# instrumented, so the ASan runtime is preloaded and leak checks (CPython's own allocations) are off.
+test-sanitize: setup
+	mkdir -p $(SANITIZE_DIR)
+	cc -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -shared -fPIC \
+	  -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	  packer/_native.c packer/_resize.c -ljpeg -lm -o $(SANITIZE_DIR)/_native.so
+	LD_PRELOAD="$$(cc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) scripts/fuzz_native.py --seconds $(SANITIZE_SECONDS) \
+	  --seed $(SANITIZE_SEED) --module $(SANITIZE_DIR)/_native.so
 
 # packer itself compares RAW with what OUT was built from: unchanged files are copied, not decoded,
 # and an unchanged RAW is a fast no-op. ARGS passes more build options, e.g. ARGS="--split val=0.05".

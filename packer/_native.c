@@ -214,14 +214,15 @@ static void pack_row(const unsigned char *src, unsigned char *dst, unsigned int 
 static int have_ssse3 = 0; /* set at import from the CPU's flags */
 
 /* pack_row with one byte shuffle per four pixels (3.5x faster here). Each 16-byte store writes 4
- * bytes past its 12 into the next pixel of the row, which the next step overwrites: the loop stops
- * while a pixel is left for the scalar tail. */
+ * bytes past its 12: the next pixel and the first byte of the one after, which later steps
+ * overwrite. The loop stops while two pixels are left for the scalar tail, so no store passes the
+ * row's end (the fuzzer under AddressSanitizer found the last row of a slot written one byte past). */
 __attribute__((target("ssse3"))) static void pack_row_ssse3(const unsigned char *src, unsigned char *dst,
                                                            unsigned int width, int flip) {
     const __m128i forward = _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
     const __m128i mirrored = _mm_setr_epi8(12, 13, 14, 8, 9, 10, 4, 5, 6, 0, 1, 2, -1, -1, -1, -1);
     unsigned int x = 0;
-    for (; x + 5 <= width; x += 4, dst += 12) {
+    for (; x + 6 <= width; x += 4, dst += 12) {
         size_t first = flip ? width - 4 - x : x;
         __m128i pixels = _mm_loadu_si128((const __m128i *)(src + first * 4));
         _mm_storeu_si128((__m128i *)dst, _mm_shuffle_epi8(pixels, flip ? mirrored : forward));
