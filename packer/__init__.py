@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["build", "BuildReport", "BuildError", "DatasetError", "ShardDataset", "__version__"]
+__all__ = ["build", "BuildReport", "BuildError", "DatasetError", "PackerError", "ShardDataset", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,10 @@ def __getattr__(name: str) -> Any:
         from . import pipeline as _pipeline
 
         return getattr(_pipeline, name)
+    if name == "PackerError":
+        from .errors import PackerError
+
+        return PackerError
     if name == "DatasetError":
         from .format import DatasetError
 

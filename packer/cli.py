@@ -13,13 +13,7 @@ from typing import Any, Callable
 import click
 import numpy as np
 
-
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    from .format import DatasetError
-    from .pipeline import BuildError
-    from .scan import ScanError
-
-    return (BuildError, DatasetError, ScanError)
+from .errors import PackerError
 
 
 class Terminated(KeyboardInterrupt):
@@ -46,7 +40,7 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo("packer: interrupted; nothing was written at the output "
                        "(run the same build with --resume to continue)", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
-        except _expected_errors() as e:
+        except PackerError as e:
             if debug:
                 raise
             click.echo(f"packer: error: {e}", err=True)

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import __version__
 from .codec import codec_name
+from .errors import PackerError
 from .format import IDENTITY_FIELDS, INDEX_DTYPE, Digest, shard_name
 from .pipeline import (
     PROGRESS, BuildError, BuildReport, _Journal, _open_staging, _Progress, _write_json_atomic,
@@ -49,7 +50,7 @@ WORKER_WAIT = 300  # seconds to wait for a first worker (a batch-queued cluster 
 RETRIES = 2  # re-runs of a task that raised (e.g. a transient NFS error); lost workers are separate
 
 
-class ShardError(Exception):
+class ShardError(PackerError):
     """A task failed; the message names the shard and the file being processed."""
 
 

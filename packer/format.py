@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .errors import PackerError
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
@@ -50,7 +52,7 @@ IDENTITY_FIELDS = ("src_size", "src_mtime_ns", "src_hash")
 IDENTITY_DTYPE = np.dtype([(name, INDEX_DTYPE[name]) for name in IDENTITY_FIELDS])
 
 
-class DatasetError(Exception):
+class DatasetError(PackerError):
     """A dataset on disk is missing, damaged or not one packer can read; the message says which.
     ``record`` is the damaged record's index, when one is to blame."""
 

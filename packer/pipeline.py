@@ -24,6 +24,7 @@ import numpy as np
 
 from . import __version__
 from .codec import codec_name
+from .errors import PackerError
 from .format import (
     BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, MANIFEST, REPORT, SOURCES, Digest,
     Manifest, index_digest, lmdb_key, shard_name,
@@ -46,7 +47,7 @@ CHECKPOINT_RECORDS = 2000
 CHECKPOINT_SECONDS = 2.0
 
 
-class BuildError(Exception):
+class BuildError(PackerError):
     """An expected failure (bad arguments, existing OUT, unusable raw/); the CLI prints it in one line."""
 
 

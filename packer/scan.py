@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .errors import PackerError
 from .format import IDENTITY_DTYPE
 
 IMAGE_EXTENSIONS = frozenset(
@@ -24,7 +25,7 @@ IMAGE_EXTENSIONS = frozenset(
 )
 
 
-class ScanError(Exception):
+class ScanError(PackerError):
     """raw/ or the labels file cannot be used as given; the message says why."""
 
 

@@ -1,0 +1,9 @@
+"""packer's one base error type, so that callers (and the CLI) catch one type for every failure packer
+expects: bad arguments or input (BuildError, ScanError), a damaged, hostile or replaced dataset
+(DatasetError), a failed distributed task (ShardError). Anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+
+class PackerError(Exception):
+    """An expected failure; the message is one line that names the file, record or option at fault."""
