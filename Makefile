@@ -32,6 +32,7 @@ help:
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
 	@echo "make dataset-verify OUT=out.lmdb   re-read and check OUT (each split dataset inside it, with --split)"
 	@echo "make dataset-clean OUT=out.lmdb    delete OUT and any interrupted build of it"
+	@echo "make bench OUT=out.lmdb [ARGS=...]  DataLoader samples/s per num_workers and a stage profile (packer bench)"
 
 # Debian/Ubuntu packages: libjpeg-turbo for PyTurboJPEG, headers to build pillow-simd. Needs root or sudo.
 system-deps:
@@ -88,6 +89,9 @@ dataset-verify: setup
 dataset-clean:
 	out="$(OUT)"; out="$${out%/}"; dir=$$(dirname -- "$$out"); name=$$(basename -- "$$out"); \
 	rm -rf -- "$$out" "$$dir/.$$name.packer-tmp" "$$dir/.$$name.packer-old"
+
+bench: setup
+	$(VENV)/bin/packer bench "$(OUT)" $(ARGS)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .hypothesis
