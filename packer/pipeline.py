@@ -27,13 +27,14 @@ from .codec import codec_name
 from .errors import PackerError
 from .format import (
     BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, MANIFEST, REPORT, SOURCES, Digest,
-    Manifest, index_digest, lmdb_key, shard_name,
+    Manifest, index_digest,
 )
 from .preprocess import Options, Record, Skip
 from .read import close_lmdb, mark_lmdb_pages_checked
 from .scan import Scan, ScanError, identify, scan
 from .split import TRAIN, check_splits, split_path, split_scan
 from .update import Cache, inputs_digest, ordered_results, previous_dataset, reuse_plan
+from .walk import walk
 from .write import fsync_path, open_writer, write_atomic
 
 BUILD_STATE = "build.json"
@@ -177,24 +178,14 @@ class _Progress:
 
 
 def _replay_digest(staging: Path, backend: str, index: np.ndarray) -> Digest:
-    """Recompute the running digest over already-written records when resuming."""
+    """Recompute the running digest over already-written records when resuming (a sequential walk)."""
     digest = Digest()
-    if len(index) == 0:
-        return digest
-    if backend == "lmdb":
-        env = lmdb.open(str(staging), readonly=True, lock=False, subdir=True)
-        with env.begin(buffers=True) as txn:
-            for i, row in enumerate(index):
-                digest.update(int(row["label"]), txn.get(lmdb_key(i)))
-        env.close()
-        return digest
-    shards = {}
-    for i, row in enumerate(index):
-        k = int(row["shard"])
-        if k not in shards:
-            shards = {k: np.memmap(staging / shard_name(k), dtype=np.uint8, mode="r")}
-        start = int(row["offset"])
-        digest.update(int(row["label"]), memoryview(shards[k][start:start + int(row["length"])]))
+    labels = index["label"].tolist()
+    for i, data, _ in walk(staging, backend, index) if len(index) else ():
+        if data is None:
+            raise BuildError(f"cannot --resume: record {i} of the journal is missing from {staging}; "
+                             f"build again without --resume")
+        digest.update(labels[i], data)
     return digest
 
 

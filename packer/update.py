@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -20,8 +19,9 @@ import numpy as np
 from . import __version__
 from .format import MANIFEST, DatasetError, Manifest, load_index
 from .preprocess import Options, Record, Result, process_chunk
-from .read import Reader, open_reader
+from .read import _check_pages_once
 from .scan import Scan, Source
+from .walk import walk
 from .workers import results
 
 
@@ -55,9 +55,49 @@ def previous_dataset(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndar
 class Cache:
     """The records of the dataset being replaced that --update copies instead of decoding again."""
 
-    reader: Reader
+    root: Path
+    manifest: Manifest
     index: np.ndarray
     old_of: np.ndarray  # per source in scan order: its record number in the old dataset, or -1
+
+
+class _OldRecords:
+    """The old dataset's records by number, read in one sequential walk (packer.walk: readahead, the
+    disk's speed) while the numbers asked for go up, as they do when the old and new scans list files
+    in the same order; a number behind the walk starts a new one."""
+
+    def __init__(self, cache: Cache) -> None:
+        self._cache = cache
+        self._walk: Optional[Iterator[tuple[int, Optional[bytes], int]]] = None
+        self._at = -1  # the record the walk read last
+        self._broken = False
+
+    def get(self, j: int) -> tuple[Optional[bytes], int]:
+        """Record ``j``'s bytes and their CRC-32; None when missing or unreadable (a damaged old
+        dataset: then every later record is decoded again too)."""
+        if self._broken:
+            return None, 0
+        try:
+            if self._walk is None or j <= self._at:
+                self.close()
+                c = self._cache
+                if c.manifest.backend == "lmdb":
+                    _check_pages_once(str(c.root))  # liblmdb must not map a damaged file
+                shard_files = [str(s["file"]) for s in c.manifest.shards]
+                self._walk, self._at = walk(c.root, c.manifest.backend, c.index, shard_files=shard_files), -1
+            for i, data, crc in self._walk:
+                self._at = i
+                if i == j:
+                    return data, crc
+        except (DatasetError, OSError):
+            self.close()
+            self._broken = True
+        return None, 0
+
+    def close(self) -> None:
+        if self._walk is not None:
+            self._walk.close()  # type: ignore[attr-defined]
+            self._walk = None
 
 
 def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]:
@@ -95,7 +135,7 @@ def reuse_plan(out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], fou
         same &= index[name][candidate[known]] == found.identity[name][known]
     old_of = np.full(len(found.sources), -1, dtype=np.int64)
     old_of[known[same]] = candidate[known[same]]
-    return Cache(open_reader(out, manifest, index), index, old_of)
+    return Cache(out, manifest, index, old_of)
 
 
 def ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[Cache],
@@ -104,19 +144,19 @@ def ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Op
     ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
     paths = [str(raw / s.rel) for s, j in zip(todo, old_of) if j < 0]
     fresh = results(paths, opts, workers if paths else 1, chunk=2)  # nothing to decode: start no pool
+    old = _OldRecords(cache) if cache is not None else None
     try:
         for source, j in zip(todo, old_of.tolist()):
-            if j < 0:
+            if j < 0 or old is None:
                 yield next(fresh), False
                 continue
             row = cache.index[j]
-            try:
-                data = bytes(cache.reader.get(j))
-            except DatasetError:
-                data = b""
-            if zlib.crc32(data) != int(row["crc32"]):  # damaged since it was written: decode it again
-                yield process_chunk([str(raw / source.rel)], opts)[0], False
+            data, crc = old.get(j)
+            if data is None or len(data) != int(row["length"]) or crc != int(row["crc32"]):
+                yield process_chunk([str(raw / source.rel)], opts)[0], False  # damaged since: decode again
                 continue
-            yield Record(data, int(row["height"]), int(row["width"]), int(row["crc32"])), True
+            yield Record(data, int(row["height"]), int(row["width"]), crc), True
     finally:
         fresh.close()
+        if old is not None:
+            old.close()

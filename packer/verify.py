@@ -2,10 +2,10 @@
 
 Opening a dataset (``Manifest.load``, ``load_index``) only refuses metadata that would make a reader
 misbehave; it cannot see a flipped bit inside a record or an index row that still points somewhere
-valid. Verify reads all the data sequentially (one pass, no random seeks), recomputes each record's
-crc32 and the dataset digest, and cross-checks index, manifest and data files, so that bit rot, a bad
-copy or tampering is found before a training run trusts the data. Every problem it finds is a line of
-text; records are named by number and source path.
+valid. Verify reads all the data sequentially (packer.walk: one pass in storage order, with
+readahead), recomputes each record's crc32 and the dataset digest, and cross-checks index, manifest
+and data files, so that bit rot, a bad copy or tampering is found before a training run trusts the
+data. Every problem it finds is a line of text; records are named by number and source path.
 
 liblmdb trusts its file: a hostile or damaged B-tree page can make it read outside the map and die of
 SIGBUS. So before data.mdb is opened, py-lmdb's pure-Python structural verifier (``lmdb.verify``,
@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
-import lmdb
 import numpy as np
 
-from .format import INDEX, DatasetError, Digest, Manifest, index_digest, load_index, lmdb_key, source_path
-from .read import _lmdb_txn, check_lmdb_pages, mark_lmdb_pages_checked
+from .format import INDEX, DatasetError, Digest, Manifest, index_digest, load_index, source_path
+from .read import check_lmdb_pages, mark_lmdb_pages_checked
+from .walk import walk
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -81,15 +80,21 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     result = Verification(str(root), manifest.count, "", limit=limit)
     _check_metadata(result, manifest, index, sources)
     digest = Digest()
-    records = _lmdb_records if manifest.backend == "lmdb" else _memmap_records
+    if manifest.backend == "lmdb":
+        check_lmdb_pages(root)  # before liblmdb maps the file: a damaged page must not crash verify
+        mark_lmdb_pages_checked(root)
+    else:
+        _check_shard_files(result, Path(root), manifest)
+    labels = index["label"].tolist()
     try:
-        for i, data in records(Path(root), manifest, index, result):
-            row = index[i]
-            why = _record_problem(manifest, row, data)
+        shard_files = [str(s["file"]) for s in manifest.shards]
+        for i, data, crc in walk(root, manifest.backend, index, shard_files=shard_files, extra_keys=lambda n: result.add(
+                f"data.mdb holds {n} records the index does not name")):
+            why = _record_problem(manifest, index[i], data, crc)
             if why:
                 result.bad_records += 1
-                result.add(f"record {i} ({source_path(sources, row)}): {why}")
-            digest.update(int(row["label"]), data if data is not None else b"")
+                result.add(f"record {i} ({source_path(sources, index[i])}): {why}")
+            digest.update(labels[i], data if data is not None else b"")
     except OSError as e:
         raise DatasetError(f"{root}: read failed ({e})") from None
     result.digest = digest.hexdigest()
@@ -100,14 +105,14 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     return result
 
 
-def _record_problem(manifest: Manifest, row: np.void, data: Optional[memoryview]) -> Optional[str]:
-    """Why this record does not match its index row, or None."""
+def _record_problem(manifest: Manifest, row: np.void, data: Optional[bytes], crc: int) -> Optional[str]:
+    """Why this record (its bytes and their CRC-32) does not match its index row, or None."""
     if data is None:
         return "missing"
     if len(data) != int(row["length"]):
         return f"{len(data)} bytes, the index says {int(row['length'])}"
-    if zlib.crc32(data) != int(row["crc32"]):
-        return f"crc32 {zlib.crc32(data):08x} differs from the index's {int(row['crc32']):08x} (damaged bytes)"
+    if crc != int(row["crc32"]):
+        return f"crc32 {crc:08x} differs from the index's {int(row['crc32']):08x} (damaged bytes)"
     if manifest.format == "jpeg":
         size = jpeg_size(data)
         if size != (int(row["height"]), int(row["width"])):
@@ -162,46 +167,11 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
             result.add(f"{s['file']}: records are not back to back filling {s['bytes']} bytes (at {where})")
 
 
-def _memmap_records(root: Path, manifest: Manifest, index: np.ndarray,
-                    result: Verification) -> Iterator[tuple[int, Optional[bytes]]]:
-    """Every record in index order, read with plain sequential file reads (no mmap: no SIGBUS)."""
+def _check_shard_files(result: Verification, root: Path, manifest: Manifest) -> None:
+    """Each shard file holds the bytes the manifest lists (a missing shard's records read as missing)."""
     for s in manifest.shards:
         path = root / str(s["file"])
         size = path.stat().st_size if path.is_file() else None
         if size != int(s["bytes"]):
             what = "missing" if size is None else f"{size} bytes"
             result.add(f"{s['file']}: shard is {what}, the manifest says {s['bytes']} (truncated or replaced)")
-    current, f = -1, None
-    try:
-        for i, row in enumerate(index):
-            k = int(row["shard"])
-            if k != current:
-                if f is not None:
-                    f.close()
-                path = root / str(manifest.shards[k]["file"])
-                f, current = (open(path, "rb", buffering=1 << 20) if path.is_file() else None), k
-            if f is None:
-                yield i, None
-                continue
-            if f.tell() != int(row["offset"]):
-                f.seek(int(row["offset"]))
-            yield i, f.read(int(row["length"]))
-    finally:
-        if f is not None:
-            f.close()
-
-
-def _lmdb_records(root: Path, manifest: Manifest, index: np.ndarray,
-                  result: Verification) -> Iterator[tuple[int, Optional[memoryview]]]:
-    """Every record in key order (the order LMDB laid the pages out in), then a count of extra keys."""
-    check_lmdb_pages(root)
-    mark_lmdb_pages_checked(root)
-    try:
-        txn = _lmdb_txn(str(root.resolve()))
-        entries = txn.stat()["entries"]
-        for i in range(len(index)):
-            yield i, txn.get(lmdb_key(i))
-    except lmdb.Error as e:
-        raise DatasetError(f"{root}: data.mdb is damaged ({e})") from None
-    if entries != len(index):
-        result.add(f"data.mdb holds {entries} records, the index {len(index)}")
