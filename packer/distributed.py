@@ -112,9 +112,10 @@ def probe(raw: str, fragments: str, first: str, dask_worker: Any = None) -> dict
     handler reports damaged JPEG data per call; PyTurboJPEG reports it as a Python warning, which only
     a process-wide (and so thread-unsafe) filter turns into an error.
     """
+    threads = (getattr(getattr(dask_worker, "state", None), "nthreads", None)  # distributed >= 2023
+               or getattr(dask_worker, "nthreads", None) or 1)
     facts: dict[str, Any] = {"host": socket.gethostname(), "codec": codec_name(), "version": __version__,
-                             "error": None, "probe": None}
-    threads = getattr(dask_worker, "nthreads", 1)
+                             "threads": threads, "error": None, "probe": None}
     if threads > 1 and not can_decode_region():
         facts["error"] = (f"runs {threads} threads, and packer's C extension is not built there: damaged "
                           f"JPEGs could not be told apart reliably (start workers with --nthreads 1)")

@@ -183,7 +183,7 @@ def test_probe_on_real_workers_checks_their_threads(client, tmp_path: Path) -> N
     (tmp_path / "raw" / "cat").mkdir(parents=True)
     (tmp_path / "raw" / "cat" / "a.jpg").write_bytes(b"")
     facts = client.run(probe, str(tmp_path / "raw"), str(tmp_path), "cat/a.jpg")
-    assert len(facts) == 2 and all(f["error"] is None for f in facts.values())
+    assert len(facts) == 2 and all(f["error"] is None and f["threads"] == 1 for f in facts.values())
     four = probe(str(tmp_path / "raw"), str(tmp_path), "cat/a.jpg", dask_worker=type("W", (), {"nthreads": 4})())
     if can_decode_region():
         assert four["error"] is None
