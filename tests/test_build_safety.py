@@ -222,9 +222,9 @@ def open_files(pid: int) -> list[str]:
 
 
 def test_sigterm_while_checksum_hashes_large_files_stops_within_seconds(raw: Path, tmp_path: Path) -> None:
-    for i in range(2):  # sparse: 4 GiB each to hash, nothing on disk
+    for i in range(2):  # sparse: 16 GiB each to hash, nothing on disk
         with open(raw / "c" / f"huge{i}.jpg", "wb") as f:
-            f.truncate(4 << 30)
+            f.truncate(16 << 30)
     out = tmp_path / "out.lmdb"
     proc = subprocess.Popen([*PACKER, "build", str(raw), str(out), "--update", "--checksum", "--quiet"],
                             stderr=subprocess.PIPE, text=True)
