@@ -231,6 +231,11 @@ def clean(out: str | os.PathLike) -> list[Path]:
     the link points to goes, then the link. Refuses (BuildError) anything that is not packer's, and
     an OUT that a build holds."""
     given, out = Path(out), dataset_path(out)
+    if not out.parent.is_dir():  # nothing there to delete (and no folder to make for a lock file)
+        if given.is_symlink():
+            given.unlink()
+            return [given]
+        return []
     with build_lock(out):
         doomed = [path for path in (out, staging_path(out), old_path(out)) if path.exists() or path.is_symlink()]
         for path in doomed:

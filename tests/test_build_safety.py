@@ -338,6 +338,9 @@ def test_clean_deletes_only_packer_datasets_and_their_build_folders(raw: Path, t
     (split / "mine.txt").unlink()
     assert packer("clean", split).returncode == 0 and not split.exists()
 
+    nothing = packer("clean", tmp_path / "no" / "such.lmdb")
+    assert nothing.returncode == 0 and "nothing to delete" in nothing.stderr and not (tmp_path / "no").exists()
+
     target, link = tmp_path / "elsewhere", tmp_path / "link.lmdb"
     build(raw, target, workers=1, quiet=True)
     link.symlink_to(target)
