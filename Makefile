@@ -31,7 +31,7 @@ help:
 	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
 	@echo "make dataset-verify OUT=out.lmdb   re-read and check OUT (each split dataset inside it, with --split)"
-	@echo "make dataset-clean OUT=out.lmdb    delete OUT and any interrupted build of it"
+	@echo "make dataset-clean OUT=out.lmdb    delete OUT and any interrupted build of it (packer's only)"
 	@echo "make bench OUT=out.lmdb [ARGS=...]  DataLoader samples/s per num_workers and a stage profile (packer bench)"
 
 # Debian/Ubuntu packages: libjpeg-turbo for PyTurboJPEG, headers to build pillow-simd. Needs root or sudo.
@@ -86,9 +86,9 @@ dataset-verify: setup
 	@if [ -e "$(OUT)/manifest.json" ]; then set -- "$(OUT)"; else set -- "$(OUT)"/*/manifest.json; set -- "$${@%/manifest.json}"; fi; \
 	for d in "$$@"; do $(VENV)/bin/packer verify "$$d" || exit 1; done
 
-dataset-clean:
-	out="$(OUT)"; out="$${out%/}"; dir=$$(dirname -- "$$out"); name=$$(basename -- "$$out"); \
-	rm -rf -- "$$out" "$$dir/.$$name.packer-tmp" "$$dir/.$$name.packer-old"
+# Refuses anything that is not a packer dataset or build folder, and an OUT being built.
+dataset-clean: setup
+	$(VENV)/bin/packer clean "$(OUT)"
 
 bench: setup
 	$(VENV)/bin/packer bench "$(OUT)" $(ARGS)

@@ -27,13 +27,23 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback."""
+    """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback.
+
+    A reader that stops early (``packer info OUT | head``) ends the command quietly with status 141
+    (128 + SIGPIPE), as it ends ``cat`` or ``ls``: no "Broken pipe" message, no traceback.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         debug = click.get_current_context().find_root().params.get("debug", False)
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # here, not at exit, where a closed pipe could no longer be handled
+            return result
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)  # the interpreter's final flush must not fail again
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(128 + signal.SIGPIPE)
         except KeyboardInterrupt as e:
             if debug:
                 raise
@@ -92,14 +102,18 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
                    "task's records form one memmap shard [default: 1000].")
 @click.option("--labels", type=click.Path(exists=True, dir_okay=False), default=None,
               help="CSV with columns path,label (path relative to RAW_DIR) instead of folder labels.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
-              help="skip: report bad files and go on; fail: stop at the first one.")
+@click.option("--on-error", type=click.Choice(["skip", "fail"]), default=None,
+              help="skip: report bad files and folders and go on; fail: stop at the first one. Default: "
+                   "skip bad files, but fail on a folder that cannot be read (its files and perhaps a "
+                   "whole class would be missing); a class folder skipped with --on-error skip keeps "
+                   "its class id.")
 @click.option("--max-pixels", type=int, default=256_000_000, show_default=True,
               help="Refuse images with more pixels (decompression bombs).")
 @click.option("--min-size", type=int, default=16, show_default=True, help="Skip images with a shorter edge.")
 @click.option("--max-aspect", type=float, default=10.0, show_default=True,
               help="Skip images whose long/short edge ratio exceeds this.")
-@click.option("--force", is_flag=True, help="Replace an existing OUT (only once the new one is complete).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT (only once the new one is complete). "
+              "When OUT is a symlink, the dataset it points to is replaced and the link kept.")
 @click.option("--update", is_flag=True,
               help="Refresh OUT: decode only files added or changed since it was built (same path, size and "
                    "mtime = unchanged), drop deleted ones, copy the other records. Unchanged input: says so, "
@@ -111,7 +125,12 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
                    "per split (OUT/train.lmdb, OUT/val.lmdb, or OUT/train/, ... for memmap); train gets the "
                    "rest. By hashed path, per class, stable when files are added.")
 @click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the --split assignment.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted build of the same inputs and options.")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted build of the same inputs and options. OUT already built from "
+                   "them: says so, exit 0; OUT built from other input or options: an error.")
+@click.option("--wait", is_flag=True,
+              help="If another build of OUT is running, wait for it to finish instead of failing with "
+                   "'OUT is being built by pid N'.")
 @click.option("--checkpoint-seconds", type=float, default=2.0, show_default=True,
               help="Make the work so far resumable at least this often (also every 2000 images).")
 @click.option("--quiet", is_flag=True, help="No progress output.")
@@ -120,7 +139,14 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
                    "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.")
 @_friendly
 def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, **options: Any) -> None:
-    """Pack RAW_DIR (class sub-folders = labels) into OUT."""
+    """Pack RAW_DIR (class sub-folders = labels) into OUT.
+
+    One build per OUT at a time: a second one fails at once with "OUT is being built by pid N" (or
+    waits, with --wait). OUT may be a symlink: the dataset it points to is built or replaced (staged
+    beside it, on its disk) and the link kept. Exit status: 0 when OUT is complete (skipped files do not change that: see
+    OUT/report.jsonl, or use --on-error fail), 1 on an error, 130/143 when interrupted (Ctrl-C/SIGTERM;
+    OUT untouched, continue with --resume).
+    """
     if options["shard_size"] is None:
         del options["shard_size"]  # local and Dask builds have their own defaults
     if dask_address is not None:
@@ -222,6 +248,23 @@ def verify(out: Path, limit: int) -> None:
         click.echo(f"packer: {out}: {problem}", err=True)
     click.echo(f"packer: {out}: FAILED verification ({result.bad_records} bad records)", err=True)
     sys.exit(1)
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@_friendly
+def clean(out: Path) -> None:
+    """Delete the dataset OUT and any interrupted build of it; refuse what is not packer's.
+
+    Deletes OUT (a packer dataset, or a --split folder of them), .OUT.packer-tmp and .OUT.packer-old
+    beside it, and nothing else. For a symlink OUT: the dataset it points to, then the link.
+    Refuses while a build of OUT runs.
+    """
+    from .pipeline import clean as run_clean
+
+    deleted = run_clean(out)
+    click.echo(f"packer: deleted {', '.join(map(str, deleted))}" if deleted else f"packer: {out}: nothing to delete",
+               err=True)
 
 
 @main.command()

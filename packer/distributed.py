@@ -32,12 +32,12 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from . import __version__
-from .codec import codec_name
+from .codec import can_decode_region, codec_name
 from .errors import PackerError
 from .format import IDENTITY_FIELDS, INDEX_DTYPE, Digest, shard_name
 from .pipeline import (
     PROGRESS, BuildError, BuildReport, _Journal, _open_staging, _Progress, _write_json_atomic,
-    complete, prepare, staging_path,
+    complete, dataset_path, default_backend, lock_outputs, prepare, resume_finished, staging_path,
 )
 from .preprocess import Options, Record, process_chunk
 from .scan import Scan
@@ -105,10 +105,21 @@ def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options)
     return meta
 
 
-def probe(raw: str, fragments: str, first: str) -> dict[str, Any]:
-    """Run once on every worker: can it read raw/, and write a file that the driver then sees?"""
+def probe(raw: str, fragments: str, first: str, dask_worker: Any = None) -> dict[str, Any]:
+    """Run once on every worker: can it read raw/, and write a file that the driver then sees?
+
+    Also: a worker running tasks in several threads needs packer's C binding, whose libjpeg error
+    handler reports damaged JPEG data per call; PyTurboJPEG reports it as a Python warning, which only
+    a process-wide (and so thread-unsafe) filter turns into an error.
+    """
+    threads = (getattr(getattr(dask_worker, "state", None), "nthreads", None)  # distributed >= 2023
+               or getattr(dask_worker, "nthreads", None) or 1)
     facts: dict[str, Any] = {"host": socket.gethostname(), "codec": codec_name(), "version": __version__,
-                             "error": None, "probe": None}
+                             "threads": threads, "error": None, "probe": None}
+    if threads > 1 and not can_decode_region():
+        facts["error"] = (f"runs {threads} threads, and packer's C extension is not built there: damaged "
+                          f"JPEGs could not be told apart reliably (start workers with --nthreads 1)")
+        return facts
     if not os.path.isfile(os.path.join(raw, first)):
         facts["error"] = f"cannot see raw/ ({os.path.join(raw, first)} is missing there)"
         return facts
@@ -323,9 +334,9 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
                workers: Optional[int] = None, shard_size: int = DEFAULT_TASK_SIZE,
                backend: Optional[str] = None, format: str = "jpeg", short_edge: int = 320,
                quality: int = 90, labels: Optional[str] = None, force: bool = False,
-               resume: bool = False, on_error: str = "skip", max_pixels: int = 256_000_000,
+               resume: bool = False, on_error: Optional[str] = None, max_pixels: int = 256_000_000,
                min_size: int = 16, max_aspect: float = 10.0, quiet: bool = False,
-               retries: int = RETRIES) -> BuildReport:
+               retries: int = RETRIES, wait: bool = False) -> BuildReport:
     """Like :func:`packer.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
 
     ``address`` is ``"local"`` (a LocalCluster of ``workers`` processes on this machine) or a scheduler
@@ -335,11 +346,34 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
     t0 = time.monotonic()
     if address != "local" and workers is not None:
         raise BuildError("--workers sets the size of --dask local only; an existing cluster has its own workers")
+    backend = backend or default_backend(out)  # from the name given: a symlink's target may differ
+    given, out = Path(out), dataset_path(out)
+    with ExitStack() as locks:
+        lock_outputs(locks, out, backend, None, wait, quiet)
+        report = _build_dask_locked(raw_dir, out, address=address, workers=workers, shard_size=shard_size,
+                                    backend=backend, format=format, short_edge=short_edge, quality=quality,
+                                    labels=labels, force=force, resume=resume, on_error=on_error,
+                                    max_pixels=max_pixels, min_size=min_size, max_aspect=max_aspect,
+                                    quiet=quiet, retries=retries)
+    report.out = str(given)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _build_dask_locked(raw_dir: str | os.PathLike, out: Path, *, address: str, workers: Optional[int],
+                       shard_size: int, backend: str, format: str, short_edge: int, quality: int,
+                       labels: Optional[str], force: bool, resume: bool, on_error: Optional[str],
+                       max_pixels: int, min_size: int, max_aspect: float, quiet: bool,
+                       retries: int) -> BuildReport:
+    """:func:`build_dask` once it holds OUT's build lock (``out``: the dataset behind a symlink)."""
     out, opts, found, settings = prepare(
         raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
         shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
-        min_size=min_size, max_aspect=max_aspect)
+        min_size=min_size, max_aspect=max_aspect, resume=resume, quiet=quiet)
+    on_error = on_error or "skip"
     settings["engine"] = "dask"  # staging layouts differ: a local --resume must not pick this one up
+    if resume and not force and (finished := resume_finished(out, found, settings, quiet)) is not None:
+        return finished
     raw = os.path.abspath(raw_dir)  # workers have their own working directory
     staging = staging_path(Path(os.path.abspath(out)))
     fragments = staging / FRAGMENTS
@@ -368,6 +402,5 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
     finally:
         progress.close()
     report = _assemble(out, staging, fragments, found, settings, slices, metas, quiet)
-    report.out, report.resumed_from, report.processed = str(out), reused, len(found.sources) - reused
-    report.seconds = time.monotonic() - t0
+    report.resumed_from, report.processed = reused, len(found.sources) - reused
     return report

@@ -4,20 +4,27 @@ The staging folder ``.<OUT name>.packer-tmp`` beside OUT holds the writer's data
 rows, source paths, report lines) and ``progress.json``, rewritten atomically at every checkpoint after
 the data is durable. A dataset at OUT is therefore complete or absent, and ``--resume`` continues from
 the last checkpoint with the same result as an uninterrupted build.
+
+When OUT is a symlink, the dataset behind it is built: staging, lock and the final swap all sit beside
+the link's target (on its disk), and the link is kept. One build per OUT at a time: see
+:func:`build_lock`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import lmdb
 import numpy as np
@@ -31,7 +38,7 @@ from .format import (
 )
 from .preprocess import Options, Record, Skip
 from .read import close_lmdb, mark_lmdb_pages_checked
-from .scan import Scan, ScanError, identify, scan
+from .scan import Scan, ScanError, confusable, identify, scan
 from .split import TRAIN, check_splits, split_path, split_scan
 from .update import Cache, inputs_digest, ordered_results, previous_dataset, reuse_plan
 from .walk import walk
@@ -90,6 +97,157 @@ class BuildReport:
 
 def staging_path(out: Path) -> Path:
     return out.parent / f".{out.name}.packer-tmp"
+
+
+def old_path(out: Path) -> Path:
+    """Where the replaced dataset waits for deletion where the filesystem cannot swap two paths."""
+    return out.parent / f".{out.name}.packer-old"
+
+
+def lock_path(out: Path) -> Path:
+    """Beside OUT, never inside it: OUT itself is swapped whole at the end of a build."""
+    return out.parent / f".{out.name}.packer-lock"
+
+
+def dataset_path(out: str | os.PathLike) -> Path:
+    """OUT, or the dataset a symlink at OUT points to: a refresh replaces that one and keeps the link."""
+    out = Path(out)
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
+_HELD: set[str] = set()  # lock files this process holds: POSIX locks do not exclude their own process
+_HELD_GUARD = threading.Lock()
+
+
+def _lock_holder(fd: int) -> str:
+    """The pid the holder wrote into the lock file (it writes it just after locking: wait a moment)."""
+    for _ in range(50):
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if text.isdigit():
+            return text
+        time.sleep(0.02)
+    return "unknown"
+
+
+def _acquire(path: Path, out: Path, wait: bool, quiet: bool) -> Optional[int]:
+    """The locked file descriptor of ``path``; None (after a warning) where the filesystem has no locks."""
+    announced = False
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise BuildError(f"cannot write beside the output ({path}): {e.strerror or e}") from None
+        try:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    print(f"packer: warning: cannot lock {path} ({e.strerror}); nothing stops a second build "
+                          f"of {out} meanwhile", file=sys.stderr, flush=True)
+                    os.close(fd)
+                    return None
+                if not wait:
+                    raise BuildError(f"{out} is being built by pid {_lock_holder(fd)}") from None
+                if not announced and not quiet:
+                    print(f"packer: waiting for pid {_lock_holder(fd)}, which is building {out}",
+                          file=sys.stderr, flush=True)
+                announced = True
+                fcntl.lockf(fd, fcntl.LOCK_EX)  # Ctrl-C and SIGTERM interrupt the wait
+            if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a file its last holder removed
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def build_lock(out: Path, wait: bool = False, quiet: bool = False) -> Iterator[None]:
+    """Hold OUT's build lock for the block: one build (or clean) per OUT at a time.
+
+    A POSIX record lock (``lockf``) on :func:`lock_path`: the kernel drops it when the holder exits,
+    however it exits (kill -9 included), and forked worker processes do not inherit it, so no stale
+    lock survives a build. Another holder: BuildError "OUT is being built by pid N", or with ``wait``
+    block until it is done. The holder removes the file on release while still holding it; a waiter
+    that then gets the lock on the removed file notices (another inode at the path) and starts over.
+    """
+    path = lock_path(out)
+    key = os.path.abspath(path)
+    with _HELD_GUARD:
+        if key in _HELD:
+            raise BuildError(f"{out} is being built by pid {os.getpid()} (this process)")
+        _HELD.add(key)
+    fd = None
+    try:
+        fd = _acquire(path, out, wait, quiet)
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+        with _HELD_GUARD:
+            _HELD.discard(key)
+
+
+def _check_split_names(split: dict[str, float]) -> None:
+    try:
+        check_splits(split)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+
+
+def lock_outputs(stack: contextlib.ExitStack, out: Path, backend: str, split: Optional[dict[str, float]],
+                 wait: bool, quiet: bool) -> None:
+    """Take the build locks of OUT and, with --split, of each split dataset inside it, onto ``stack``."""
+    if split:
+        _check_split_names(split)  # before their names become lock files
+    for target in [out, *(split_path(out, name, backend) for name in (TRAIN, *split))] if split else [out]:
+        stack.enter_context(build_lock(target, wait, quiet))
+
+
+def _made_by_packer(path: Path, sibling: bool) -> bool:
+    """A dataset (manifest), a build's staging folder (its settings, or empty: ``sibling`` only), or a
+    --split folder holding nothing but those."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    if (path / MANIFEST).is_file() or (path / BUILD_STATE).is_file():
+        return True
+    entries = list(path.iterdir())
+    if not entries:
+        return sibling
+    return all(_made_by_packer(e, e.name.startswith(".") and e.name.endswith((".packer-tmp", ".packer-old")))
+               or (e.name.startswith(".") and e.name.endswith(".packer-lock") and e.is_file())
+               for e in entries)
+
+
+def clean(out: str | os.PathLike) -> list[Path]:
+    """Delete the dataset at OUT, its interrupted build and its replaced copy (``.NAME.packer-tmp``,
+    ``.NAME.packer-old``), and nothing else; returns what was deleted. Behind a symlink, the dataset
+    the link points to goes, then the link. Refuses (BuildError) anything that is not packer's, and
+    an OUT that a build holds."""
+    given, out = Path(out), dataset_path(out)
+    if not out.parent.is_dir():  # nothing there to delete (and no folder to make for a lock file)
+        if given.is_symlink():
+            given.unlink()
+            return [given]
+        return []
+    with build_lock(out):
+        doomed = [path for path in (out, staging_path(out), old_path(out)) if path.exists() or path.is_symlink()]
+        for path in doomed:
+            if not _made_by_packer(path, sibling=path != out):
+                raise BuildError(f"{path} is not a packer dataset or build folder; refusing to delete it")
+        for path in doomed:
+            shutil.rmtree(path)
+        if given.is_symlink():
+            given.unlink()
+            doomed.append(given)
+    return doomed
 
 
 def default_backend(out: str | os.PathLike) -> str:
@@ -192,34 +350,42 @@ def _replay_digest(staging: Path, backend: str, index: np.ndarray) -> Digest:
 def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Optional[str] = None,
           format: str = "jpeg", short_edge: int = 320, quality: int = 90,
           workers: Optional[int] = None, shard_size: int = 10_000, labels: Optional[str] = None,
-          force: bool = False, resume: bool = False, on_error: str = "skip",
+          force: bool = False, resume: bool = False, on_error: Optional[str] = None,
           max_pixels: int = 256_000_000, min_size: int = 16, max_aspect: float = 10.0,
           quiet: bool = False, checkpoint_seconds: float = CHECKPOINT_SECONDS, update: bool = False,
           checksum: bool = False, split: Optional[dict[str, float]] = None,
-          split_seed: int = 0) -> BuildReport:
+          split_seed: int = 0, wait: bool = False) -> BuildReport:
     """Pack ``raw_dir`` into ``out``; see ``packer build --help`` for the options.
 
     ``update``: refresh the dataset at ``out`` (or build it), copying the records of unchanged files
     (same path, size and mtime; with ``checksum`` same size and content hash) instead of decoding them.
     ``split`` ({"val": 0.05, ...}): ``out`` becomes a folder with one dataset per split plus ``train``.
+    ``on_error``: "skip" bad files, or "fail" at the first; None (the default) skips bad files but fails
+    on a folder under raw/ that cannot be read. ``wait``: if another build holds OUT, wait for it
+    instead of failing.
     """
     t0 = time.monotonic()
-    out, opts, found, settings = prepare(
-        raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
-        shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
-        min_size=min_size, max_aspect=max_aspect, update=update, resume=resume, checksum=checksum,
-        split=split)
-    job = _Job(raw=Path(raw_dir), opts=opts, workers=workers or os.cpu_count() or 1, on_error=on_error,
-               quiet=quiet, checkpoint_seconds=checkpoint_seconds, resume=resume, update=update,
-               keep_current=update or (resume and not force))
-    if not split:
-        report = _build_dataset(out, found, settings, job)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        reports = {name: _build_dataset(split_path(out, name, settings["backend"]), part,
-                                        settings | {"inputs": part.fingerprint()}, job)
-                   for name, part in split_scan(found, split, split_seed).items()}
-        report = BuildReport.combine(str(out), reports)
+    backend = backend or default_backend(out)  # from the name given: a symlink's target may differ
+    given, out = Path(out), dataset_path(out)
+    with contextlib.ExitStack() as locks:
+        lock_outputs(locks, out, backend, split, wait, quiet)
+        out, opts, found, settings = prepare(
+            raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
+            shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
+            min_size=min_size, max_aspect=max_aspect, update=update, resume=resume, checksum=checksum,
+            split=split, quiet=quiet)
+        job = _Job(raw=Path(raw_dir), opts=opts, workers=workers or os.cpu_count() or 1,
+                   on_error=on_error or "skip", quiet=quiet, checkpoint_seconds=checkpoint_seconds,
+                   resume=resume, update=update, keep_current=update or (resume and not force))
+        if not split:
+            report = _build_dataset(out, found, settings, job)
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            reports = {name: _build_dataset(split_path(out, name, settings["backend"]), part,
+                                            settings | {"inputs": part.fingerprint()}, job)
+                       for name, part in split_scan(found, split, split_seed).items()}
+            report = BuildReport.combine(str(out), reports)
+    report.out = str(given)
     report.seconds = time.monotonic() - t0
     return report
 
@@ -245,13 +411,11 @@ def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) 
     t0 = time.monotonic()
     previous = previous_dataset(out, job.quiet) if job.keep_current else None
     if previous is not None and previous[0].inputs == inputs_digest(found, settings):
-        manifest = previous[0]
-        return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned,
-                           skipped=manifest.skipped, ignored=manifest.ignored, bytes=manifest.bytes,
-                           digest=manifest.digest, seconds=0.0, up_to_date=True)
-    if job.keep_current and not job.update and out.exists():  # a --resume'd split build: a finished split
-        raise BuildError(f"{out} already exists and differs from this build (use --force to replace it, "
-                         f"or --update)")
+        return _up_to_date(out, previous[0])
+    if job.keep_current and not job.update and out.exists():  # --resume of a build that already finished
+        raise _built_otherwise(out)
+    if previous is not None:
+        _warn_class_changes(out, previous[0].classes, found.classes, job.quiet)
     cache = reuse_plan(out, previous, found, settings, job.quiet) if job.update and previous else None
     staging = staging_path(out)
     state = _open_staging(staging, settings, job.resume)
@@ -269,11 +433,44 @@ def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) 
     return report
 
 
+def _up_to_date(out: Path, manifest: Manifest) -> BuildReport:
+    """The report of a build that finds OUT already built from the same inputs and options."""
+    return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned,
+                       skipped=manifest.skipped, ignored=manifest.ignored, bytes=manifest.bytes,
+                       digest=manifest.digest, seconds=0.0, up_to_date=True)
+
+
+def _built_otherwise(out: Path) -> BuildError:
+    return BuildError(f"{out} is a complete dataset built from other input or options than this --resume "
+                      f"(use --update to refresh it, or --force to replace it)")
+
+
+def resume_finished(out: Path, found: Scan, settings: dict[str, Any], quiet: bool) -> Optional[BuildReport]:
+    """--resume on an OUT that exists: its up-to-date report when it holds what this build would write
+    (a retried job succeeds), None when there is no dataset at OUT, else BuildError."""
+    if not out.exists():
+        return None
+    previous = previous_dataset(out, quiet)
+    if previous is None or previous[0].inputs != inputs_digest(found, settings):
+        raise _built_otherwise(out)
+    return _up_to_date(out, previous[0])
+
+
+def _warn_class_changes(out: Path, old: list[str], new: list[str], quiet: bool) -> None:
+    """A refresh that renumbers classes says so (a class folder deleted or added shifts the ids after it)."""
+    moved = [f"{name!r} {i} -> {new.index(name)}" for i, name in enumerate(old) if name in new and new.index(name) != i]
+    if moved and not quiet:
+        gone = [name for name in old if name not in new]
+        print(f"packer: warning: class ids change from those of {out}"
+              + (f" (gone: {', '.join(map(repr, gone))})" if gone else "") + f": {', '.join(moved[:5])}"
+              + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""), file=sys.stderr, flush=True)
+
+
 def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Optional[str], format: str,
             short_edge: int, quality: int, shard_size: int, labels: Optional[str], force: bool,
             on_error: str, max_pixels: int, min_size: int, max_aspect: float, update: bool = False,
             resume: bool = False, checksum: bool = False, split: Optional[dict[str, float]] = None,
-            ) -> tuple[Path, Options, Scan, dict[str, Any]]:
+            quiet: bool = False) -> tuple[Path, Options, Scan, dict[str, Any]]:
     """Validate the options and scan raw/; shared with the Dask build so both refuse the same inputs.
 
     Returns OUT, the preprocessing options, the scan (with each source's identity), and the settings
@@ -287,28 +484,34 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
         raise BuildError(f"--format must be one of {', '.join(FORMATS)}, not {format!r}")
     if not (1 <= quality <= 100) or short_edge < 1 or shard_size < 1 or min_size < 1 or max_aspect < 1:
         raise BuildError("--quality must be 1..100; --short-edge, --shard-size, --min-size, --max-aspect >= 1")
-    if on_error not in ("skip", "fail"):
+    if on_error not in (None, "skip", "fail"):
         raise BuildError(f"--on-error must be skip or fail, not {on_error!r}")
     if split:
-        try:
-            check_splits(split)
-        except ValueError as e:
-            raise BuildError(str(e)) from None
+        _check_split_names(split)
         if (out / MANIFEST).is_file():
             raise BuildError(f"{out} is a dataset; --split writes a folder of datasets "
                              f"({split_path(out, TRAIN, backend)}, ...): choose another OUT")
     for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
-        if target.exists() and not (force or update or (split and resume)):
+        if target.exists() and not (force or update or resume):
             raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
         if target.exists() and not force and not (target / MANIFEST).is_file():
-            raise BuildError(f"{target} exists and is not a packer dataset; --update only replaces a "
-                             f"dataset (use --force to replace it anyway)")
+            raise BuildError(f"{target} exists and is not a packer dataset; --update and --resume only "
+                             f"replace a dataset (use --force to replace it anyway)")
     opts = Options(format=format, short_edge=short_edge, quality=quality, max_pixels=max_pixels,
                    min_size=min_size, max_aspect=max_aspect)
     try:
         found = scan(raw_dir, labels)
     except ScanError as e:
         raise BuildError(str(e)) from None
+    if found.unreadable and on_error != "skip":
+        rel, reason = found.unreadable[0]
+        more = f" (and {len(found.unreadable) - 1} more)" if len(found.unreadable) > 1 else ""
+        raise BuildError(f"{Path(raw_dir) / rel}: {reason}{more}; its files cannot be packed (pass "
+                         f"--on-error skip to build without them)")
+    for a, b in confusable(found.classes):
+        if not quiet:
+            print(f"packer: warning: class names {a!r} and {b!r} differ only in Unicode normalization or "
+                  f"case: they are two classes", file=sys.stderr, flush=True)
     if not found.sources:
         raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside)")
     found.identity = identify(raw_dir, found.sources, checksum)
@@ -461,7 +664,7 @@ def _finalize(staging: Path, out: Path, manifest: Manifest) -> None:
     if out.exists() and _exchange(staging, out):  # OUT is the old dataset, then the new one: never absent
         shutil.rmtree(staging)
     elif out.exists():  # no atomic exchange here: a crash between these two renames leaves OUT absent
-        trash = out.parent / f".{out.name}.packer-old"
+        trash = old_path(out)
         if trash.exists():
             shutil.rmtree(trash)
         out.rename(trash)

@@ -4,14 +4,20 @@ JPEGs are decoded at the smallest DCT scale (1/8, 1/4, 1/2) that keeps the short
 target (Pillow ``draft``), so the decoder never produces pixels that would be thrown away; EXIF
 orientation is applied to that small image, then one antialiased downscale hits the exact size.
 Any failure becomes a :class:`Skip` with a reason a person can act on.
+
+Nothing here changes process-wide state, so packer can preprocess inside any process (a Dask worker
+with several threads, an application that imports packer): Pillow's global decompression-bomb limit
+is left as it is (packer opens images without it and applies its own ``--max-pixels`` to the header
+instead), and damaged JPEG data is detected by libjpeg's error handler in packer's C binding rather
+than by turning warnings into errors, which is process-wide and races between threads.
 """
 
 from __future__ import annotations
 
 import io
-import zlib
 import os
-import warnings
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -19,9 +25,9 @@ import numpy as np
 from PIL import Image
 
 from . import codec
-from .codec import decode_jpeg, encode_jpeg, native_shrink, shrink_factor, turbojpeg
+from .codec import decode_jpeg, encode_jpeg, native_shrink, scaled_size, shrink_factor, turbojpeg
+from .scan import open_regular
 
-Image.MAX_IMAGE_PIXELS = None  # packer enforces its own, configurable limit (max_pixels) below
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
 HEIF_EXTENSIONS = frozenset((".heic", ".heif"))
 HEIF_MISSING = "HEIC/HEIF needs the optional extra: pip install 'packer[heif]'"
@@ -109,11 +115,46 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def open_image(data: bytes) -> Image.Image:
+    """``Image.open`` (the same plugins, tried in the same order) without Pillow's decompression-bomb
+    check, which reads the process-wide ``Image.MAX_IMAGE_PIXELS``: packer checks ``--max-pixels``
+    against the header right after, so neither limit is changed for anyone else in the process."""
+    prefix = data[:16]
+    tried: list[str] = []
+    for loader in (None, Image.preinit, Image.init):  # Image.open's order: registered, common, all
+        if loader is not None:
+            loader()
+        for fmt in [f for f in Image.ID if f not in tried]:
+            tried.append(fmt)
+            factory, accept = Image.OPEN[fmt]
+            try:
+                result = accept(prefix) if accept else True
+                if result and not isinstance(result, str):
+                    return factory(io.BytesIO(data), "")
+            except (SyntaxError, IndexError, TypeError, struct.error):
+                continue
+    raise Image.UnidentifiedImageError("cannot identify image file")
+
+
+def _decode_scaled(data: bytes, width: int, height: int, factor: tuple[int, int]) -> np.ndarray:
+    """The JPEG at ``factor`` of its ``width`` x ``height``: through packer's C binding where it is
+    built (libjpeg's own error handler makes damage, warnings included, a ValueError, whatever other
+    threads do), else PyTurboJPEG."""
+    if not codec.can_decode_region():
+        return decode_jpeg(data, factor)
+    w, h = scaled_size(width, height, factor)
+    out = np.empty((h, w, 3), np.uint8)
+    band, _, size = codec.decode_jpeg_region(data, factor, 0, 0, h, w, False, out)
+    if size != (w, h) or band.shape != out.shape:  # a header Pillow read one way and libjpeg another
+        raise ValueError(f"corrupt JPEG data (decodes to {size[0]}x{size[1]}, header says {w}x{h})")
+    return out
+
+
 def load(path: str, opts: Options) -> Image.Image:
     """Decode ``path`` as an upright RGB image already shrunk to the target short edge."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = f.read()
-    with Image.open(io.BytesIO(data)) as im:  # reads the header only: size, mode, EXIF
+    with open_image(data) as im:  # reads the header only: size, mode, EXIF
         width, height = im.size
         problem = _check_geometry(width, height, opts)
         if problem:
@@ -122,7 +163,7 @@ def load(path: str, opts: Options) -> Image.Image:
         orientation = im.getexif().get(0x0112, 1)
         if im.format == "JPEG" and im.mode in ("RGB", "L") and turbojpeg() is not None:
             factor = shrink_factor(width, height, opts.short_edge)
-            rgb = Image.fromarray(shrink(decode_jpeg(data, factor), target), "RGB")
+            rgb = Image.fromarray(shrink(_decode_scaled(data, width, height, factor), target), "RGB")
         else:
             if im.format == "JPEG" and target != (width, height):
                 im.draft(im.mode, target)  # DCT-domain downscale; result stays >= the requested size
@@ -166,9 +207,7 @@ def process(path: str, opts: Options) -> Result:
     if not HEIF_AVAILABLE and os.path.splitext(path)[1].lower() in HEIF_EXTENSIONS:
         return Skip(HEIF_MISSING)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = load(path, opts)
+        im = load(path, opts)
         rgb = np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
         h, w = rgb.shape[:2]
         data = encode_jpeg(rgb, opts.quality) if opts.format == "jpeg" else rgb.tobytes()

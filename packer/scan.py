@@ -2,18 +2,24 @@
 
 A depth-first walk with each folder's entries sorted by name makes the record order, and so the
 digest, independent of the filesystem and of the number of workers. Symlinked directories are followed once (by device and inode), so a
-link back up the tree cannot loop.
+link back up the tree cannot loop. Only regular files are ever opened (a symlink is judged by its
+target: one named ``x.jpg`` pointing at a FIFO or ``/dev/zero`` is ignored, never read).
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import os
+import stat
+import threading
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import Callable, Optional
+from typing import BinaryIO, Callable, Optional
 
 import numpy as np
 
@@ -42,6 +48,7 @@ class Scan:
     ignored: list[tuple[str, str]] = field(default_factory=list)  # (rel path, reason)
     missing: list[tuple[str, str]] = field(default_factory=list)  # listed in --labels, not on disk
     identity: Optional[np.ndarray] = None  # IDENTITY_DTYPE, one row per source (see identify)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # folders among ``ignored`` that could not be listed
 
     @property
     def scanned(self) -> int:
@@ -75,12 +82,30 @@ class Scan:
         )
 
 
-def _content_hash(path: str) -> int:
-    """64-bit BLAKE2b of the file's bytes (0 when unreadable: such a file is skipped anyway)."""
+def open_regular(path: str) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file, else OSError: never blocks on a FIFO or
+    streams a device that replaced a file after the scan (opened non-blocking, checked, then made
+    blocking again)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _content_hash(path: str, stop: threading.Event) -> int:
+    """64-bit BLAKE2b of the file's bytes (0 when unreadable: such a file is skipped anyway, or when
+    ``stop`` is set: the build is being interrupted)."""
     h = hashlib.blake2b(digest_size=8)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             while chunk := f.read(1 << 20):
+                if stop.is_set():
+                    return 0
                 h.update(chunk)
     except OSError:
         return 0
@@ -104,28 +129,70 @@ def identify(root: str | os.PathLike, sources: list[Source], checksum: bool = Fa
     out = np.zeros(len(paths), IDENTITY_DTYPE)
     out["src_size"], out["src_mtime_ns"] = sizes, mtimes
     if checksum:
-        with ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4)) as pool:
+        # Ctrl-C or SIGTERM while the threads hash: queued files are dropped and running ones stop at
+        # their next MiB, so the build stops within moments however large the files are.
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4))
+        try:
             for i in range(0, len(paths), 4096):  # batches: map() would queue a future per file at once
-                out["src_hash"][i:i + 4096] = list(pool.map(_content_hash, paths[i:i + 4096]))
+                out["src_hash"][i:i + 4096] = list(pool.map(partial(_content_hash, stop=stop), paths[i:i + 4096]))
+        finally:
+            stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
     return out
 
 
-def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
-    """All candidate image files (sorted rel paths) and the ignored entries, following symlinks once."""
+def _not_regular(entry: os.DirEntry) -> Optional[str]:
+    """Why ``entry`` (its target, for a symlink) is not a file to open: "FIFO", "symlink to a character
+    device", ...; None for a regular file or a broken link (skipped as unreadable when decoded)."""
+    try:
+        mode = entry.stat(follow_symlinks=True).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+             (stat.S_ISSOCK, "socket"))
+    kind = next((name for is_kind, name in kinds if is_kind(mode)), "special file")
+    return f"symlink to a {kind}" if entry.is_symlink() else kind
+
+
+def confusable(names: list[str]) -> list[tuple[str, str]]:
+    """Pairs of names that are equal after Unicode NFC normalization and case folding ("Café" typed
+    two ways, "Cats" and "cats"): distinct classes that a person reads as one."""
+    first: dict[str, str] = {}
+    pairs = []
+    for name in names:
+        key = unicodedata.normalize("NFC", name).casefold()
+        if key in first:
+            pairs.append((first[key], name))
+        else:
+            first[key] = name
+    return pairs
+
+
+def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]:
+    """All candidate image files (sorted rel paths), the ignored entries, and the folders that could
+    not be listed (also among the ignored); symlinked folders are followed once."""
     files: list[str] = []
     ignored: list[tuple[str, str]] = []
+    unreadable: list[tuple[str, str]] = []
     seen: set[tuple[int, int]] = set()
 
     def visit(directory: Path, rel: PurePosixPath) -> None:
-        st = directory.stat()
-        if (st.st_dev, st.st_ino) in seen:
-            ignored.append((f"{rel}/", "directory already visited (symlink loop or duplicate link)"))
-            return
-        seen.add((st.st_dev, st.st_ino))
         try:
+            st = directory.stat()
+            if (st.st_dev, st.st_ino) in seen:
+                ignored.append((f"{rel}/", "directory already visited (symlink loop or duplicate link)"))
+                return
+            seen.add((st.st_dev, st.st_ino))
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
-        except OSError as e:
-            ignored.append((f"{rel}/", f"unreadable directory ({e.strerror})"))
+        except OSError as e:  # no permission, an I/O error, removed during the scan, a path too long
+            if str(rel) == ".":
+                raise ScanError(f"{directory}: cannot read the raw folder ({e.strerror or e})") from None
+            entry = (f"{rel}/", f"unreadable directory ({e.strerror or e})")
+            ignored.append(entry)
+            unreadable.append(entry)
             return
         for entry in entries:
             child = rel / entry.name if str(rel) != "." else PurePosixPath(entry.name)
@@ -139,13 +206,13 @@ def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
                 visit(Path(entry.path), child)
             elif os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
                 ignored.append((str(child), "not an image extension"))
-            elif entry.is_file(follow_symlinks=True) or entry.is_symlink():
-                files.append(str(child))  # a broken symlink is an image we cannot read: skipped, reported
+            elif kind := _not_regular(entry):
+                ignored.append((str(child), f"not a regular file ({kind})"))  # never opened
             else:
-                ignored.append((str(child), "not a regular file"))  # FIFO, socket, device: never opened
+                files.append(str(child))  # a broken symlink is an image we cannot read: skipped, reported
 
     visit(root, PurePosixPath("."))
-    return files, ignored
+    return files, ignored, unreadable
 
 
 def _read_labels(labels_csv: Path) -> dict[str, str]:
@@ -179,7 +246,7 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
     root = Path(raw_dir)
     if not root.is_dir():
         raise ScanError(f"{raw_dir}: raw folder does not exist or is not a directory")
-    files, ignored = _walk(root)
+    files, ignored, unreadable = _walk(root)
     if labels_csv is not None:
         labels = _read_labels(Path(labels_csv))
         on_disk = set(files) | {rel for rel, _ in ignored}  # an ignored file is reported once, as ignored
@@ -188,10 +255,13 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
         sources = [Source(f, ids[labels[f]]) for f in files if f in labels]
         ignored += [(f, "not listed in the labels file") for f in files if f not in labels]
         missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(labels) if p not in on_disk]
-        return Scan(sources, classes, sorted(ignored), missing)
+        return Scan(sources, classes, sorted(ignored), missing, unreadable=unreadable)
     in_class = [f for f in files if "/" in f]
     ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
-    classes = sorted({f.split("/", 1)[0] for f in in_class})
+    # A class folder that cannot be listed stays a class (with no files this time), so that the ids of
+    # the classes after it do not shift under a refresh that goes on without it (--on-error skip).
+    unlisted = {rel.rstrip("/") for rel, _ in unreadable if rel.count("/") == 1}
+    classes = sorted({f.split("/", 1)[0] for f in in_class} | unlisted)
     ids = {c: i for i, c in enumerate(classes)}
     sources = [Source(f, ids[f.split("/", 1)[0]]) for f in in_class]
-    return Scan(sources, classes, sorted(ignored))
+    return Scan(sources, classes, sorted(ignored), unreadable=unreadable)

@@ -175,6 +175,22 @@ def test_probe_reports_a_worker_that_cannot_see_raw(tmp_path: Path) -> None:
     assert facts["error"] is None and (tmp_path / facts["probe"]).is_file()
 
 
+def test_probe_on_real_workers_checks_their_threads(client, tmp_path: Path) -> None:
+    """Dask hands the probe its worker; with packer's C binding built, threads are fine (damage is
+    detected per call), without it a multi-threaded worker is refused."""
+    from packer.codec import can_decode_region
+
+    (tmp_path / "raw" / "cat").mkdir(parents=True)
+    (tmp_path / "raw" / "cat" / "a.jpg").write_bytes(b"")
+    facts = client.run(probe, str(tmp_path / "raw"), str(tmp_path), "cat/a.jpg")
+    assert len(facts) == 2 and all(f["error"] is None and f["threads"] == 1 for f in facts.values())
+    four = probe(str(tmp_path / "raw"), str(tmp_path), "cat/a.jpg", dask_worker=type("W", (), {"nthreads": 4})())
+    if can_decode_region():
+        assert four["error"] is None
+    else:
+        assert "runs 4 threads" in four["error"] and "--nthreads 1" in four["error"]
+
+
 
 def test_cli_dask_option(client, built, raw_photos: Path, tmp_path: Path) -> None:
     """``packer build --dask ADDRESS``: same digest; a bad address is one line on stderr, exit 1."""
@@ -184,6 +200,9 @@ def test_cli_dask_option(client, built, raw_photos: Path, tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     assert Manifest.load(tmp_path / "out.lmdb").digest == Manifest.load(built("lmdb", "jpeg")).digest
     assert Manifest.load(tmp_path / "out.lmdb").options["shard_size"] == 1000  # the Dask default
+    retried = subprocess.run([*cli, str(tmp_path / "out.lmdb"), "--dask", client.scheduler.address, "--resume"],
+                             capture_output=True, text=True, timeout=120)
+    assert retried.returncode == 0 and "is up to date" in retried.stderr, retried.stderr
     bad = subprocess.run([*cli, str(tmp_path / "bad.lmdb"), "--dask", "nonsense"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1

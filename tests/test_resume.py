@@ -142,6 +142,28 @@ def test_interrupt_exits_cleanly_leaves_no_output_no_processes_and_resumes(raw: 
     check_resumed(raw, out, reference, "lmdb")
 
 
+def test_overlapping_builds_are_refused_and_kill_9_of_the_holder_leaves_no_stale_lock(
+        raw: Path, reference: Path, tmp_path: Path) -> None:
+    """Cron overlapping itself: a second --update, or a --resume, beside a live build fails at once
+    naming it and touches nothing of its staging; once the live build is killed (the build process
+    alone: its workers may outlive it for a moment), --resume takes over its work at once."""
+    out = tmp_path / "out.lmdb"
+    proc = start_build(raw, out)
+    wait_for_checkpoint(proc, out)
+    journal = staging_path(out) / "index.part"
+    for extra in (["--update"], ["--resume"], ["--force"]):
+        size = journal.stat().st_size
+        run = subprocess.run(PACKER + ["build", str(raw), str(out), *extra], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 1 and run.stderr.strip() == f"packer: error: {out} is being built by pid {proc.pid}"
+        assert journal.stat().st_size >= size, "the refused build touched the live build's journal"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    check_resumed(raw, out, reference, "lmdb")
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # any worker that outlived its build
+
+
 def test_resume_refuses_changed_options(raw: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = start_build(raw, out)
