@@ -39,6 +39,7 @@ from .pipeline import (
     PROGRESS, BuildError, BuildReport, _Journal, _open_staging, _Progress, _write_json_atomic,
     complete, prepare, staging_path,
 )
+from .labels import Labelling
 from .preprocess import Options, Record, process_chunk
 from .scan import Scan
 from .write import LmdbWriter, fsync_path, write_atomic
@@ -267,7 +268,6 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
               if backend == "lmdb" else None)
     digest, shards = Digest(), []
     labels = np.array([s.label for s in found.sources], dtype=np.int64)
-    kept = np.zeros(len(found.sources), dtype=bool)
     skipped = len(found.missing)
     try:
         for k, (start, stop) in enumerate(slices):
@@ -278,7 +278,6 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
                 journal.add_report(found.sources[start + i].rel, "skipped", bad[i])
             skipped += len(bad)
             members = [start + i for i in range(stop - start) if i not in bad]
-            kept[members] = True
             rows["label"] = labels[members]
             for name in IDENTITY_FIELDS:  # what a later local `build --update` compares
                 rows[name] = found.identity[name][members]
@@ -296,9 +295,7 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
             writer.close()
     shutil.rmtree(fragments)
     total = writer.total_bytes() if writer is not None else sum(int(s["bytes"]) for s in shards)
-    class_counts = np.bincount(labels[kept], minlength=len(found.classes)).astype(np.int64)
-    return complete(staging, out, found, settings,
-                    class_counts=class_counts, skipped=skipped, total=total, digest=digest,
+    return complete(staging, out, found, settings, skipped=skipped, total=total, digest=digest,
                     shards=shards, resumed_from=0)
 
 
@@ -325,7 +322,7 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
                quality: int = 90, labels: Optional[str] = None, force: bool = False,
                resume: bool = False, on_error: str = "skip", max_pixels: int = 256_000_000,
                min_size: int = 16, max_aspect: float = 10.0, quiet: bool = False,
-               retries: int = RETRIES) -> BuildReport:
+               retries: int = RETRIES, labelling: Optional[Labelling] = None) -> BuildReport:
     """Like :func:`packer.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
 
     ``address`` is ``"local"`` (a LocalCluster of ``workers`` processes on this machine) or a scheduler
@@ -338,7 +335,7 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
     out, opts, found, settings = prepare(
         raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
         shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
-        min_size=min_size, max_aspect=max_aspect)
+        min_size=min_size, max_aspect=max_aspect, labelling=labelling, quiet=quiet)
     settings["engine"] = "dask"  # staging layouts differ: a local --resume must not pick this one up
     raw = os.path.abspath(raw_dir)  # workers have their own working directory
     staging = staging_path(Path(os.path.abspath(out)))
