@@ -29,6 +29,7 @@ import numpy as np
 SEPARATOR = ";"  # between the labels of one image in --multi-label mode
 #: Integer CSV labels become ids 0..max, one class each: refuse ids that would list millions of classes.
 MAX_INTEGER_ID = 1_000_000
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INTEGER = re.compile(r"0|[1-9][0-9]*")  # no sign, no leading zeros: "007" stays a name
 
 
@@ -53,14 +54,14 @@ class Labelling:
         """Refuse combinations that mean nothing, in one line naming the options."""
         if self.unlabeled and (self.multi_label or self.classes):
             raise LabelError("--unlabeled cannot be combined with --multi-label or --classes")
-        if self.multi_label and labels_csv is None:
-            raise LabelError("--multi-label needs --labels (a CSV whose label column lists 'a;b;c')")
-        if self.targets and labels_csv is None:
-            raise LabelError("--targets needs --labels (a CSV holding those columns)")
         if any(not t.strip() for t in self.targets) or len(set(self.targets)) != len(self.targets):
             raise LabelError(f"--targets {','.join(self.targets)!r}: column names must be non-empty and distinct")
         if "path" in self.targets or ("label" in self.targets and not self.unlabeled):
             raise LabelError("--targets cannot name the 'path' column, nor 'label' (unless --unlabeled)")
+        if self.multi_label and labels_csv is None:
+            raise LabelError("--multi-label needs --labels (a CSV whose label column lists 'a;b;c')")
+        if self.targets and labels_csv is None:
+            raise LabelError("--targets needs --labels (a CSV holding those columns)")
 
     def settings(self) -> dict[str, object]:
         """What a build records (build.json, manifest ``inputs``): a change means different labels."""
@@ -113,7 +114,7 @@ def _number(text: str, column: str, where: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or not math.isfinite(np.float32(value)):
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
         raise LabelError(f"{where}: column {column!r}: {text!r} is not a finite number (float32)")
     return value
 
