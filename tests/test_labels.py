@@ -8,6 +8,7 @@ record's label and targets are compared with what the input said for its source 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -313,6 +314,9 @@ def test_meaningless_option_combinations_are_refused(tmp_path: Path, labelling: 
 # --- on disk: format 1 still opens, damaged label arrays are refused ------------------------------
 
 
+V1_IMAGES = [("cat/0.png", 40, 24), ("cat/1.png", 24, 32), ("dog/2.png", 32, 32)]  # rel, w, h
+
+
 def v1_pixels(k: int, w: int, h: int) -> np.ndarray:
     """The pixels of image k of tests/data/v1-memmap (see its README.md)."""
     y, x = np.mgrid[0:h, 0:w]
@@ -324,12 +328,26 @@ def test_format_1_dataset_still_opens(tmp_path: Path) -> None:
     assert m.format_version == 1 and m.label_kind == "class" and m.targets == []
     ds = ShardDataset(V1, crop_size=None, dtype=torch.uint8)
     assert ds.classes == ["cat", "dog"] and ds.labels.tolist() == [0, 0, 1] and ds.targets is None
-    for k, (w, h) in enumerate([(40, 24), (24, 32), (32, 32)]):
+    for k, (_, w, h) in enumerate(V1_IMAGES):
         image, label = ds[k]
         assert label == [0, 0, 1][k] and np.array_equal(image.permute(1, 2, 0).numpy(), v1_pixels(k, w, h))
     _, (labels,) = read_back(V1)
     assert labels == [0, 0, 1]
     assert verify(V1).ok and json.loads(cli("info", V1, "--json").stdout)["label_kind"] == "class"
+
+    # --update rewrites it as version 2, copying its records (sources recreated with the same size and mtime)
+    raw, out = tmp_path / "raw", shutil.copytree(V1, tmp_path / "v1")
+    index = np.load(V1 / "index.npy")
+    same = 0
+    for k, (rel, w, h) in enumerate(V1_IMAGES):
+        (raw / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(v1_pixels(k, w, h)).save(raw / rel)
+        os.utime(raw / rel, ns=(int(index[k]["src_mtime_ns"]),) * 2)
+        same += (raw / rel).stat().st_size == int(index[k]["src_size"])
+    (raw / "notes.txt").write_text("x")
+    got = build(raw, out, backend="memmap", format="raw", update=True, workers=1, quiet=True)
+    assert got.reused == same  # all 3 unless this Pillow's PNG encoder writes other bytes
+    assert got.digest == m.digest and Manifest.load(out).format_version == 2  # raw pixels: same records
 
 
 def test_damaged_label_arrays_are_refused(tmp_path: Path) -> None:
