@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .errors import PackerError
+
 SEPARATOR = ";"  # between the labels of one image in --multi-label mode
 #: Integer CSV labels become ids 0..max, one class each: refuse ids that would list millions of classes.
 MAX_INTEGER_ID = 1_000_000
@@ -33,7 +35,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INTEGER = re.compile(r"0|[1-9][0-9]*")  # no sign, no leading zeros: "007" stays a name
 
 
-class LabelError(Exception):
+class LabelError(PackerError):
     """The labels CSV or class list cannot be used as given; the message names the file and line."""
 
 
