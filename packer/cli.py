@@ -225,7 +225,8 @@ def info(out: Path, as_json: bool) -> None:
     click.echo(f"  digest {facts['digest']}")
     total = facts["count"]
     if facts["label_kind"] != "none":
-        click.echo("  per label (an image counts once per label):" if facts["label_kind"] == "multi" else "  per class:")
+        multi = facts["label_kind"] == "multi"
+        click.echo("  per label (an image counts once per label):" if multi else "  per class:")
         for name, n in facts["class_counts"].items():
             click.echo(f"    {name:<{width}}  {n:>8}  {_bar(n, total)}")
     if facts["records_without_labels"] is not None:

@@ -195,22 +195,35 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
         classes = class_list(named, where, pinned, integers=labels_csv is not None)
     except LabelError as e:
         raise ScanError(str(e)) from None
-    ids = {c: i for i, c in enumerate(classes)}
-    keep, sets = [], []
-    for f, names, at in zip(files, named, where):
-        unknown = next((n for n in names if n not in ids), None)
-        if unknown is None:
-            keep.append(f)
-            sets.append([ids[n] for n in names])
-            continue
-        reason = f"{'label' if labels_csv is not None else 'class folder'} {unknown!r} is not in --classes {labelling.classes}"
-        if strict:
-            raise ScanError(f"{at}: {reason} (--on-error fail)")
-        missing.append((f, f"{reason} ({at})" if labels_csv is not None else reason))
+    what = "label" if labels_csv is not None else "class folder"
+    keep, sets, rejected = _class_ids(files, named, where, classes,
+                                      lambda name: f"{what} {name!r} is not in --classes {labelling.classes}",
+                                      strict, with_row=labels_csv is not None)
     label_of = (lambda k: sets[k][0]) if labelling.kind == "class" else (lambda k: -1)
     sources = [Source(f, label_of(k)) for k, f in enumerate(keep)]
     multi = pack(sets, len(classes)) if labelling.kind == "multi" else None
     targets = (np.array([rows[f].targets for f in keep], dtype=np.float32).reshape(len(keep), len(labelling.targets))
                if labelling.targets else None)
-    return Scan(sources, classes, sorted(ignored), sorted(missing), kind=labelling.kind,
+    return Scan(sources, classes, sorted(ignored), sorted(missing + rejected), kind=labelling.kind,
                 target_names=list(labelling.targets), multi=multi, targets=targets, notes=notes)
+
+
+def _class_ids(files: list[str], named: list[tuple[str, ...]], where: list[str], classes: list[str],
+               unknown: Callable[[str], str], strict: bool,
+               with_row: bool) -> tuple[list[str], list[list[int]], list[tuple[str, str]]]:
+    """The files whose label names are all in ``classes``, their class ids, and the others with the
+    reason (``unknown(name)``, plus the CSV row ``with_row``); with ``strict`` the first other one is an error."""
+    ids = {c: i for i, c in enumerate(classes)}
+    keep: list[str] = []
+    sets: list[list[int]] = []
+    rejected: list[tuple[str, str]] = []
+    for f, names, at in zip(files, named, where):
+        bad = next((n for n in names if n not in ids), None)
+        if bad is None:
+            keep.append(f)
+            sets.append([ids[n] for n in names])
+        elif strict:
+            raise ScanError(f"{at}: {unknown(bad)} (--on-error fail)")
+        else:
+            rejected.append((f, f"{unknown(bad)} ({at})" if with_row else unknown(bad)))
+    return keep, sets, rejected
