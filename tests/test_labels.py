@@ -23,8 +23,10 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from packer import BuildError, DatasetError, Labelling, ShardDataset, build
+from packer.dataset import collate_samples
 from packer.format import LABELS, MANIFEST, TARGETS, Manifest
 from packer.labels import pack, sample_weights, unpack
+from packer.preview import contact_sheet
 from packer.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
@@ -173,6 +175,9 @@ def test_multi_label_csv_gives_multi_hot_vectors(tmp_path: Path) -> None:
     facts = json.loads(cli("info", tmp_path / "out", "--json").stdout)
     assert facts["class_counts"] == counts and facts["records_without_labels"] == 2
     assert "per label" in cli("info", tmp_path / "out").stdout
+    assert contact_sheet(tmp_path / "out", tmp_path / "sheet.png", n=4) == (2, 2)  # captions: 'cat;dog'
+    assert [ds.source(i) for i in range(7)] == rels  # sorted walk order
+    assert [ds.label_name(i) for i in (0, 2, 3)] == ["cat;dog", "(none)", "bird;cat"]
 
 
 @pytest.mark.parametrize("unlabeled", [False, True])
@@ -200,6 +205,10 @@ def test_targets_are_float32_rows(tmp_path: Path, unlabeled: bool) -> None:
         assert np.array_equal(np.array(targets, np.float32), want)
     text = cli("info", tmp_path / "out").stdout
     assert "target y: min 0, mean 4000, max 8000" in text
+    samples = ds.__getitems__([3, 1, 2])  # the collate fast path: the images' one batch tensor, passed on
+    batch = collate_samples(samples)
+    assert batch[0].data_ptr() == samples[0].image.data_ptr() and batch[-1].shape == (3, 3)
+    assert np.array_equal(batch[-1].numpy(), ds.targets[[3, 1, 2]])
 
 
 def test_multi_label_with_targets_and_a_split_share_one_mapping(tmp_path: Path) -> None:
