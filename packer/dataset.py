@@ -75,7 +75,9 @@ def collate_samples(batch: Sequence[Sample | TargetSample], *,
     from torch.utils.data import default_collate
 
     images = [s.image for s in batch]
-    rest = [default_collate([s[k] for s in batch]) for k in range(1, len(batch[0]))]
+    columns = [[s[k] for s in batch] for k in range(1, len(batch[0]))]
+    # class ids: one torch.tensor call (half the time of default_collate's); tensors: stacked
+    rest = [torch.tensor(c, dtype=torch.int64) if isinstance(c[0], int) else default_collate(c) for c in columns]
     first, root = images[0], images[0]._base
     step = first.numel()
     if (
