@@ -321,7 +321,6 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
                    min_size=min_size, max_aspect=max_aspect)
     labelling = labelling or Labelling()
     try:
-        labelling.check(labels)
         found = scan(raw_dir, labels, labelling, strict=on_error == "fail")
     except (ScanError, LabelError) as e:
         raise BuildError(str(e)) from None

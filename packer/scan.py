@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import PackerError
 from .format import IDENTITY_DTYPE
-from .labels import LabelError, Labelling, class_list, pack, read_classes, read_csv
+from .labels import Labelling, class_list, pack, read_classes, read_csv
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .webp .tif .tiff .bmp .gif .heic .heif .ppm .pgm .pbm".split()
@@ -163,38 +163,36 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
     """The sources under ``raw_dir`` and their labels (folders, or ``labels_csv``) as ``labelling`` says.
 
     A label not in ``--classes``: with ``strict`` (``--on-error fail``) an error, else the file is
-    skipped with that reason (in ``missing``).
+    skipped with that reason (in ``missing``). A bad labels CSV or class list raises LabelError.
     """
     labelling = labelling or Labelling()
+    labelling.check(labels_csv)
     root = Path(raw_dir)
     if not root.is_dir():
         raise ScanError(f"{raw_dir}: raw folder does not exist or is not a directory")
+    pinned = read_classes(labelling.classes) if labelling.classes else None
     files, ignored = _walk(root)
     missing: list[tuple[str, str]] = []
     notes: list[str] = []
-    try:
-        pinned = read_classes(labelling.classes) if labelling.classes else None
-        if labels_csv is not None:
-            rows, unused = read_csv(labels_csv, labelling)
-            if unused:
-                notes.append(f"{labels_csv}: column(s) {', '.join(map(repr, unused))} not used "
-                             f"(--targets COL stores numeric columns)")
-            on_disk = set(files) | {rel for rel, _ in ignored}  # an ignored file is reported once, as ignored
-            ignored += [(f, "not listed in the labels file") for f in files if f not in rows]
-            missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(rows)
-                       if p not in on_disk]
-            files = [f for f in files if f in rows]
-            named, where = [rows[f].names for f in files], [rows[f].where for f in files]
-        elif labelling.unlabeled:
-            named, where = [()] * len(files), [""] * len(files)
-        else:
-            ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
-            files = [f for f in files if "/" in f]
-            named = [(f.split("/", 1)[0],) for f in files]
-            where = [f"{root / n[0]}/" for n in named]
-        classes = class_list(named, where, pinned, integers=labels_csv is not None)
-    except LabelError as e:
-        raise ScanError(str(e)) from None
+    if labels_csv is not None:
+        rows, unused = read_csv(labels_csv, labelling)
+        if unused:
+            notes.append(f"{labels_csv}: column(s) {', '.join(map(repr, unused))} not used "
+                         f"(--targets COL stores numeric columns)")
+        on_disk = set(files) | {rel for rel, _ in ignored}  # an ignored file is reported once, as ignored
+        ignored += [(f, "not listed in the labels file") for f in files if f not in rows]
+        missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(rows)
+                   if p not in on_disk]
+        files = [f for f in files if f in rows]
+        named, where = [rows[f].names for f in files], [rows[f].where for f in files]
+    elif labelling.unlabeled:
+        named, where = [()] * len(files), [""] * len(files)
+    else:
+        ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
+        files = [f for f in files if "/" in f]
+        named = [(f.split("/", 1)[0],) for f in files]
+        where = [f"{root / n[0]}/" for n in named]
+    classes = class_list(named, where, pinned, integers=labels_csv is not None)
     what = "label" if labels_csv is not None else "class folder"
     keep, sets, rejected = _class_ids(files, named, where, classes,
                                       lambda name: f"{what} {name!r} is not in --classes {labelling.classes}",
