@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from . import batchpool, transform
-from . import labels as _labels
+from . import labels as labelling
 from .format import DatasetError, Manifest, load_index, load_label_arrays, source_path
 from .read import open_reader
 
@@ -192,7 +192,7 @@ class ShardDataset(Dataset):
 
     def multi_hot(self) -> Optional[np.ndarray]:
         """Kind "multi": a records x classes uint8 0/1 array (unpacked from labels.npy); else None."""
-        return None if self._multi is None else _labels.unpack(self._multi, len(self.manifest.classes))
+        return None if self._multi is None else labelling.unpack(self._multi, len(self.manifest.classes))
 
     @property
     def targets(self) -> Optional[np.ndarray]:
@@ -205,20 +205,20 @@ class ShardDataset(Dataset):
 
     def class_counts(self) -> np.ndarray:
         """Records per class; "multi": per label (an image counts for each of its labels); "none": empty."""
-        return _labels.class_counts(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
+        return labelling.class_counts(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
 
     def sample_weights(self) -> np.ndarray:
         """Per-record weights balancing the classes, for ``WeightedRandomSampler(ds.sample_weights(), n)``:
         inverse class frequency; "multi": inverse of the mean frequency of the image's labels (images
         without labels as one more class); "none": uniform. See :func:`packer.labels.sample_weights`."""
-        return _labels.sample_weights(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
+        return labelling.sample_weights(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
 
     def label_name(self, i: int) -> str:
         """Record ``i``'s label as text: its class, its classes joined by ';', or "unlabeled"."""
         i = self._check(i)
         if self.label_kind == "multi":
-            hot = _labels.unpack(self._multi[i:i + 1], len(self.manifest.classes))[0]
-            return _labels.SEPARATOR.join(self.manifest.classes[c] for c in np.flatnonzero(hot)) or "(none)"
+            hot = labelling.unpack(self._multi[i:i + 1], len(self.manifest.classes))[0]
+            return labelling.SEPARATOR.join(self.manifest.classes[c] for c in np.flatnonzero(hot)) or "(none)"
         return self.manifest.classes[self._labels[i]] if self.label_kind == "class" else "unlabeled"
 
     def source(self, i: int) -> str:
@@ -303,7 +303,7 @@ class ShardDataset(Dataset):
         int or a row of one multi-hot tensor, the targets rows of one float32 tensor (see the class doc)."""
         kind = self.label_kind
         if kind == "multi":
-            hot = _labels.unpack(self._multi[at], len(self.manifest.classes)).astype(np.float32)
+            hot = labelling.unpack(self._multi[at], len(self.manifest.classes)).astype(np.float32)
             parts: list[Any] = [torch.from_numpy(hot).unbind(0)]
         elif kind == "class" or self._targets is None:
             parts = [self._labels[at].tolist()]
