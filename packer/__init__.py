@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["build", "BuildReport", "BuildError", "DatasetError", "PackerError", "ShardDataset", "__version__"]
+__all__ = ["build", "BuildReport", "BuildError", "DatasetError", "Labelling", "PackerError", "ShardDataset",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from .errors import PackerError
 
         return PackerError
+    if name == "Labelling":
+        from .labels import Labelling
+
+        return Labelling
     if name == "DatasetError":
         from .format import DatasetError
 

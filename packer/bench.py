@@ -123,8 +123,8 @@ def measure(ds: Any, workers: int, batch_size: int, samples: int, prefetch_facto
     pids = worker_pids(it)
     cpu0 = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids)
     t0, n = time.perf_counter(), 0
-    for _, labels in it:
-        n += len(labels)
+    for batch in it:
+        n += len(batch[0])
     seconds = time.perf_counter() - t0
     cpu = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids) - cpu0
     del it, loader

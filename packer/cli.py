@@ -101,7 +101,23 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
               help="Records per memmap shard [default: 10000]. With --dask: files per task, and each "
                    "task's records form one memmap shard [default: 1000].")
 @click.option("--labels", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="CSV with columns path,label (path relative to RAW_DIR) instead of folder labels.")
+              help="CSV whose header names the columns path,label (path relative to RAW_DIR) instead of "
+                   "folder labels. Integer labels (0, 1, 2, ...) keep their value as the class id; other "
+                   "labels are numbered in sorted order.")
+@click.option("--classes", "classes_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              metavar="FILE",
+              help="Fixed class list, one name per line: line order = class ids. Folder names or CSV labels "
+                   "must be in it (others: skipped and reported; an error with --on-error fail); classes "
+                   "without images keep their id. Same mapping for every --split and --update.")
+@click.option("--unlabeled", is_flag=True,
+              help="No labels: every image under RAW_DIR (a flat folder, or folders whose names are ignored). "
+                   "ShardDataset returns (image, -1), or (image, targets) with --targets.")
+@click.option("--multi-label", is_flag=True,
+              help="With --labels: the label column lists several labels separated by ';' (or none). "
+                   "ShardDataset returns a multi-hot float32 vector of len(classes) as the label.")
+@click.option("--targets", metavar="COL[,COL...]", default=None,
+              help="With --labels: store these numeric CSV columns per image (float32). ShardDataset returns "
+                   "(image, label, targets), or (image, targets) with --unlabeled.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default=None,
               help="skip: report bad files and folders and go on; fail: stop at the first one. Default: "
                    "skip bad files, but fail on a folder that cannot be read (its files and perhaps a "
@@ -138,15 +154,21 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
               help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
                    "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.")
 @_friendly
-def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, **options: Any) -> None:
-    """Pack RAW_DIR (class sub-folders = labels) into OUT.
+def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, classes_file: str | None,
+          unlabeled: bool, multi_label: bool, targets: str | None, **options: Any) -> None:
+    """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
+    of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
 
     One build per OUT at a time: a second one fails at once with "OUT is being built by pid N" (or
     waits, with --wait). OUT may be a symlink: the dataset it points to is built or replaced (staged
-    beside it, on its disk) and the link kept. Exit status: 0 when OUT is complete (skipped files do not change that: see
-    OUT/report.jsonl, or use --on-error fail), 1 on an error, 130/143 when interrupted (Ctrl-C/SIGTERM;
-    OUT untouched, continue with --resume).
+    beside it, on its disk) and the link kept. Exit status: 0 when OUT is complete (skipped files do
+    not change that: see OUT/report.jsonl, or use --on-error fail), 1 on an error, 130/143 when
+    interrupted (Ctrl-C/SIGTERM; OUT untouched, continue with --resume).
     """
+    from .labels import Labelling
+
+    options["labelling"] = Labelling(classes_file, unlabeled, multi_label,
+                                     tuple(t.strip() for t in targets.split(",")) if targets else ())
     if options["shard_size"] is None:
         del options["shard_size"]  # local and Dask builds have their own defaults
     if dask_address is not None:
@@ -169,15 +191,21 @@ def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, **op
 
 def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     """The facts `packer info` shows, as a dict (its --json form)."""
-    from .format import Manifest, disk_bytes, load_index
+    from .format import Manifest, disk_bytes, load_index, load_label_arrays
 
     manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
+    multi, targets = load_label_arrays(out, manifest)
     on_disk = disk_bytes(out)
     record_bytes = int(index["length"].sum()) if len(index) else 0
     return {
-        "path": str(out), "count": manifest.count, "classes": manifest.classes,
+        "path": str(out), "count": manifest.count, "label_kind": manifest.label_kind, "classes": manifest.classes,
         "class_counts": dict(zip(manifest.classes, manifest.class_counts)),
+        # multi-label: packed rows with no bit set (bits past the last class are checked to be 0)
+        "records_without_labels": int((np.asarray(multi) == 0).all(axis=1).sum()) if multi is not None else None,
+        "targets": {name: {"min": float(col.min()), "mean": float(col.mean(dtype=np.float64)),
+                           "max": float(col.max())} for name, col in zip(manifest.targets, np.asarray(targets).T)}
+                   if targets is not None and len(targets) else {},
         "format": manifest.format, "backend": manifest.backend, "short_edge": manifest.short_edge,
         "quality": manifest.quality, "bytes": on_disk, "record_bytes": record_bytes,
         "mean_bytes": record_bytes / manifest.count if manifest.count else 0.0,
@@ -214,16 +242,23 @@ def info(out: Path, as_json: bool) -> None:
         click.echo(json.dumps(facts, indent=1, ensure_ascii=False))
         return
     width = max((len(c) for c in facts["classes"]), default=0)
-    click.echo(f"{facts['path']}: {facts['count']} images, {len(facts['classes'])} classes, "
+    kind = {"class": "", "multi": " (multi-label)", "none": " (unlabeled)"}[facts["label_kind"]]
+    click.echo(f"{facts['path']}: {facts['count']} images, {len(facts['classes'])} classes{kind}, "
                f"{facts['format']} in {facts['backend']}, short edge {facts['short_edge']}"
                + (f", quality {facts['quality']}" if facts["format"] == "jpeg" else ""))
     click.echo(f"  bytes on disk {facts['bytes']:,}; mean {facts['mean_bytes']:,.0f} bytes/image")
     click.echo(f"  scanned {facts['scanned']}, skipped {facts['skipped']}, ignored {facts['ignored']}")
     click.echo(f"  digest {facts['digest']}")
     total = facts["count"]
-    click.echo("  per class:")
-    for name, n in facts["class_counts"].items():
-        click.echo(f"    {name:<{width}}  {n:>8}  {_bar(n, total)}")
+    if facts["label_kind"] != "none":
+        multi = facts["label_kind"] == "multi"
+        click.echo("  per label (an image counts once per label):" if multi else "  per class:")
+        for name, n in facts["class_counts"].items():
+            click.echo(f"    {name:<{width}}  {n:>8}  {_bar(n, total)}")
+    if facts["records_without_labels"] is not None:
+        click.echo(f"    images without any label: {facts['records_without_labels']}")
+    for name, t in facts["targets"].items():
+        click.echo(f"  target {name}: min {t['min']:.6g}, mean {t['mean']:.6g}, max {t['max']:.6g}")
     for edge in ("short", "long"):
         click.echo(f"  stored {edge} edge (px):")
         for b in facts[f"{edge}_edge_histogram"]:

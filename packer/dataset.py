@@ -25,15 +25,27 @@ from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from . import batchpool, transform
-from .format import DatasetError, Manifest, load_index, source_path
+from . import labels as labelling
+from .format import DatasetError, Manifest, load_index, load_label_arrays, source_path
 from .read import open_reader
 
 
 class Sample(NamedTuple):
-    """``(image, label)``; a named type so that default_collate can recognise packer's batches."""
+    """``(image, label)``; a named type so that default_collate can recognise packer's batches.
+
+    ``label``: the class id (an int; -1 in an unlabeled dataset), a multi-hot float32 vector
+    (multi-label), or the float32 targets (an unlabeled dataset with targets)."""
 
     image: torch.Tensor
-    label: int
+    label: Any
+
+
+class TargetSample(NamedTuple):
+    """``(image, label, targets)``: a labelled dataset with numeric targets (float32 vector)."""
+
+    image: torch.Tensor
+    label: Any
+    targets: torch.Tensor
 
 
 def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
@@ -52,15 +64,20 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> to
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
-def collate_samples(batch: Sequence[Sample], *, collate_fn_map: Optional[dict] = None) -> list[torch.Tensor]:
-    """default_collate for Samples: ``[images, labels]`` as for plain tuples, but when the images are
-    the consecutive slots of one batch tensor (as ``__getitems__`` makes them) that tensor is
-    returned as it is (memory format included), saving a copy of every image. Registered in
-    torch's default_collate_fn_map (the extension point torch documents for default_collate) when
-    this module is imported.
+def collate_samples(batch: Sequence[Sample | TargetSample], *,
+                    collate_fn_map: Optional[dict] = None) -> list[torch.Tensor]:
+    """default_collate for Samples: ``[images, labels(, targets)]`` as for plain tuples (labels and
+    targets each stacked into one tensor), but when the images are the consecutive slots of one batch
+    tensor (as ``__getitems__`` makes them) that tensor is returned as it is (memory format
+    included), saving a copy of every image. Registered in torch's default_collate_fn_map (the
+    extension point torch documents for default_collate) when this module is imported.
     """
+    from torch.utils.data import default_collate
+
     images = [s.image for s in batch]
-    labels = torch.tensor([s.label for s in batch], dtype=torch.int64)
+    columns = [[s[k] for s in batch] for k in range(1, len(batch[0]))]
+    # class ids: one torch.tensor call (half the time of default_collate's); tensors: stacked
+    rest = [torch.tensor(c, dtype=torch.int64) if isinstance(c[0], int) else default_collate(c) for c in columns]
     first, root = images[0], images[0]._base
     step = first.numel()
     if (
@@ -73,13 +90,11 @@ def collate_samples(batch: Sequence[Sample], *, collate_fn_map: Optional[dict] =
         )
     ):
         batch = root.as_strided((len(images), *first.shape), (step, *first.stride()), first.storage_offset())
-        return [batchpool.pooled(batch), labels]
-    from torch.utils.data import default_collate
-
-    return [default_collate(images), labels]
+        return [batchpool.pooled(batch), *rest]
+    return [default_collate(images), *rest]
 
 
-default_collate_fn_map[Sample] = collate_samples
+default_collate_fn_map[Sample] = default_collate_fn_map[TargetSample] = collate_samples
 
 
 class ShardDataset(Dataset):
@@ -87,7 +102,10 @@ class ShardDataset(Dataset):
 
     ``ds[i]`` is ``(image, label)``: ``image`` is a CHW tensor of ``dtype``, normalized with
     ``mean``/``std`` unless ``dtype`` is ``torch.uint8``; ``crop_size=None`` returns the whole stored
-    image (sizes then differ, so batch with batch_size=1 or a custom collate_fn).
+    image (sizes then differ, so batch with batch_size=1 or a custom collate_fn). ``label`` depends
+    on the dataset's ``label_kind``: the class id (an int), a multi-hot float32 vector of
+    ``len(classes)`` ("multi"), -1 ("none"). With targets, ``ds[i]`` is ``(image, label, targets)``
+    (float32 vector), or ``(image, targets)`` when unlabeled.
 
     Batches are channels-last by default (``memory_format=torch.channels_last``: shape B x C x H x W,
     pixels H x W x C in memory), the layout decoders and resize kernels produce and the one
@@ -141,6 +159,7 @@ class ShardDataset(Dataset):
         self.manifest = Manifest.load(self.root)
         self.index, self._sources = load_index(self.root, self.manifest)
         self._labels = np.asarray(self.index["label"], dtype=np.int64)
+        self._multi, self._targets = load_label_arrays(self.root, self.manifest)
         self._reader = open_reader(self.root, self.manifest, self.index)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -161,16 +180,46 @@ class ShardDataset(Dataset):
         return list(self.manifest.classes)
 
     @property
+    def label_kind(self) -> str:
+        """"class" (one class id per record), "multi" (several) or "none" (unlabeled): packer.labels."""
+        return self.manifest.label_kind
+
+    @property
     def labels(self) -> np.ndarray:
-        """int64 label per record (a numpy array: cheap to share with forked workers)."""
+        """int64 class id per record, -1 for kinds "multi" and "none" (a numpy array: cheap to share
+        with forked workers)."""
         return self._labels
 
+    def multi_hot(self) -> Optional[np.ndarray]:
+        """Kind "multi": a records x classes uint8 0/1 array (unpacked from labels.npy); else None."""
+        return None if self._multi is None else labelling.unpack(self._multi, len(self.manifest.classes))
+
+    @property
+    def targets(self) -> Optional[np.ndarray]:
+        """float32 records x ``target_names`` array (memory-mapped), or None without targets."""
+        return self._targets
+
+    @property
+    def target_names(self) -> list[str]:
+        return list(self.manifest.targets)
+
     def class_counts(self) -> np.ndarray:
-        return np.bincount(self._labels, minlength=len(self.manifest.classes))
+        """Records per class; "multi": per label (an image counts for each of its labels); "none": empty."""
+        return labelling.class_counts(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
 
     def sample_weights(self) -> np.ndarray:
-        """Inverse class frequency per record, for ``WeightedRandomSampler(ds.sample_weights(), n)``."""
-        return 1.0 / self.class_counts()[self._labels]
+        """Per-record weights balancing the classes, for ``WeightedRandomSampler(ds.sample_weights(), n)``:
+        inverse class frequency; "multi": inverse of the mean frequency of the image's labels (images
+        without labels as one more class); "none": uniform. See :func:`packer.labels.sample_weights`."""
+        return labelling.sample_weights(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
+
+    def label_name(self, i: int) -> str:
+        """Record ``i``'s label as text: its class, its classes joined by ';', or "unlabeled"."""
+        i = self._check(i)
+        if self.label_kind == "multi":
+            hot = labelling.unpack(self._multi[i:i + 1], len(self.manifest.classes))[0]
+            return labelling.SEPARATOR.join(self.manifest.classes[c] for c in np.flatnonzero(hot)) or "(none)"
+        return self.manifest.classes[self._labels[i]] if self.label_kind == "class" else "unlabeled"
 
     def source(self, i: int) -> str:
         """The original file's path relative to the raw folder."""
@@ -206,9 +255,9 @@ class ShardDataset(Dataset):
     ) -> list[Sample]:
         """Samples for in-range ``indices``, written into one output tensor when crops have one size."""
         at = np.asarray(indices, dtype=np.int64)
-        labels = self._labels[at].tolist()
+        extras = self._label_parts(at)
         if self.augment is None:  # whole images differ in size: nothing to preallocate
-            return [Sample(self._whole(i), label) for i, label in zip(indices, labels)]
+            return [self._sample(self._whole(i), parts) for i, parts in zip(indices, extras)]
         rows = self.index[at]
         crops = self.augment.crops(self.seed, epoch, indices, rows["height"], rows["width"])
         if clock:
@@ -247,7 +296,26 @@ class ShardDataset(Dataset):
         finally:
             if collecting:
                 gc.enable()
-        return [Sample(images[k], label) for k, label in enumerate(labels)]
+        return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
+
+    def _label_parts(self, at: np.ndarray) -> list[tuple[Any, ...]]:
+        """What follows the image in each sample of a batch: (label,) or (label, targets), the label an
+        int or a row of one multi-hot tensor, the targets rows of one float32 tensor (see the class doc)."""
+        kind = self.label_kind
+        if kind == "multi":
+            hot = labelling.unpack(self._multi[at], len(self.manifest.classes)).astype(np.float32)
+            parts: list[Any] = [torch.from_numpy(hot).unbind(0)]
+        elif kind == "class" or self._targets is None:
+            parts = [self._labels[at].tolist()]
+        else:
+            parts = []  # unlabeled with targets: the targets take the label's place
+        if self._targets is not None:
+            parts.append(torch.from_numpy(np.array(self._targets[at])).unbind(0))
+        return list(zip(*parts))
+
+    @staticmethod
+    def _sample(image: torch.Tensor, parts: tuple[Any, ...]) -> Sample | TargetSample:
+        return Sample(image, *parts) if len(parts) == 1 else TargetSample(image, *parts)
 
     def _whole(self, i: int) -> torch.Tensor:
         """Record ``i``'s whole stored image as a C x H x W tensor of ``dtype``."""

@@ -39,6 +39,7 @@ from .pipeline import (
     PROGRESS, BuildError, BuildReport, _Journal, _open_staging, _Progress, _write_json_atomic,
     complete, dataset_path, default_backend, lock_outputs, prepare, resume_finished, staging_path,
 )
+from .labels import Labelling
 from .preprocess import Options, Record, process_chunk
 from .scan import Scan
 from .write import LmdbWriter, fsync_path, write_atomic
@@ -278,7 +279,6 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
               if backend == "lmdb" else None)
     digest, shards = Digest(), []
     labels = np.array([s.label for s in found.sources], dtype=np.int64)
-    kept = np.zeros(len(found.sources), dtype=bool)
     skipped = len(found.missing)
     try:
         for k, (start, stop) in enumerate(slices):
@@ -289,7 +289,6 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
                 journal.add_report(found.sources[start + i].rel, "skipped", bad[i])
             skipped += len(bad)
             members = [start + i for i in range(stop - start) if i not in bad]
-            kept[members] = True
             rows["label"] = labels[members]
             for name in IDENTITY_FIELDS:  # what a later local `build --update` compares
                 rows[name] = found.identity[name][members]
@@ -307,9 +306,7 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
             writer.close()
     shutil.rmtree(fragments)
     total = writer.total_bytes() if writer is not None else sum(int(s["bytes"]) for s in shards)
-    class_counts = np.bincount(labels[kept], minlength=len(found.classes)).astype(np.int64)
-    return complete(staging, out, found, settings,
-                    class_counts=class_counts, skipped=skipped, total=total, digest=digest,
+    return complete(staging, out, found, settings, skipped=skipped, total=total, digest=digest,
                     shards=shards, resumed_from=0)
 
 
@@ -336,7 +333,7 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
                quality: int = 90, labels: Optional[str] = None, force: bool = False,
                resume: bool = False, on_error: Optional[str] = None, max_pixels: int = 256_000_000,
                min_size: int = 16, max_aspect: float = 10.0, quiet: bool = False,
-               retries: int = RETRIES, wait: bool = False) -> BuildReport:
+               retries: int = RETRIES, wait: bool = False, labelling: Optional[Labelling] = None) -> BuildReport:
     """Like :func:`packer.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
 
     ``address`` is ``"local"`` (a LocalCluster of ``workers`` processes on this machine) or a scheduler
@@ -354,7 +351,7 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
                                     backend=backend, format=format, short_edge=short_edge, quality=quality,
                                     labels=labels, force=force, resume=resume, on_error=on_error,
                                     max_pixels=max_pixels, min_size=min_size, max_aspect=max_aspect,
-                                    quiet=quiet, retries=retries)
+                                    quiet=quiet, retries=retries, labelling=labelling)
     report.out = str(given)
     report.seconds = time.monotonic() - t0
     return report
@@ -364,12 +361,12 @@ def _build_dask_locked(raw_dir: str | os.PathLike, out: Path, *, address: str, w
                        shard_size: int, backend: str, format: str, short_edge: int, quality: int,
                        labels: Optional[str], force: bool, resume: bool, on_error: Optional[str],
                        max_pixels: int, min_size: int, max_aspect: float, quiet: bool,
-                       retries: int) -> BuildReport:
+                       retries: int, labelling: Optional[Labelling]) -> BuildReport:
     """:func:`build_dask` once it holds OUT's build lock (``out``: the dataset behind a symlink)."""
     out, opts, found, settings = prepare(
         raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
         shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
-        min_size=min_size, max_aspect=max_aspect, resume=resume, quiet=quiet)
+        min_size=min_size, max_aspect=max_aspect, resume=resume, labelling=labelling, quiet=quiet)
     on_error = on_error or "skip"
     settings["engine"] = "dask"  # staging layouts differ: a local --resume must not pick this one up
     if resume and not force and (finished := resume_finished(out, found, settings, quiet)) is not None:

@@ -1,5 +1,5 @@
 """packer's one base error type, so that callers (and the CLI) catch one type for every failure packer
-expects: bad arguments or input (BuildError, ScanError), a damaged, hostile or replaced dataset
+expects: bad arguments or input (BuildError, ScanError, LabelError), a damaged, hostile or replaced dataset
 (DatasetError), a failed distributed task (ShardError). Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations

@@ -19,13 +19,20 @@ import numpy as np
 
 from .errors import PackerError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS).
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
 SOURCES = "sources.npy"
 REPORT = "report.jsonl"
 FORMATS = ("jpeg", "raw")
 BACKENDS = ("lmdb", "memmap")
+#: manifest ``label_kind`` (see packer.labels): one class id per record in ``label``; several classes per
+#: record, a bit-packed multi-hot row each in LABELS (``label`` -1); no labels (``label`` -1, no classes).
+LABEL_KINDS = ("class", "multi", "none")
+LABELS = "labels.npy"  # "multi": uint8, count x ceil(len(classes) / 8), little-endian bit order
+TARGETS = "targets.npy"  # with manifest ``targets``: float32, count x len(targets), finite
 
 #: One row per record. ``shard``/``offset`` locate memmap records (0 for LMDB, where the key is the
 #: zero-padded record number). ``src_offset``/``src_length`` slice the UTF-8 source-path blob.
@@ -92,6 +99,9 @@ class Manifest:
     packer_version: str = ""
     inputs: str = ""  # digest of the scanned inputs and all settings: --update's "up to date" test
     index_digest: str = ""  # see index_digest(): verify notices any edited index row, src_* included
+    label_kind: str = "class"  # one of LABEL_KINDS
+    targets: list[str] = field(default_factory=list)  # names of the TARGETS columns (CSV columns)
+    labels_digest: str = ""  # sha256 of LABELS' then TARGETS' data ("" with neither)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -109,9 +119,10 @@ class Manifest:
         if not isinstance(data, dict):
             raise DatasetError(f"{path}: manifest is not a JSON object")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise DatasetError(
-                f"{path}: format_version {version!r} is not supported (this packer reads {FORMAT_VERSION})"
+                f"{path}: format_version {version!r} is not supported (this packer reads "
+                f"{', '.join(map(str, READABLE_VERSIONS))})"
             )
         known = set(cls.__dataclass_fields__)
         try:
@@ -143,7 +154,14 @@ class Manifest:
             raise bad("class_counts")
         if not all(size(c) for c in self.class_counts):
             raise bad("class_counts")
-        texts = (self.digest, self.inputs, self.index_digest, self.codec, self.packer_version)
+        if self.label_kind not in LABEL_KINDS or (self.format_version == 1 and self.label_kind != "class"):
+            raise bad("label_kind")
+        if self.label_kind == "none" and self.classes:
+            raise bad("classes")
+        if not (isinstance(self.targets, list) and all(isinstance(t, str) and t for t in self.targets)
+                and len(set(self.targets)) == len(self.targets) and (self.format_version > 1 or not self.targets)):
+            raise bad("targets")
+        texts = (self.digest, self.inputs, self.index_digest, self.codec, self.packer_version, self.labels_digest)
         if not all(isinstance(v, str) for v in texts) or not isinstance(self.shards, list):
             raise bad("digest/shards")
         if not isinstance(self.options, dict):
@@ -162,7 +180,8 @@ class Manifest:
 
 
 class Digest:
-    """Content digest over records and labels in order (sha256 of label, length, bytes per record)."""
+    """Content digest over records and labels in order (sha256 of label, length, bytes per record), and
+    the label arrays' digest when there are any."""
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
@@ -171,8 +190,13 @@ class Digest:
         self._h.update(struct.pack("<qQ", label, len(data)))
         self._h.update(data)
 
-    def hexdigest(self) -> str:
-        return "sha256:" + self._h.hexdigest()
+    def hexdigest(self, labels_digest: str = "") -> str:
+        """The manifest's ``digest``; with label arrays (``labels_digest``), the sha256 of both digests, so
+        that it covers everything a reader returns."""
+        records = "sha256:" + self._h.hexdigest()
+        if not labels_digest:
+            return records
+        return "sha256:" + hashlib.sha256(f"{records}\0{labels_digest}".encode("ascii")).hexdigest()
 
 
 def index_digest(rows: np.ndarray) -> str:
@@ -204,7 +228,9 @@ def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: M
     if len(index) == 0:
         return
     labels = index["label"]
-    if labels.min() < 0 or labels.max() >= len(manifest.classes):
+    if manifest.label_kind != "class" and (labels != -1).any():
+        raise DatasetError(f"{root}: index has labels other than -1 in a {manifest.label_kind!r}-labelled dataset")
+    if manifest.label_kind == "class" and (labels.min() < 0 or labels.max() >= len(manifest.classes)):
         raise DatasetError(f"{root}: index has labels outside 0..{len(manifest.classes) - 1}")
     src_end = index["src_offset"].astype(np.uint64) + index["src_length"]
     if (src_end > len(sources)).any() or (index["src_offset"] > len(sources)).any():
@@ -227,6 +253,38 @@ def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: M
         if (end < index["offset"]).any() or (end > sizes[shard]).any():
             first = int(np.flatnonzero((end < index["offset"]) | (end > sizes[shard]))[0])
             raise DatasetError(f"{root}: record {first} points outside its shard")
+
+
+def load_label_arrays(root: str | os.PathLike, manifest: Manifest) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """The multi-hot rows (LABELS, "multi" datasets) and TARGETS, memory-mapped and checked: shape,
+    dtype, no bits beyond the last class, finite targets. None for what the dataset does not have."""
+    root = Path(root)
+    wanted = [(LABELS, np.uint8, (len(manifest.classes) + 7) // 8, manifest.label_kind == "multi"),
+              (TARGETS, np.float32, len(manifest.targets), bool(manifest.targets))]
+    out: list[Optional[np.ndarray]] = []
+    for name, dtype, columns, present in wanted:
+        if not present:
+            out.append(None)
+            continue
+        path = root / name
+        if not path.is_file():  # also refuses a FIFO, which np.load would block on
+            raise DatasetError(f"{path}: missing (the manifest says the dataset has it)")
+        try:
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as e:  # as load_index: a tampered header fails numpy's parser in many ways
+            raise DatasetError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+        if a.dtype != dtype or a.shape != (manifest.count, columns):
+            raise DatasetError(f"{path}: unexpected dtype {a.dtype} / shape {a.shape} "
+                               f"(expected {np.dtype(dtype)} / {(manifest.count, columns)})")
+        out.append(a)
+    multi, targets = out
+    spare = (-len(manifest.classes)) % 8
+    if multi is not None and spare and (np.asarray(multi[:, -1]) >> (8 - spare)).any():
+        raise DatasetError(f"{root / LABELS}: bits set beyond the last of {len(manifest.classes)} classes")
+    if targets is not None and not np.isfinite(targets).all():
+        first = int(np.flatnonzero(~np.isfinite(targets).all(axis=1))[0])
+        raise DatasetError(f"{root / TARGETS}: record {first} has a target that is not a finite number")
+    return multi, targets
 
 
 def disk_bytes(root: str | os.PathLike) -> int:

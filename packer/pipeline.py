@@ -33,9 +33,10 @@ from . import __version__
 from .codec import codec_name
 from .errors import PackerError
 from .format import (
-    BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, MANIFEST, REPORT, SOURCES, Digest,
-    Manifest, index_digest,
+    BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, LABELS, MANIFEST, REPORT, SOURCES, TARGETS,
+    Digest, Manifest, index_digest,
 )
+from .labels import LabelError, Labelling, arrays_digest, class_counts
 from .preprocess import Options, Record, Skip
 from .read import close_lmdb, mark_lmdb_pages_checked
 from .scan import Scan, ScanError, confusable, identify, scan
@@ -354,8 +355,11 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
           max_pixels: int = 256_000_000, min_size: int = 16, max_aspect: float = 10.0,
           quiet: bool = False, checkpoint_seconds: float = CHECKPOINT_SECONDS, update: bool = False,
           checksum: bool = False, split: Optional[dict[str, float]] = None,
-          split_seed: int = 0, wait: bool = False) -> BuildReport:
+          split_seed: int = 0, wait: bool = False, labelling: Optional[Labelling] = None) -> BuildReport:
     """Pack ``raw_dir`` into ``out``; see ``packer build --help`` for the options.
+
+    ``labelling``: a fixed class list, unlabeled images, several labels per image, numeric targets
+    (:class:`packer.labels.Labelling`; default: one class per image, from folders or ``labels``).
 
     ``update``: refresh the dataset at ``out`` (or build it), copying the records of unchanged files
     (same path, size and mtime; with ``checksum`` same size and content hash) instead of decoding them.
@@ -373,7 +377,7 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
             raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
             shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
             min_size=min_size, max_aspect=max_aspect, update=update, resume=resume, checksum=checksum,
-            split=split, quiet=quiet)
+            split=split, labelling=labelling, quiet=quiet)
         job = _Job(raw=Path(raw_dir), opts=opts, workers=workers or os.cpu_count() or 1,
                    on_error=on_error or "skip", quiet=quiet, checkpoint_seconds=checkpoint_seconds,
                    resume=resume, update=update, keep_current=update or (resume and not force))
@@ -470,7 +474,8 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
             short_edge: int, quality: int, shard_size: int, labels: Optional[str], force: bool,
             on_error: str, max_pixels: int, min_size: int, max_aspect: float, update: bool = False,
             resume: bool = False, checksum: bool = False, split: Optional[dict[str, float]] = None,
-            quiet: bool = False) -> tuple[Path, Options, Scan, dict[str, Any]]:
+            labelling: Optional[Labelling] = None, quiet: bool = False,
+            ) -> tuple[Path, Options, Scan, dict[str, Any]]:
     """Validate the options and scan raw/; shared with the Dask build so both refuse the same inputs.
 
     Returns OUT, the preprocessing options, the scan (with each source's identity), and the settings
@@ -499,9 +504,10 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
                              f"replace a dataset (use --force to replace it anyway)")
     opts = Options(format=format, short_edge=short_edge, quality=quality, max_pixels=max_pixels,
                    min_size=min_size, max_aspect=max_aspect)
+    labelling = labelling or Labelling()
     try:
-        found = scan(raw_dir, labels)
-    except ScanError as e:
+        found = scan(raw_dir, labels, labelling, strict=on_error == "fail")
+    except (ScanError, LabelError) as e:
         raise BuildError(str(e)) from None
     if found.unreadable and on_error != "skip":
         rel, reason = found.unreadable[0]
@@ -512,11 +518,15 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
         if not quiet:
             print(f"packer: warning: class names {a!r} and {b!r} differ only in Unicode normalization or "
                   f"case: they are two classes", file=sys.stderr, flush=True)
+    for note in found.notes if not quiet else ():
+        print(f"packer: {note}", file=sys.stderr, flush=True)
     if not found.sources:
-        raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside)")
+        hint = "" if labels or labelling.unlabeled else "; for a flat folder of unlabeled images use --unlabeled"
+        raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside{hint})")
     found.identity = identify(raw_dir, found.sources, checksum)
     settings = {"options": asdict(opts), "backend": backend, "shard_size": shard_size,
-                "inputs": found.fingerprint(), "codec": codec_name(), "checksum": checksum}
+                "inputs": found.fingerprint(), "codec": codec_name(), "checksum": checksum,
+                "labels": labelling.settings()}
     return out, opts, found, settings
 
 
@@ -554,7 +564,6 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
     digest = _replay_digest(staging, backend, written)  # first: py-lmdb opens a path once per process
     writer = open_writer(backend, staging, state["writer"] if state else None, settings["shard_size"])
     count, skipped = len(written), int(state["skipped"]) if state else len(found.missing)
-    class_counts = np.bincount(written["label"], minlength=len(found.classes)).astype(np.int64)
     del written
 
     last_checkpoint = time.monotonic()
@@ -586,7 +595,6 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
                     row[name] = identity[name]
                 journal.add_record(row, rel)
                 digest.update(source.label, result.data)
-                class_counts[source.label] += 1
                 count += 1
             else:
                 assert isinstance(result, Skip)
@@ -612,28 +620,52 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
     total = writer.total_bytes()
     if cache is not None:
         close_lmdb(out)  # before the rename replaces the old dataset under our handle
-    report = complete(staging, out, found, settings, class_counts=class_counts, skipped=skipped,
-                      total=total, digest=digest, shards=shards,
+    report = complete(staging, out, found, settings, skipped=skipped, total=total, digest=digest, shards=shards,
                       resumed_from=int(state["sources_done"]) if state else 0)
     report.processed, report.reused = len(todo) - reused, reused
     return report
 
 
-def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *, class_counts: np.ndarray,
+def _record_labels(found: Scan, rows: np.ndarray, blob: np.ndarray) -> dict[str, np.ndarray]:
+    """The per-record label arrays (LABELS, TARGETS) the scan has for this dataset's records.
+
+    Records are the packed sources in scan order, so a merge walk over their source paths (the
+    journal's) finds each one's source without a lookup table.
+    """
+    per_source = {LABELS: found.multi, TARGETS: found.targets}
+    per_source = {name: a for name, a in per_source.items() if a is not None}
+    if not per_source:
+        return {}
+    at = np.empty(len(rows), dtype=np.int64)
+    j = 0
+    for k, (o, n) in enumerate(zip(rows["src_offset"].tolist(), rows["src_length"].tolist())):
+        rel = bytes(blob[o:o + n]).decode("utf-8", "surrogateescape")
+        while found.sources[j].rel != rel:
+            j += 1
+        at[k], j = j, j + 1
+    return {name: a[at] for name, a in per_source.items()}
+
+
+def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *,
              skipped: int, total: int, digest: Digest, shards: list[dict[str, Any]],
              resumed_from: int) -> BuildReport:
     """Manifest from the settings and totals, then :func:`_finalize`; shared with the Dask build."""
     opts = settings["options"]
+    rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
+    arrays = _record_labels(found, rows, np.fromfile(staging / SOURCES_PART, dtype=np.uint8))
+    counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
+    labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
     manifest = Manifest(
         backend=settings["backend"], format=opts["format"], short_edge=opts["short_edge"],
-        quality=opts["quality"], classes=found.classes, count=int(class_counts.sum()),
-        class_counts=[int(c) for c in class_counts], bytes=total, digest=digest.hexdigest(),
+        quality=opts["quality"], classes=found.classes, count=len(rows),
+        class_counts=[int(c) for c in counts], bytes=total, digest=digest.hexdigest(labels_digest),
         shards=shards, scanned=found.scanned, skipped=skipped, ignored=len(found.ignored),
         options=opts | {"shard_size": settings["shard_size"], "checksum": settings["checksum"]},
         codec=settings["codec"], packer_version=__version__, inputs=inputs_digest(found, settings),
-        index_digest=index_digest(np.fromfile(staging / INDEX_PART, dtype=np.uint8)),
+        index_digest=index_digest(rows), label_kind=found.kind, targets=found.target_names,
+        labels_digest=labels_digest,
     )
-    _finalize(staging, out, manifest)
+    _finalize(staging, out, manifest, arrays)
     return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned, skipped=skipped,
                        ignored=manifest.ignored, bytes=total, digest=manifest.digest, seconds=0.0,
                        resumed_from=resumed_from)
@@ -648,13 +680,16 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _finalize(staging: Path, out: Path, manifest: Manifest) -> None:
-    """Journal -> .npy, manifest last, everything fsynced, then one rename makes OUT appear whole."""
+def _finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.ndarray]) -> None:
+    """Journal -> .npy (and the label ``arrays``), manifest last, everything fsynced, then one rename
+    makes OUT appear whole."""
     index = np.lib.format.open_memmap(staging / INDEX, mode="w+", dtype=INDEX_DTYPE, shape=(manifest.count,))
     index[:] = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
     index.flush()
     del index
     np.save(staging / SOURCES, np.fromfile(staging / SOURCES_PART, dtype=np.uint8), allow_pickle=False)
+    for name, a in arrays.items():
+        np.save(staging / name, a, allow_pickle=False)
     for name in (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART):
         (staging / name).unlink()
     (staging / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")

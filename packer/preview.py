@@ -52,12 +52,12 @@ def contact_sheet(out: str | os.PathLike, dest: str | os.PathLike, n: int = 64, 
     sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (32, 32, 32))
     draw = ImageDraw.Draw(sheet)
     for k, i in enumerate(indices):
-        image, label = ds[i]
+        image = ds[i][0]
         thumb = _to_pil(image)
         thumb.thumbnail((CELL - 4, CELL - 4), Image.Resampling.BILINEAR)
         x, y = (k % cols) * CELL, (k // cols) * (CELL + CAPTION)
         sheet.paste(thumb, (x + (CELL - thumb.width) // 2, y + (CELL - thumb.height) // 2))
-        draw.text((x + 3, y + CELL), f"{i} {ds.classes[label]}"[:26], fill=(235, 235, 235))
+        draw.text((x + 3, y + CELL), f"{i} {ds.label_name(i)}"[:26], fill=(235, 235, 235))
     sheet.save(dest, quality=90)
     return cols, rows
 
@@ -65,8 +65,8 @@ def contact_sheet(out: str | os.PathLike, dest: str | os.PathLike, n: int = 64, 
 def show(out: str | os.PathLike, index: int, dest: Optional[str | os.PathLike]) -> tuple[str, str, tuple[int, int]]:
     """Write record ``index`` as stored (upright, short edge 320); returns (source, class, (w, h))."""
     ds = _dataset(out, augment=False, seed=0, crop_size=0)
-    image, label = ds[index]
+    image = ds[index][0]
     pil = _to_pil(image)
     if dest is not None:
         pil.save(Path(dest), quality=95)
-    return ds.source(index), ds.classes[label], pil.size
+    return ds.source(index), ds.label_name(index), pil.size

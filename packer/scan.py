@@ -8,7 +8,6 @@ target: one named ``x.jpg`` pointing at a FIFO or ``/dev/zero`` is ignored, neve
 
 from __future__ import annotations
 
-import csv
 import errno
 import hashlib
 import os
@@ -16,7 +15,7 @@ import stat
 import threading
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Callable, Optional
@@ -25,6 +24,7 @@ import numpy as np
 
 from .errors import PackerError
 from .format import IDENTITY_DTYPE
+from .labels import Labelling, class_list, pack, read_classes, read_csv
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .webp .tif .tiff .bmp .gif .heic .heif .ppm .pgm .pbm".split()
@@ -38,7 +38,7 @@ class ScanError(PackerError):
 @dataclass(frozen=True)
 class Source:
     rel: str  # POSIX path relative to raw/
-    label: int
+    label: int  # class id; -1 for kinds "multi" and "none" (see packer.labels)
 
 
 @dataclass
@@ -46,9 +46,15 @@ class Scan:
     sources: list[Source]
     classes: list[str]
     ignored: list[tuple[str, str]] = field(default_factory=list)  # (rel path, reason)
-    missing: list[tuple[str, str]] = field(default_factory=list)  # listed in --labels, not on disk
+    # skipped before decoding: listed in --labels but not on disk, or a label not in --classes
+    missing: list[tuple[str, str]] = field(default_factory=list)
     identity: Optional[np.ndarray] = None  # IDENTITY_DTYPE, one row per source (see identify)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # folders among ``ignored`` that could not be listed
+    kind: str = "class"  # label kind (packer.labels)
+    target_names: list[str] = field(default_factory=list)  # --targets columns
+    multi: Optional[np.ndarray] = None  # kind "multi": bit-packed multi-hot row per source
+    targets: Optional[np.ndarray] = None  # float32 row per source, with --targets
+    notes: list[str] = field(default_factory=list)  # things the user should hear (unused CSV columns)
 
     @property
     def scanned(self) -> int:
@@ -65,6 +71,9 @@ class Scan:
         for s in self.sources:
             h.update(f"{s.rel}\0{s.label}\n".encode("utf-8", "surrogateescape"))
         h.update("\0".join(self.classes).encode("utf-8", "surrogateescape"))
+        for extra in (self.multi, self.targets):
+            if extra is not None:
+                h.update(np.ascontiguousarray(extra).tobytes())
         if identity:
             assert self.identity is not None, "identify() the sources first"
             h.update(np.ascontiguousarray(self.identity).tobytes())
@@ -75,10 +84,11 @@ class Scan:
     def subset(self, keep: Callable[[str], bool]) -> "Scan":
         """The sources, ignored and missing entries whose path ``keep`` accepts, with the same classes."""
         mask = np.array([keep(s.rel) for s in self.sources], dtype=bool)
-        return Scan(
-            [s for s, k in zip(self.sources, mask) if k], self.classes,
-            [e for e in self.ignored if keep(e[0])], [e for e in self.missing if keep(e[0])],
-            self.identity[mask] if self.identity is not None else None,
+        return replace(
+            self, sources=[s for s, k in zip(self.sources, mask) if k],
+            ignored=[e for e in self.ignored if keep(e[0])], missing=[e for e in self.missing if keep(e[0])],
+            **{name: getattr(self, name)[mask] for name in ("identity", "multi", "targets")
+               if getattr(self, name) is not None},
         )
 
 
@@ -215,53 +225,75 @@ def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]], list[tuple[str,
     return files, ignored, unreadable
 
 
-def _read_labels(labels_csv: Path) -> dict[str, str]:
-    """``path,label`` rows; refuse paths that escape raw/, duplicates and empty labels."""
-    try:
-        with open(labels_csv, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise ScanError(f"{labels_csv}: cannot read labels file ({e})") from None
-    out: dict[str, str] = {}
-    for n, row in enumerate(rows, start=2):
-        path, label = (row.get("path") or "").strip(), (row.get("label") or "").strip()
-        where = f"{labels_csv}:{n}"
-        if not path:
-            raise ScanError(f"{where}: empty path (the file needs columns 'path,label')")
-        p = PurePosixPath(path.replace("\\", "/"))
-        if not p.parts:
-            raise ScanError(f"{where}: path {path!r} names raw/ itself, not a file in it")
-        if p.is_absolute() or ".." in p.parts or path.startswith(("/", "\\")) or ":" in p.parts[0]:
-            raise ScanError(f"{where}: path {path!r} escapes raw/ (must be relative, without '..')")
-        key = str(p)
-        if not label:
-            raise ScanError(f"{where}: empty label for {path!r}")
-        if key in out:
-            raise ScanError(f"{where}: duplicate path {path!r}")
-        out[key] = label
-    return out
+def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None,
+         labelling: Optional[Labelling] = None, strict: bool = False) -> Scan:
+    """The sources under ``raw_dir`` and their labels (folders, or ``labels_csv``) as ``labelling`` says.
 
-
-def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None) -> Scan:
+    A label not in ``--classes``: with ``strict`` (``--on-error fail``) an error, else the file is
+    skipped with that reason (in ``missing``). A bad labels CSV or class list raises LabelError.
+    """
+    labelling = labelling or Labelling()
+    labelling.check(labels_csv)
     root = Path(raw_dir)
     if not root.is_dir():
         raise ScanError(f"{raw_dir}: raw folder does not exist or is not a directory")
+    pinned = read_classes(labelling.classes) if labelling.classes else None
     files, ignored, unreadable = _walk(root)
+    missing: list[tuple[str, str]] = []
+    notes: list[str] = []
+    unlisted: list[str] = []  # class folders that could not be listed
     if labels_csv is not None:
-        labels = _read_labels(Path(labels_csv))
+        rows, unused = read_csv(labels_csv, labelling)
+        if unused:
+            notes.append(f"{labels_csv}: column(s) {', '.join(map(repr, unused))} not used "
+                         f"(--targets COL stores numeric columns)")
         on_disk = set(files) | {rel for rel, _ in ignored}  # an ignored file is reported once, as ignored
-        classes = sorted(set(labels.values()))
-        ids = {c: i for i, c in enumerate(classes)}
-        sources = [Source(f, ids[labels[f]]) for f in files if f in labels]
-        ignored += [(f, "not listed in the labels file") for f in files if f not in labels]
-        missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(labels) if p not in on_disk]
-        return Scan(sources, classes, sorted(ignored), missing, unreadable=unreadable)
-    in_class = [f for f in files if "/" in f]
-    ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
-    # A class folder that cannot be listed stays a class (with no files this time), so that the ids of
-    # the classes after it do not shift under a refresh that goes on without it (--on-error skip).
-    unlisted = {rel.rstrip("/") for rel, _ in unreadable if rel.count("/") == 1}
-    classes = sorted({f.split("/", 1)[0] for f in in_class} | unlisted)
+        ignored += [(f, "not listed in the labels file") for f in files if f not in rows]
+        missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(rows)
+                   if p not in on_disk]
+        files = [f for f in files if f in rows]
+        named, where = [rows[f].names for f in files], [rows[f].where for f in files]
+    elif labelling.unlabeled:
+        named, where = [()] * len(files), [""] * len(files)
+    else:
+        ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
+        files = [f for f in files if "/" in f]
+        named = [(f.split("/", 1)[0],) for f in files]
+        where = [f"{root / n[0]}/" for n in named]
+        # A class folder that cannot be listed stays a class (with no files this time), so that the ids
+        # of the classes after it do not shift under a refresh that goes on without it (--on-error skip).
+        unlisted = sorted({rel.rstrip("/") for rel, _ in unreadable if rel.count("/") == 1})
+    classes = class_list(named + [(c,) for c in unlisted], where + [f"{root / c}/" for c in unlisted], pinned,
+                         integers=labels_csv is not None)
+    what = "label" if labels_csv is not None else "class folder"
+    keep, sets, rejected = _class_ids(files, named, where, classes,
+                                      lambda name: f"{what} {name!r} is not in --classes {labelling.classes}",
+                                      strict, with_row=labels_csv is not None)
+    label_of = (lambda k: sets[k][0]) if labelling.kind == "class" else (lambda k: -1)
+    sources = [Source(f, label_of(k)) for k, f in enumerate(keep)]
+    multi = pack(sets, len(classes)) if labelling.kind == "multi" else None
+    targets = (np.array([rows[f].targets for f in keep], dtype=np.float32).reshape(len(keep), len(labelling.targets))
+               if labelling.targets else None)
+    return Scan(sources, classes, sorted(ignored), sorted(missing + rejected), unreadable=unreadable,
+                kind=labelling.kind, target_names=list(labelling.targets), multi=multi, targets=targets, notes=notes)
+
+
+def _class_ids(files: list[str], named: list[tuple[str, ...]], where: list[str], classes: list[str],
+               unknown: Callable[[str], str], strict: bool,
+               with_row: bool) -> tuple[list[str], list[list[int]], list[tuple[str, str]]]:
+    """The files whose label names are all in ``classes``, their class ids, and the others with the
+    reason (``unknown(name)``, plus the CSV row ``with_row``); with ``strict`` the first other one is an error."""
     ids = {c: i for i, c in enumerate(classes)}
-    sources = [Source(f, ids[f.split("/", 1)[0]]) for f in in_class]
-    return Scan(sources, classes, sorted(ignored), unreadable=unreadable)
+    keep: list[str] = []
+    sets: list[list[int]] = []
+    rejected: list[tuple[str, str]] = []
+    for f, names, at in zip(files, named, where):
+        bad = next((n for n in names if n not in ids), None)
+        if bad is None:
+            keep.append(f)
+            sets.append([ids[n] for n in names])
+        elif strict:
+            raise ScanError(f"{at}: {unknown(bad)} (--on-error fail)")
+        else:
+            rejected.append((f, f"{unknown(bad)} ({at})" if with_row else unknown(bad)))
+    return keep, sets, rejected

@@ -22,7 +22,10 @@ from typing import Optional
 
 import numpy as np
 
-from .format import INDEX, DatasetError, Digest, Manifest, index_digest, load_index, source_path
+from .format import (
+    INDEX, LABELS, DatasetError, Digest, Manifest, index_digest, load_index, load_label_arrays, source_path,
+)
+from .labels import arrays_digest, class_counts
 from .read import check_lmdb_pages, mark_lmdb_pages_checked
 from .walk import walk
 
@@ -78,7 +81,8 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     manifest = Manifest.load(root)
     index, sources = load_index(root, manifest)
     result = Verification(str(root), manifest.count, "", limit=limit)
-    _check_metadata(result, manifest, index, sources)
+    multi, targets = load_label_arrays(root, manifest)
+    _check_metadata(result, manifest, index, sources, multi, targets)
     digest = Digest()
     if manifest.backend == "lmdb":
         check_lmdb_pages(root)  # before liblmdb maps the file: a damaged page must not crash verify
@@ -97,7 +101,7 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
             digest.update(labels[i], data if data is not None else b"")
     except OSError as e:
         raise DatasetError(f"{root}: read failed ({e})") from None
-    result.digest = digest.hexdigest()
+    result.digest = digest.hexdigest(arrays_digest(multi, targets))
     if result.digest != manifest.digest:
         result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
     if manifest.index_digest and index_digest(index) != manifest.index_digest:  # last: the rest say more
@@ -131,14 +135,19 @@ def _first_gap(offsets: np.ndarray, lengths: np.ndarray, total: int) -> Optional
     return None if (int(ends[-1]) if len(ends) else 0) == total else len(offsets)
 
 
-def _check_metadata(result: Verification, manifest: Manifest, index: np.ndarray, sources: np.ndarray) -> None:
-    """Counts and layout that the index, manifest and source-path blob must agree on."""
+def _check_metadata(result: Verification, manifest: Manifest, index: np.ndarray, sources: np.ndarray,
+                    multi: Optional[np.ndarray], targets: Optional[np.ndarray]) -> None:
+    """Counts and layout that the index, manifest, source-path blob and label arrays must agree on."""
     if manifest.scanned != manifest.count + manifest.skipped + manifest.ignored:
         result.add(f"manifest: scanned {manifest.scanned} != count + skipped + ignored "
                    f"({manifest.count} + {manifest.skipped} + {manifest.ignored})")
-    counts = np.bincount(index["label"].astype(np.int64), minlength=len(manifest.classes)).tolist()
+    counts = class_counts(manifest.label_kind, index["label"], multi, len(manifest.classes)).tolist()
     if counts != manifest.class_counts:
-        result.add(f"manifest: class_counts {manifest.class_counts} differ from the index's labels {counts}")
+        where = LABELS if manifest.label_kind == "multi" else "index"
+        result.add(f"manifest: class_counts {manifest.class_counts} differ from the {where}'s labels {counts}")
+    if arrays_digest(multi, targets) != manifest.labels_digest:
+        result.add("labels.npy/targets.npy differ from those the build wrote (manifest labels_digest; "
+                   "damaged or edited)")
     gap = _first_gap(index["src_offset"], index["src_length"], len(sources))
     if gap is not None:
         result.add(f"{INDEX}: source paths are not laid out back to back (at record {gap})")

@@ -203,7 +203,11 @@ def tamper_manifest(root: Path, change: Callable[[dict], object]) -> None:
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda m: m.update(format_version=2), "format_version 2 is not supported"),
+    (lambda m: m.update(format_version=3), "format_version 3 is not supported"),
+    (lambda m: m.update(format_version=True), "format_version True is not supported"),
+    (lambda m: m.update(label_kind="regression"), "field label_kind is invalid"),
+    (lambda m: m.update(targets=["a", "a"]), "field targets is invalid"),
+    (lambda m: m.update(format_version=1, targets=["a"]), "field targets is invalid"),
     (lambda m: m.pop("format_version"), "format_version None is not supported"),
     (lambda m: '{"format_version": 1, "count": ', "unreadable manifest"),
     (lambda m: "[1, 2, 3]", "not a JSON object"),

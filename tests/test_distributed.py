@@ -12,14 +12,15 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 distributed = pytest.importorskip("distributed",
                                   reason="Dask distributed is not installed (pip install 'packer[dask]')")
 
-from packer import BuildError, build  # noqa: E402
+from packer import BuildError, Labelling, build  # noqa: E402
 from packer.distributed import FRAGMENTS, build_dask, probe  # noqa: E402
-from packer.format import Manifest, load_index  # noqa: E402
+from packer.format import LABELS, TARGETS, Manifest, load_index  # noqa: E402
 from packer.pipeline import staging_path  # noqa: E402
 from packer.sample import make_sample  # noqa: E402
 
@@ -75,6 +76,25 @@ def test_digest_equals_local_build(client, mixed_raw: Path, tmp_path: Path, back
         shards = Manifest.load(out).shards
         assert len(shards) == 8 and sum(s["count"] for s in shards) == 30
         assert sorted({s["count"] for s in shards}) == [3, 4]  # 31 files: the last task and the skip
+
+
+def test_labels_csv_kinds_equal_local_build(client, mixed_raw: Path, tmp_path: Path) -> None:
+    """Multi-label rows and numeric targets from a CSV: the same label arrays and digest as locally."""
+    rels = sorted(p.relative_to(mixed_raw).as_posix() for p in mixed_raw.rglob("*.jpg"))
+    csv = tmp_path / "labels.csv"
+    csv.write_text("path,label,score\n" + "".join(f"{r},{'x;y' if k % 3 else 'y'},{k / 4}\n"
+                                                  for k, r in enumerate(rels)), encoding="utf-8")
+    labelling = Labelling(multi_label=True, targets=("score",))
+    local = tmp_path / "local"
+    build(mixed_raw, local, format="raw", labels=str(csv), labelling=labelling, workers=1, quiet=True)
+    out = tmp_path / "dask"
+    build_dask(mixed_raw, out, address=client.scheduler.address, format="raw", labels=str(csv),
+               labelling=labelling, shard_size=4, quiet=True)
+    assert_same_dataset(out, local)
+    m = Manifest.load(out)
+    assert (m.label_kind, m.targets, m.labels_digest) == ("multi", ["score"], Manifest.load(local).labels_digest)
+    for name in (LABELS, TARGETS):
+        assert np.array_equal(np.load(out / name), np.load(local / name)), name
 
 
 def test_local_cluster_from_address_local(built, raw_photos: Path, tmp_path: Path) -> None:

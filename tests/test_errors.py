@@ -9,12 +9,13 @@ from pathlib import Path
 import packer
 from packer.distributed import ShardError
 from packer.format import DatasetError
+from packer.labels import LabelError
 from packer.pipeline import BuildError
 from packer.scan import ScanError
 
 
 def test_every_expected_error_is_a_packer_error() -> None:
-    for error in (BuildError, DatasetError, ScanError, ShardError):
+    for error in (BuildError, DatasetError, LabelError, ScanError, ShardError):
         assert issubclass(error, packer.PackerError), error
     assert packer.PackerError is packer.errors.PackerError and packer.DatasetError is DatasetError
 
