@@ -46,3 +46,11 @@ def cached_fraction(dataset: Path) -> float:
             resident += sum(v & 1 for v in vec)
             total += pages
     return resident / max(total, 1)
+
+
+if __name__ == "__main__":  # python scripts/pagecache.py PATH...: evict each dataset, print what stays cached
+    import sys
+
+    for arg in sys.argv[1:]:
+        evict(Path(arg))
+        print(f"{arg}: {cached_fraction(Path(arg)):.1%} cached")
