@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import signal
-import threading
 from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Iterator
@@ -25,14 +24,13 @@ def _worker_signals() -> None:
 
 
 def _worker_context() -> mp.context.BaseContext:
-    """fork when this process runs no other thread (starts in ms); else forkserver, which stays safe.
-
-    The forkserver preloads the decoders, so its workers do not each import numpy and Pillow.
-    """
-    methods = mp.get_all_start_methods()
-    if "fork" in methods and threading.active_count() == 1:
-        return mp.get_context("fork")
-    if "forkserver" in methods:
+    """forkserver, whether or not this process runs threads (a terminal's progress bar does), so that
+    cron and interactive builds behave alike: its workers are forked from a small server process, not
+    from this one, so they do not share (and then un-share, as this process keeps writing) the pages
+    of the scan list, which grows ~400 bytes a file (docs/PERFORMANCE.md, "Worker memory"). The
+    server preloads the decoders, so workers do not each import numpy and Pillow; spawn where
+    forkserver is missing."""
+    if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["packer.preprocess"])
         return ctx

@@ -153,19 +153,24 @@ def test_import_packer_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_forkserver_workers_when_the_caller_runs_threads(raw_photos: Path, built, tmp_path: Path) -> None:
-    """A caller with threads (a notebook, tqdm, a web server) gets forkserver workers, not fork: same bytes."""
+@pytest.mark.parametrize("caller_threads", [False, True])
+def test_forkserver_workers_with_or_without_caller_threads(raw_photos: Path, built, tmp_path: Path,
+                                                           caller_threads: bool) -> None:
+    """Cron (no terminal, no thread) and interactive builds (tqdm's thread; a notebook) get the same pool:
+    forkserver workers, which do not share the main process's growing scan list; same bytes."""
     import threading
 
     from packer.workers import _worker_context
 
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait, daemon=True)
-    thread.start()
+    if caller_threads:
+        thread.start()
     try:
         assert _worker_context().get_start_method() == "forkserver"
         report = build(raw_photos, tmp_path / "fs.lmdb", workers=2, quiet=True)
     finally:
         stop.set()
-        thread.join()
+        if caller_threads:
+            thread.join()
     assert report.digest == Manifest.load(built("lmdb", "jpeg")).digest
