@@ -2,11 +2,11 @@
 1% of the files changed, verify cold and warm, and the main process's peak memory in each.
 
 Trees are ImageNet-shaped (1,000 class folders) of hard links to a few distinct JPEGs, so that 1M files
-cost no disk; every step runs as its own `packer` process (what cron runs), timed from outside, its peak
-memory read from the kernel as it exits: peak RSS (VmHWM) / peak anonymous memory (RssAnon, sampled), of
-that process alone, not its workers (ru_maxrss would also count the memory of the process that forked it
-before exec; RSS counts the dataset's pages it maps, which the kernel reclaims at will). "Cold" evicts the
-dataset's pages first (posix_fadvise DONTNEED, as scripts/bench_cold.py does); the disk's own
+cost no disk. Every step runs as its own `packer` process (what cron runs), timed from outside. Memory,
+in MB: that process's peak RSS (VmHWM, read as it exits; ru_maxrss would also count the process that
+forked it before exec) / its peak anonymous memory (RssAnon, sampled: RSS also counts the dataset's
+pages it maps, which the kernel reclaims at will), and the peak PSS of its whole process tree, workers
+included (sampled). "Cold" evicts the dataset's pages first (scripts/pagecache.py); the disk's own
 sequential bandwidth is measured the same way (a cold read of the data files in 8 MiB blocks), so a
 pass can be stated as a share of it.
 
@@ -31,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_build import _descendants, _pss_kib  # noqa: E402
 from pagecache import evict, files  # noqa: E402
 
 WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-scale"
@@ -95,16 +96,21 @@ main()
 
 
 def run(args: list[str]) -> tuple[float, str]:
-    """Run ``packer ARGS``; (wall seconds, "peak RSS / peak anonymous memory" of that process in MB)."""
+    """Run ``packer ARGS``; (wall seconds, "peak RSS / peak anonymous memory of that process, peak PSS
+    of its whole process tree" in MB; the tree's PSS sampled every 0.1 s, as bench_build.py does)."""
     peak = WORK / "peak-rss"
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _STEP, str(peak), *args], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _STEP, str(peak), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    tree = 0
+    while proc.poll() is None:
+        tree = max(tree, sum(_pss_kib(p) for p in _descendants(proc.pid)))
+        time.sleep(0.1)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"packer {' '.join(args)} failed:\n{proc.stderr}")
+        raise SystemExit(f"packer {' '.join(args)} failed:\n{proc.stderr.read() if proc.stderr else ''}")
     hwm, anon = (int(v) / 1024 for v in peak.read_text().split())
-    return wall, f"{hwm:.0f}/{anon:.0f} MB"
+    return wall, f"{hwm:.0f}/{anon:.0f}, tree {tree / 1024:.0f} MB"
 
 
 def touch(raw: Path, paths: list[Path]) -> None:
