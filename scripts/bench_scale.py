@@ -13,7 +13,7 @@ pass can be stated as a share of it.
     python scripts/bench_scale.py --sizes 10000 100000 [--backend lmdb|memmap] [--keep]
     python scripts/bench_scale.py --sizes 1000000 --source-size 64x48   # tiny images for the 1M tree
 
-Figures and the commands used are in docs/PERFORMANCE.md ("Scale").
+Figures and the commands used are in docs/PERFORMANCE.md ("Whole-dataset passes at scale", "A million files").
 """
 
 from __future__ import annotations
