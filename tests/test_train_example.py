@@ -34,3 +34,18 @@ def test_gpu_check(built) -> None:
         assert "all checks passed" in out
     else:
         assert out.startswith("skipped: no CUDA device")
+
+
+def test_lightning_example_drives_the_sampler_and_resumes(built, tmp_path: Path) -> None:
+    """Lightning calls ShardSampler.set_epoch each epoch (reaching the dataset); a checkpoint of the
+    finished run continues without error. Needs `lightning` (the dev extra installs it)."""
+    import pytest
+
+    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install lightning)")
+    args = [str(SCRIPTS / "train_lightning.py"), str(built("memmap", "jpeg")), "--batch-size", "6",
+            "--crop-size", "32", "--workers", "2", "--out", str(tmp_path)]
+    out = run(*args, "--epochs", "3")
+    assert re.findall(r"epoch (\d+): sampler epoch (\d+), dataset epoch (\d+)", out) == [(e, e, e) for e in "012"], out
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    out = run(*args, "--epochs", "4", "--ckpt", str(ckpt))
+    assert re.findall(r"epoch (\d+): sampler epoch (\d+)", out) == [("3", "3")], out
