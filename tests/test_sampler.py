@@ -214,3 +214,32 @@ def test_resume_in_a_new_process_is_bit_exact(built, tmp_path: Path, world: int)
         assert set(resumed) == set(modes)
         for mode in modes:
             assert same(resumed[mode], expected[rank][k:]), (rank, mode)
+
+
+def mixup(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MixUp in the worker, on a float batch and multi-hot labels; lam from torch's global generator."""
+    lam = float(torch.rand(()))
+    return lam * images + (1 - lam) * images.flip(0), lam * labels + (1 - lam) * labels.flip(0)
+
+
+def test_batch_transform_mixes_a_multi_label_batch(tmp_path: Path) -> None:
+    from .test_labels import cli, make_raw, write_csv
+
+    rels = [f"p/{k}.jpg" for k in range(6)]
+    raw = make_raw(tmp_path / "raw", rels)
+    csv = write_csv(tmp_path / "l.csv", "path,label", [f"{r},{c}" for r, c in zip(rels, "a b a;b c  b".split(" "))])
+    assert cli("build", raw, tmp_path / "out", "--labels", csv, "--multi-label", "--quiet").returncode == 0
+    ds = ShardDataset(tmp_path / "out", crop_size=8, batch_transform=mixup)
+    plain = ShardDataset(tmp_path / "out", crop_size=8)
+    runs = []
+    for workers in (0, 2):
+        sampler = ShardSampler(ds)
+        sampler.set_epoch(1)
+        runs.append(list(DataLoader(ds, batch_size=3, sampler=sampler, num_workers=workers)))
+    assert same(runs[0], runs[1])  # the batch transform's draws are seeded too
+    sampler = ShardSampler(plain)
+    sampler.set_epoch(1)
+    for (images, labels), (x, y) in zip(runs[0], DataLoader(plain, batch_size=3, sampler=sampler)):
+        assert labels.dtype == torch.float32 and labels.shape == (3, 3)
+        lam = (images - x.flip(0)).flatten()[0] / (x - x.flip(0)).flatten()[0]  # recovered from the pixels
+        assert torch.allclose(labels, lam * y + (1 - lam) * y.flip(0), atol=1e-4)
