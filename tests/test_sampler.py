@@ -159,6 +159,18 @@ def test_sampler_orders_weights_and_lengths(built) -> None:
     assert set(ShardSampler(ds, weights=weights, num_samples=50).sequence(0).tolist()) <= set(range(9))
     even = [ShardSampler(ds, num_replicas=4, rank=r, drop_last=True) for r in range(4)]
     assert [len(s) for s in even] == [4] * 4 and [len(ShardSampler(ds, num_replicas=4, rank=r)) for r in range(4)] == [5, 5, 4, 4]
+    ranks = [ShardSampler(ds, num_replicas=2, rank=r) for r in range(2)]  # elastic resume: 2 ranks -> 3
+    for r in ranks:
+        r.set_epoch(5)
+        it = iter(r)
+        taken = [next(it) for _ in range(4)]
+    state = ranks[1].state_dict()
+    assert state["position"] == 8 and [d.draw for d in taken] == [1, 3, 5, 7]
+    later = [ShardSampler(ds, num_replicas=3, rank=r) for r in range(3)]
+    for r in later:
+        r.load_state_dict(state)
+    rest = [d for r in later for d in r]
+    assert sorted(d.draw for d in rest) == list(range(8, 18)) and {d.epoch for d in rest} == {5}
     with pytest.raises(ValueError, match="rank must be"):
         ShardSampler(ds, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match="seed 3 .* would not continue"):
