@@ -1,6 +1,6 @@
 """packer: preprocess an image folder once, pack it into LMDB or memmap shards, train from it fast.
 
-``import packer`` stays light: torch is imported only when ShardDataset is first used.
+``import packer`` stays light: torch is imported only when ShardDataset or ShardSampler is first used.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["build", "BuildReport", "BuildError", "DatasetError", "Labelling", "PackerError", "ShardDataset",
-           "__version__"]
+           "ShardSampler", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -33,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from .dataset import ShardDataset
 
         return ShardDataset
+    if name == "ShardSampler":
+        from .sampler import ShardSampler
+
+        return ShardSampler
     raise AttributeError(f"module 'packer' has no attribute {name!r}")

@@ -99,16 +99,24 @@ class Point:
     cpu_us_per_sample: float
 
 
-def make_loader(ds: Any, workers: int, batch_size: int, samples: int, seed: int = 0, **kw: Any) -> Any:
-    """A DataLoader drawing ``samples`` indices at random (wrapping around small datasets)."""
+def make_loader(ds: Any, workers: int, batch_size: int, samples: int, seed: int = 0, packer_sampler: bool = False,
+                **kw: Any) -> Any:
+    """A DataLoader drawing ``samples`` indices at random (wrapping around small datasets), with
+    torch's RandomSampler or, if ``packer_sampler``, a ShardSampler (draw-keyed augmentation)."""
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
-    sampler = RandomSampler(ds, num_samples=samples, generator=torch.Generator().manual_seed(seed))
+    if packer_sampler:
+        from .sampler import ShardSampler
+
+        sampler = ShardSampler(ds, seed=seed, num_samples=samples)
+    else:
+        sampler = RandomSampler(ds, num_samples=samples, generator=torch.Generator().manual_seed(seed))
     return DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, **kw)
 
 
-def measure(ds: Any, workers: int, batch_size: int, samples: int, prefetch_factor: int = 2) -> Point:
+def measure(ds: Any, workers: int, batch_size: int, samples: int, prefetch_factor: int = 2,
+            packer_sampler: bool = False) -> Point:
     """samples/s of ``samples`` samples after a warm-up: each worker's first ``prefetch_factor + 1``
     batches, which pay its start-up and the first use of each batch segment it will reuse for the
     rest of the epoch (packer.batchpool: one per batch in flight, ~150 MB each for float32 at 224
@@ -116,7 +124,7 @@ def measure(ds: Any, workers: int, batch_size: int, samples: int, prefetch_facto
     warm = max(1, workers * (prefetch_factor + 1))
     # persistent: the workers outlive the last batch, so their CPU time can still be read
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True} if workers else {}
-    loader = make_loader(ds, workers, batch_size, samples + warm * batch_size, **extra)
+    loader = make_loader(ds, workers, batch_size, samples + warm * batch_size, packer_sampler=packer_sampler, **extra)
     it = iter(loader)
     for _ in range(warm):
         next(it)

@@ -8,7 +8,9 @@ Design points, each answering a known DataLoader failure:
   Python objects' reference counts.
 - Augmentation is a pure function of (seed, epoch, index) (packer.transform), so batches do not
   depend on the worker count and no two workers share a random stream. The epoch lives in shared
-  memory, so ``set_epoch`` reaches persistent workers too.
+  memory, so ``set_epoch`` reaches persistent workers too. A :class:`~packer.sampler.Draw` index
+  (from ShardSampler) carries its own epoch and draw number, which key it instead; a user
+  ``transform`` runs with the global generators seeded from the same key (packer.rng).
 """
 
 from __future__ import annotations
@@ -17,17 +19,23 @@ import gc
 import os
 import zlib
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from . import batchpool, transform
+from . import batchpool, rng, transform
 from . import labels as labelling
 from .format import DatasetError, Manifest, load_index, load_label_arrays, source_path
 from .read import open_reader
+from .sampler import Draw
+from .transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
+
+#: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``.
+Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
+BatchTransform = Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]
 
 
 class Sample(NamedTuple):
@@ -116,6 +124,14 @@ class ShardDataset(Dataset):
     (about 2% of a decode) and off for raw ones (it would cost more than the crop); the record
     length and, for JPEG, a clean decode to the indexed size are always checked. Any failure raises
     :class:`~packer.format.DatasetError` naming the dataset, the record index and its source file.
+
+    ``transform`` (any callable) receives each sample's uint8 crop - a C x H x W tensor, channels-last
+    in memory; the whole stored image when ``crop_size=None`` - and returns a tensor. It runs with
+    torch's, numpy's and Python's global random generators seeded from the sample's (seed, epoch,
+    draw) (see packer.rng), so its random choices are as reproducible as the crop. Outputs must share
+    one shape (the first sample's sets the batch's); a uint8 output is converted to ``dtype`` last, a
+    floating one is written as it is. ``batch_transform(images, labels)`` then receives the whole
+    batch (``dtype``, labels int64) in the worker and returns ``(images, labels)``.
     """
 
     def __init__(
@@ -133,7 +149,13 @@ class ShardDataset(Dataset):
         flip: bool = True,
         verify: Optional[bool] = None,
         memory_format: torch.memory_format = torch.channels_last,
+        transform: Transform = None,
+        batch_transform: BatchTransform = None,
     ) -> None:
+        if any(f is not None and not callable(f) for f in (transform, batch_transform)):
+            raise ValueError("transform and batch_transform must be callables")
+        if batch_transform is not None and crop_size is None and transform is None:
+            raise ValueError("batch_transform needs images of one size: a crop_size or a transform")
         if crop_size is not None and crop_size <= 0:
             raise ValueError(f"crop_size must be positive or None, not {crop_size}")
         if not (dtype == torch.uint8 or dtype.is_floating_point):
@@ -146,10 +168,11 @@ class ShardDataset(Dataset):
         self.memory_format = memory_format
         self.mean, self.std = tuple(mean), tuple(std)
         self.augment = (
-            transform.Augment(crop_size, train, tuple(scale), tuple(ratio), eval_ratio, flip)
+            Augment(crop_size, train, tuple(scale), tuple(ratio), eval_ratio, flip)
             if crop_size is not None
             else None
         )
+        self.transform, self.batch_transform = transform, batch_transform
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._load()
         self.verify = self.manifest.format == "jpeg" if verify is None else verify
@@ -163,7 +186,8 @@ class ShardDataset(Dataset):
         self._reader = open_reader(self.root, self.manifest, self.index)
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("root", "seed", "dtype", "memory_format", "mean", "std", "augment", "_epoch", "verify")
+        keep = ("root", "seed", "dtype", "memory_format", "mean", "std", "augment", "_epoch", "verify", "transform",
+                "batch_transform")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -208,7 +232,7 @@ class ShardDataset(Dataset):
         return labelling.class_counts(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
 
     def sample_weights(self) -> np.ndarray:
-        """Per-record weights balancing the classes, for ``WeightedRandomSampler(ds.sample_weights(), n)``:
+        """Per-record weights balancing the classes, for ``ShardSampler(ds, balanced=True)``:
         inverse class frequency; "multi": inverse of the mean frequency of the image's labels (images
         without labels as one more class); "none": uniform. See :func:`packer.labels.sample_weights`."""
         return labelling.sample_weights(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
@@ -236,7 +260,7 @@ class ShardDataset(Dataset):
     # --- samples --------------------------------------------------------------------------------
 
     def __getitem__(self, i: int) -> Sample:
-        return self._batch([self._check(i)], self.epoch)[0]
+        return self._batch(*self._keyed([i]))[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         """A batch for DataLoader's fetcher, which passes the result to ``collate_fn``.
@@ -248,34 +272,42 @@ class ShardDataset(Dataset):
         ``collate_fn`` still gets ``(image, label)`` pairs (views into the batch).
         """
         shared = get_worker_info() is not None
-        return self._batch([self._check(i) for i in indices], self.epoch, shared)
+        return self._batch(*self._keyed(indices), shared)
+
+    def _keyed(self, indices: Sequence[int]) -> tuple[list[int], Any, Optional[list[int]]]:
+        """(records, epoch, keys): plain indices are keyed by record in the dataset's epoch (keys
+        None); :class:`~packer.sampler.Draw` indices by their own epoch and draw number."""
+        records = [self._check(i) for i in indices]
+        if not any(type(i) is Draw for i in indices):
+            return records, self.epoch, None
+        epochs = np.array([i.epoch if type(i) is Draw else self.epoch for i in indices], dtype=np.int64)
+        return records, epochs, [i.draw if type(i) is Draw else r for i, r in zip(indices, records)]
 
     def _batch(
-        self, indices: Sequence[int], epoch: int, shared: bool = False, clock: transform.Clock = None
+        self, indices: Sequence[int], epoch: Any, keys: Optional[Sequence[int]] = None, shared: bool = False,
+        clock: transform.Clock = None,
     ) -> list[Sample]:
-        """Samples for in-range ``indices``, written into one output tensor when crops have one size."""
+        """Samples for in-range ``indices``, written into one output tensor when crops have one size.
+        Augmentation is keyed by ``keys`` (default: the indices) in ``epoch`` (one, or one per sample)."""
         at = np.asarray(indices, dtype=np.int64)
         extras = self._label_parts(at)
+        keys = indices if keys is None else keys
+        if self.transform is not None or self.batch_transform is not None:
+            return self._transformed(indices, epoch, keys, extras, shared)
         if self.augment is None:  # whole images differ in size: nothing to preallocate
             return [self._sample(self._whole(i), parts) for i, parts in zip(indices, extras)]
         rows = self.index[at]
-        crops = self.augment.crops(self.seed, epoch, indices, rows["height"], rows["width"])
+        crops = self.augment.crops(self.seed, epoch, keys, rows["height"], rows["width"])
         if clock:
             clock("draw crop")
         size = self.augment.crop_size
-        if self.memory_format == torch.channels_last:
-            images = batch_tensor((len(indices), size, size, 3), self.dtype, shared).permute(0, 3, 1, 2)
-        else:
-            images = batch_tensor((len(indices), 3, size, size), self.dtype, shared)
+        images = self._output(len(indices), (3, size, size), self.dtype, shared)
         slots = images.permute(0, 2, 3, 1)  # each sample's H x W x C view
         # uint8: crops go straight into the batch; float: through one uint8 crop buffer per batch
         outs = slots.numpy() if self.dtype == torch.uint8 else [np.empty((size, size, 3), np.uint8)] * len(indices)
         if clock:
             clock("collate")
-        try:
-            datas = self._reader.get_many(indices)
-        except DatasetError as e:
-            raise self._damaged(e.record, e) if e.record is not None else e from None
+        datas = self._fetch(indices)
         heights, widths, crcs = rows["height"].tolist(), rows["width"].tolist(), rows["crc32"].tolist()
         fmt = self.manifest.format
         collecting = gc.isenabled()
@@ -316,6 +348,79 @@ class ShardDataset(Dataset):
     @staticmethod
     def _sample(image: torch.Tensor, parts: tuple[Any, ...]) -> Sample | TargetSample:
         return Sample(image, *parts) if len(parts) == 1 else TargetSample(image, *parts)
+
+    def _output(self, n: int, shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+        """An n x ``shape`` batch; C x H x W samples are channels-last in memory unless asked otherwise."""
+        if len(shape) == 3 and self.memory_format == torch.channels_last:
+            c, h, w = shape
+            return batch_tensor((n, h, w, c), dtype, shared).permute(0, 3, 1, 2)
+        return batch_tensor((n, *shape), dtype, shared)
+
+    def _fetch(self, indices: Sequence[int]) -> list[memoryview]:
+        """The records' bytes; a failure as a DatasetError naming the record and its source."""
+        try:
+            return self._reader.get_many(indices)
+        except DatasetError as e:
+            raise self._damaged(e.record, e) if e.record is not None else e from None
+
+    def _transformed(self, indices: Sequence[int], epoch: Any, keys: Sequence[int], extras: list[tuple[Any, ...]],
+                     shared: bool) -> list[Sample | TargetSample]:
+        """The batch with the user's transforms: each sample cropped (uint8) into a scratch buffer,
+        transformed under its seeded random state, written into the batch (whose shape and dtype the
+        first output sets), converted to ``dtype`` if uint8; then ``batch_transform`` on the batch."""
+        rows = self.index[np.asarray(indices, dtype=np.int64)]
+        crops = self.augment.crops(self.seed, epoch, keys, rows["height"], rows["width"]) if self.augment else None
+        scratch = np.empty((self.augment.crop_size,) * 2 + (3,), np.uint8) if self.augment else None
+        datas = self._fetch(indices)
+        seeds = rng.sample_seeds(self.seed, epoch, np.asarray(keys))
+        fmt, images = self.manifest.format, None
+        heights, widths, crcs = rows["height"].tolist(), rows["width"].tolist(), rows["crc32"].tolist()
+        with rng.seeded_samples() as seed:
+            for k, i in enumerate(indices):
+                h, w = heights[k], widths[k]
+                try:
+                    self._verify(datas[k], crcs[k])
+                    if crops is None:
+                        hwc = transform.whole_record(datas[k], fmt, h, w)
+                    else:
+                        transform.crop_into(datas[k], fmt, h, w, crops[k], scratch)
+                        hwc = torch.from_numpy(scratch)
+                except (DatasetError, ValueError) as e:
+                    raise self._damaged(i, e) from None
+                x = hwc.permute(2, 0, 1)
+                if self.transform is not None:
+                    seed(seeds[k])
+                    x = self.transform(x)
+                    if not isinstance(x, torch.Tensor):
+                        raise TypeError(f"transform returned {type(x).__name__} for record {i}, not a tensor")
+                if images is None:
+                    images = self._output(len(indices), tuple(x.shape), self.dtype if x.dtype == torch.uint8 else x.dtype,
+                                          shared)
+                elif x.shape != images.shape[1:]:
+                    raise ValueError(f"transform output for record {i} is {tuple(x.shape)}, the batch's first was "
+                                     f"{tuple(images.shape[1:])}: a batch needs one shape")
+                slot = images[k]
+                if x.dtype == torch.uint8 and slot.dtype != torch.uint8 and x.dim() == 3:
+                    transform.normalize_hwc(x.permute(1, 2, 0), slot.permute(1, 2, 0), self.mean, self.std)
+                elif x.dtype == slot.dtype and x.stride() == slot.stride():  # one memory copy, as numpy does it:
+                    np.copyto(slot.numpy(), x.numpy())  # torch's would start its intra-op threads (150 KB)
+                else:
+                    slot.copy_(x)
+            if self.batch_transform is not None:  # seeded by the first draw's key complemented: no sample's
+                seed(rng.sample_seeds(self.seed, epoch, ~np.asarray(keys[:1], dtype=np.int64))[0])
+                images, extras = self._batch_transformed(images, extras)
+        return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
+
+    def _batch_transformed(self, images: torch.Tensor, extras: list[tuple[Any, ...]]
+                           ) -> tuple[torch.Tensor, list[tuple[Any, ...]]]:
+        """``batch_transform`` on the batch and its labels as one tensor (int64 class ids, or the
+        multi-hot / target rows stacked); the labels it returns are split back per sample (targets
+        beside labels pass through)."""
+        column = [parts[0] for parts in extras]
+        labels = torch.tensor(column, dtype=torch.int64) if isinstance(column[0], int) else torch.stack(column)
+        images, labels = self.batch_transform(images, labels)
+        split = labels.tolist() if labels.dtype == torch.int64 and labels.dim() == 1 else labels.unbind(0)
+        return images, [(label, *parts[1:]) for label, parts in zip(split, extras)]
 
     def _whole(self, i: int) -> torch.Tensor:
         """Record ``i``'s whole stored image as a C x H x W tensor of ``dtype``."""

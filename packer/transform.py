@@ -69,15 +69,24 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
-def uniforms(seed: int, epoch: int, indices: np.ndarray, count: int) -> np.ndarray:
-    """A ``len(indices) x count`` array of floats in [0, 1); entry (k, j) depends only on
-    (seed, epoch, indices[k], j): the counter-based scheme of splitmix64 with a per-sample key."""
-    golden = _U64(0x9E3779B97F4A7C15)
+_GOLDEN = _U64(0x9E3779B97F4A7C15)
+
+
+def sample_keys(seed: int, epoch: int | np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """One uint64 key per sample, a hash of (seed, epoch, index); ``epoch`` is one value or one per
+    sample (draws from packer.sampler carry their own)."""
     with np.errstate(over="ignore"):
-        key = _mix(np.array([seed & (2**64 - 1)], dtype=np.uint64) * golden)
-        key = _mix((key ^ _U64(epoch & (2**64 - 1))) * golden)
-        key = _mix((key ^ np.asarray(indices, dtype=np.int64).astype(np.uint64)) * golden)
-        bits = _mix(key[:, None] + np.arange(1, count + 1, dtype=np.uint64) * golden)
+        key = _mix(np.array([seed & (2**64 - 1)], dtype=np.uint64) * _GOLDEN)
+        key = _mix((key ^ np.asarray(epoch, dtype=np.int64).astype(np.uint64)) * _GOLDEN)
+        return _mix((key ^ np.asarray(indices, dtype=np.int64).astype(np.uint64)) * _GOLDEN)
+
+
+def uniforms(seed: int, epoch: int | np.ndarray, indices: np.ndarray, count: int) -> np.ndarray:
+    """A ``len(indices) x count`` array of floats in [0, 1); entry (k, j) depends only on
+    (seed, epoch, indices[k], j): the counter-based scheme of splitmix64 with a per-sample key
+    (counters 1..count; counter 0 is packer.rng's per-sample seed)."""
+    with np.errstate(over="ignore"):
+        bits = _mix(sample_keys(seed, epoch, indices)[:, None] + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN)
     return (bits >> _U64(11)).astype(np.float64) * 2.0**-53
 
 
@@ -135,8 +144,10 @@ class Augment:
     eval_ratio: float = 0.875
     flip: bool = True
 
-    def crops(self, seed: int, epoch: int, indices: Sequence[int], heights: np.ndarray, widths: np.ndarray) -> list[Crop]:
-        """The crop of each of ``indices`` (stored sizes ``heights`` x ``widths``) in ``epoch``."""
+    def crops(self, seed: int, epoch: int | np.ndarray, indices: Sequence[int], heights: np.ndarray,
+              widths: np.ndarray) -> list[Crop]:
+        """The crop of each of ``indices`` (stored sizes ``heights`` x ``widths``) in ``epoch`` (one
+        value, or one per sample)."""
         if not self.train:
             boxes, flips = center_crops(heights, widths, self.crop_size, self.eval_ratio), [False] * len(indices)
         else:

@@ -10,10 +10,12 @@ gets fresh DataLoader workers, so no process still maps the evicted pages.
     python scripts/bench_cold.py --backend memmap --repeats 5
     python scripts/bench_cold.py --formats raw --memory-limit 650                    # bigger than its page
     python scripts/bench_cold.py --images 20000 --formats jpeg --memory-limit 650    # cache (needs root)
+    python scripts/bench_cold.py --formats raw --memory-limit 650 --orders random,block   # ShardSampler orders
 
 Prints samples/s and MB/s of records per epoch (medians of the repeats, each epoch every record once,
 in a new random order), and how much of the dataset was cached before each epoch (fincore-style,
-through mincore). With --memory-limit the "warm" epoch is one more read from disk.
+through mincore). With --memory-limit the "warm" epoch is one more read from disk. --orders compares
+ShardSampler's orders ("random", "block": locality order) and prints each one's label mix per batch.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from packer.bench import cores, disk_bytes  # noqa: E402
 from packer.dataset import ShardDataset  # noqa: E402
+from packer.sampler import ShardSampler  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from pagecache import cached_fraction, evict  # noqa: E402
 
@@ -56,11 +60,11 @@ def limit_memory(mib: int) -> str:
     return str(group)
 
 
-def epoch(dataset: Path, workers: int, batch_size: int, seed: int) -> float:
-    """Seconds for one epoch (every record once, shuffled) with fresh workers."""
+def epoch(dataset: Path, workers: int, batch_size: int, seed: int, order: str) -> float:
+    """Seconds for one epoch (every record once, in ShardSampler's ``order``) with fresh workers."""
     ds = ShardDataset(dataset, dtype=torch.uint8)
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=False,
-                        generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(ds, batch_size=batch_size, sampler=ShardSampler(ds, seed=seed, order=order),
+                        num_workers=workers, drop_last=False)
     t0 = time.perf_counter()
     n = sum(len(labels) for _, labels in loader)
     assert n == len(ds)
@@ -78,6 +82,7 @@ def main() -> None:
                     help="run in a memory cgroup this big (root): a dataset bigger than what it leaves for the "
                          "page cache is read from disk every epoch")
     ap.add_argument("--formats", default="raw,jpeg", help="record formats to build and read")
+    ap.add_argument("--orders", default="random", help="ShardSampler orders to compare: random, block")
     args = ap.parse_args()
     from packer import build
 
@@ -94,20 +99,42 @@ def main() -> None:
         print(f"in memory cgroup {limit_memory(args.memory_limit)} ({args.memory_limit} MiB)")
     print(f"{args.images} records (427x320 stored), {args.backend}, {args.workers} workers, batch {args.batch_size}, "
           f"RandomResizedCrop 224 + flip, uint8, {args.repeats} repeats; a cold epoch reads every record from disk")
+    orders = args.orders.split(",")
     for fmt, path in datasets.items():
         size = disk_bytes(path)
-        rates: dict[str, list[float]] = {"cold": [], "warm": []}
-        cached: dict[str, list[float]] = {"cold": [], "warm": []}
+        rates = {(o, kind): [] for o in orders for kind in ("cold", "warm")}
+        cached = {key: [] for key in rates}
         for r in range(args.repeats):
-            evict(path)
-            for kind in ("cold", "warm"):  # the warm epoch reads what the cold one brought in
-                cached[kind].append(cached_fraction(path))
-                rates[kind].append(args.images / epoch(path, args.workers, args.batch_size, seed=r))
-        for kind, v in rates.items():
+            for order in orders:  # interleaved
+                evict(path)
+                for kind in ("cold", "warm"):  # the warm epoch reads what the cold one brought in
+                    cached[order, kind].append(cached_fraction(path))
+                    rates[order, kind].append(args.images / epoch(path, args.workers, args.batch_size, r, order))
+        for (order, kind), v in rates.items():
             med = statistics.median(v)
-            print(f"  {fmt:<5} {kind}: {med:>8,.0f} samples/s, {med * size / args.images / 1e6:>7,.0f} MB/s of "
-                  f"records (runs {', '.join(f'{x:,.0f}' for x in v)}; cached before: "
-                  f"{statistics.median(cached[kind]):.0%}); dataset {size / 1e6:,.0f} MB")
+            print(f"  {fmt:<5} {order:<6} {kind}: {med:>8,.0f} samples/s, {med * size / args.images / 1e6:>7,.0f} MB/s "
+                  f"of records (runs {', '.join(f'{x:,.0f}' for x in v)}; cached before: "
+                  f"{statistics.median(cached[order, kind]):.0%}); dataset {size / 1e6:,.0f} MB")
+        if len(orders) > 1 or orders != ["random"]:
+            for order in orders:
+                print(f"  {fmt:<5} {order:<6} label mix: {label_mix(path, order, args.batch_size)}")
+
+
+def label_mix(dataset: Path, order: str, batch_size: int) -> str:
+    """How far a batch's labels are from the dataset's label distribution, over an epoch's batches:
+    the mean total variation distance (0: every batch mixed like the dataset; 1: one class only the
+    dataset does not have) and the mean number of classes per batch."""
+    ds = ShardDataset(dataset)
+    labels = ds.labels[ShardSampler(ds, order=order).sequence(0)]
+    classes = len(ds.classes)
+    overall = np.bincount(labels, minlength=classes) / len(labels)
+    tv, present = [], []
+    for k in range(0, len(labels) - batch_size + 1, batch_size):
+        counts = np.bincount(labels[k:k + batch_size], minlength=classes)
+        tv.append(0.5 * np.abs(counts / batch_size - overall).sum())
+        present.append((counts > 0).sum())
+    return (f"distance to the dataset's label mix {np.mean(tv):.3f} per batch, {np.mean(present):.1f} of "
+            f"{classes} classes per batch")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""Shared by tests/test_sampler.py and run by it as a NEW process (``python -m tests._sampler_run``)
+that resumes a training loop mid-epoch from a saved sampler or StatefulDataLoader state, as a
+preempted job does; with WORLD_SIZE > 1 each rank is a real torch.distributed (gloo) process."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from packer import rng
+from packer.dataset import ShardDataset
+from packer.sampler import ShardSampler
+
+CROP, BATCH, SEED, EPOCHS = 32, 2, 5, 3
+
+
+def jitter(x: torch.Tensor) -> torch.Tensor:
+    """A third-party-style transform: draws from torch's, numpy's and Python's global generators and
+    from the per-sample generator packer exposes."""
+    shift = int(torch.randint(0, 30, (1,))) + int(np.random.randint(0, 30)) + random.randint(0, 30)
+    noise = torch.randint(0, 8, x.shape, generator=rng.generator(), dtype=torch.int16)
+    return (x.to(torch.int16) + shift + noise).clamp_(0, 255).to(torch.uint8)
+
+
+def make(path: str, workers: int, stateful: bool = False, **sampler_args: Any) -> tuple[Any, ShardSampler]:
+    ds = ShardDataset(path, crop_size=CROP, seed=SEED, dtype=torch.uint8, transform=jitter)
+    sampler = ShardSampler(ds, **sampler_args)
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader as Loader
+    else:
+        Loader = DataLoader
+    return Loader(ds, batch_size=BATCH, sampler=sampler, num_workers=workers), sampler
+
+
+def batches(loader: Any, sampler: ShardSampler, first_epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every batch from ``first_epoch`` (where a loaded state may resume mid-way) to EPOCHS."""
+    out = []
+    for epoch in range(first_epoch, EPOCHS):
+        sampler.set_epoch(epoch)
+        out += [(images.clone(), labels.clone()) for images, labels in loader]
+    return out
+
+
+def main(path: str, states_file: str, out_file: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # rank and world size from the environment
+    rank = int(os.environ.get("RANK", "0"))
+    states = torch.load(states_file, weights_only=False)[rank]
+    results = {}
+    for mode, state in states.items():
+        workers, stateful = (2, True) if mode == "stateful" else (int(mode), False)
+        loader, sampler = make(path, workers, stateful)  # rank and world size from torch.distributed
+        if stateful:  # the loop saved {"epoch", "loader": StatefulDataLoader.state_dict()}
+            loader.load_state_dict(state["loader"])
+            first = state["epoch"]
+        else:  # the loop saved ShardSampler.state_dict(consumed=...)
+            sampler.load_state_dict(state)
+            first = sampler.epoch
+        results[mode] = batches(loader, sampler, first)
+    torch.save(results, f"{out_file}.{rank}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+
+
+def kornia_jiggle(x: torch.Tensor) -> torch.Tensor:
+    """kornia's ColorJiggle (random parameters from torch's global generator) on the uint8 crop."""
+    import kornia.augmentation as K
+
+    out = K.ColorJiggle(0.3, 0.3, 0.3, 0.1, p=1.0)(x.float().div(255))  # 1 x C x H x W in [0, 1]
+    return out[0].mul(255).round_().to(torch.uint8)
