@@ -276,6 +276,8 @@ def verify(out: Path, limit: int) -> None:
     from .verify import verify as run_verify
 
     result = run_verify(out, limit=limit)
+    for note in result.notes:
+        click.echo(f"packer: {out}: note: {note}", err=True)
     if result.ok:
         click.echo(f"packer: {out}: ok, {result.count} records, {result.digest}")
         return

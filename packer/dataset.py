@@ -1,9 +1,12 @@
 """ShardDataset: a map-style torch Dataset over a packer dataset (either backend, either format).
 
 Design points, each answering a known DataLoader failure:
-- ``__init__`` reads only the manifest and the memory-mapped index; record handles open on first use
-  in each process (see packer.read), and pickling drops them, so fork, spawn, a parent that read
-  samples before forking, and several datasets over one path all work.
+- ``__init__`` pins one version of the dataset (packer.pin): manifest, index and data files are
+  opened together and kept, so a refresh of the path (``build --update``/``--force``) never mixes
+  versions. Forked workers inherit the pinned files and read the version the parent opened to the
+  end; a pickled copy (spawn) reopens by path and is refused with DatasetReplaced if the files there
+  are no longer that version. Several datasets over one path, or one path's old and new versions,
+  each read their own.
 - Per-record metadata stays in numpy arrays, so forked workers do not copy pages by touching
   Python objects' reference counts.
 - Augmentation is a pure function of (seed, epoch, index) (packer.transform), so batches do not
@@ -16,6 +19,8 @@ Design points, each answering a known DataLoader failure:
 from __future__ import annotations
 
 import gc
+import math
+import operator
 import os
 import zlib
 from pathlib import Path
@@ -28,7 +33,8 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from . import batchpool, rng, transform
 from . import labels as labelling
-from .format import DatasetError, Manifest, load_index, load_label_arrays, source_path
+from .format import DatasetError, source_path
+from .pin import FileKey, pin
 from .read import open_reader
 from .sampler import Draw
 from .transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
@@ -158,6 +164,10 @@ class ShardDataset(Dataset):
             raise ValueError("batch_transform needs images of one size: a crop_size or a transform")
         if crop_size is not None and crop_size <= 0:
             raise ValueError(f"crop_size must be positive or None, not {crop_size}")
+        if not (len(scale) == 2 and 0 < scale[0] <= scale[1]) or not (len(ratio) == 2 and 0 < ratio[0] <= ratio[1] < math.inf):
+            raise ValueError(f"scale and ratio must be (low, high) with 0 < low <= high, not {scale}, {ratio}")
+        if not 0 < eval_ratio <= 1:
+            raise ValueError(f"eval_ratio must be in (0, 1] (crop size / resized short edge), not {eval_ratio}")
         if not (dtype == torch.uint8 or dtype.is_floating_point):
             raise ValueError(f"dtype must be torch.uint8 or a floating type, not {dtype}")
         self.root = str(Path(path).resolve())
@@ -177,26 +187,37 @@ class ShardDataset(Dataset):
         self._load()
         self.verify = self.manifest.format == "jpeg" if verify is None else verify
 
-    def _load(self) -> None:
-        """Everything derived from disk; also rebuilt after unpickling (mmaps are not pickled)."""
-        self.manifest = Manifest.load(self.root)
-        self.index, self._sources = load_index(self.root, self.manifest)
+    def _load(self, expect: Optional[dict[str, FileKey]] = None) -> None:
+        """Everything derived from disk, from one pinned version (with ``expect``: that version only)."""
+        pinned = pin(self.root, expect)
+        self._files = pinned.files
+        self.manifest, self.index, self._sources = pinned.manifest, pinned.index, pinned.sources
         self._labels = np.asarray(self.index["label"], dtype=np.int64)
-        self._multi, self._targets = load_label_arrays(self.root, self.manifest)
-        self._reader = open_reader(self.root, self.manifest, self.index)
+        self._multi, self._targets = pinned.multi, pinned.targets
+        self._reader = open_reader(self.root, pinned=pinned)
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("root", "seed", "dtype", "memory_format", "mean", "std", "augment", "_epoch", "verify", "transform",
-                "batch_transform")
+                "batch_transform", "_files")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """Reopen the version that was pickled. A DataLoader worker unpickles before its loop starts,
+        where an exception would only say the worker died: a replaced dataset is refused at the first
+        read instead, with its own message."""
         self.__dict__.update(state)
-        self._load()
+        try:
+            self._load(expect=self._files)
+        except DatasetError as e:
+            self._gone = e
+
+    _gone: Optional[DatasetError] = None  # why this unpickled copy cannot read (see __setstate__)
 
     # --- metadata -------------------------------------------------------------------------------
 
     def __len__(self) -> int:
+        if self._gone is not None:
+            raise self._gone
         return self.manifest.count
 
     @property
@@ -255,6 +276,9 @@ class ShardDataset(Dataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's augmentation. Shared memory: reaches already-running persistent workers."""
+        epoch = operator.index(epoch)
+        if not 0 <= epoch < 2**63:
+            raise ValueError(f"epoch must be in 0..2**63-1, not {epoch}")
         self._epoch[0] = epoch
 
     # --- samples --------------------------------------------------------------------------------
@@ -272,7 +296,7 @@ class ShardDataset(Dataset):
         ``collate_fn`` still gets ``(image, label)`` pairs (views into the batch).
         """
         shared = get_worker_info() is not None
-        return self._batch(*self._keyed(indices), shared)
+        return self._batch(*self._keyed(indices), shared) if len(indices) else []
 
     def _keyed(self, indices: Sequence[int]) -> tuple[list[int], Any, Optional[list[int]]]:
         """(records, epoch, keys): plain indices are keyed by record in the dataset's epoch (keys
@@ -446,8 +470,13 @@ class ShardDataset(Dataset):
         return DatasetError(f"{self.root}: record {i} (source {self.source(i)!r}): {why}", record=i)
 
     def _check(self, i: int) -> int:
+        if self._gone is not None:
+            raise self._gone
         n = self.manifest.count
-        i = int(i)
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise TypeError(f"record indices are integers, not {type(i).__name__} ({i!r})") from None
         if not -n <= i < n:
             raise IndexError(f"record {i} out of range for a dataset of {n}")
         return i % n

@@ -8,12 +8,16 @@ runs code.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import math
+import mmap
 import os
+import stat
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 
@@ -27,6 +31,8 @@ INDEX = "index.npy"
 SOURCES = "sources.npy"
 REPORT = "report.jsonl"
 FORMATS = ("jpeg", "raw")
+MAX_EDGE = 65_535  # the largest edge a JPEG can have
+MAX_MANIFEST = 64 << 20  # bytes of manifest.json read at most (a real one is a few KB per 100 classes)
 BACKENDS = ("lmdb", "memmap")
 #: manifest ``label_kind`` (see packer.labels): one class id per record in ``label``; several classes per
 #: record, a bit-packed multi-hot row each in LABELS (``label`` -1); no labels (``label`` -1, no classes).
@@ -102,18 +108,36 @@ class Manifest:
     label_kind: str = "class"  # one of LABEL_KINDS
     targets: list[str] = field(default_factory=list)  # names of the TARGETS columns (CSV columns)
     labels_digest: str = ""  # sha256 of LABELS' then TARGETS' data ("" with neither)
+    sources_digest: str = ""  # index_digest() of sources.npy's bytes: verify notices an edited path
     format_version: int = FORMAT_VERSION
+    #: sha256 over every other key of manifest.json (see :func:`manifest_digest`): verify notices an
+    #: edited class name, option or count. Empty in datasets of packers before it; then unchecked.
+    manifest_digest: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        fields = asdict(self)
+        fields["manifest_digest"] = manifest_digest(fields)
+        return json.dumps(fields, indent=1, sort_keys=True)
 
     @classmethod
     def load(cls, root: str | os.PathLike) -> "Manifest":
         path = Path(root) / MANIFEST
-        if not path.is_file():
-            raise DatasetError(f"{root}: not a packer dataset (no {MANIFEST}; incomplete or wrong path)")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            fd = open_regular(path)
+        except FileNotFoundError:
+            raise DatasetError(f"{root}: not a packer dataset (no {MANIFEST}; incomplete or wrong path)") from None
+        try:
+            return cls.read(fd, path)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def read(cls, fd: int, path: str | os.PathLike) -> "Manifest":
+        """The manifest in the open file ``fd`` (``path`` names it in errors), checked."""
+        path = Path(path)
+        try:
+            with open(os.dup(fd), "rb") as f:
+                data = json.loads(f.read(MAX_MANIFEST + 1)[:MAX_MANIFEST].decode("utf-8"))
         except (OSError, ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
             raise DatasetError(f"{path}: unreadable manifest ({e})") from None
         if not isinstance(data, dict):
@@ -130,8 +154,10 @@ class Manifest:
         except TypeError as e:
             raise DatasetError(f"{path}: manifest is missing fields ({e})") from None
         m._check(path)
+        m.computed_digest = manifest_digest(data)
         return m
 
+    computed_digest: ClassVar[str] = ""  # manifest_digest() of the file as read (set by load)
     def _check(self, path: Path) -> None:
         """Types and ranges, so that later arithmetic on tampered values cannot misbehave."""
 
@@ -144,6 +170,8 @@ class Manifest:
         for name in ("short_edge", "quality", "count", "bytes", "scanned", "skipped", "ignored"):
             if not size(getattr(self, name)):
                 raise bad(name)
+        if self.short_edge < 1:
+            raise bad("short_edge")
         if self.backend not in BACKENDS:
             raise bad("backend")
         if self.format not in FORMATS:
@@ -161,7 +189,8 @@ class Manifest:
         if not (isinstance(self.targets, list) and all(isinstance(t, str) and t for t in self.targets)
                 and len(set(self.targets)) == len(self.targets) and (self.format_version > 1 or not self.targets)):
             raise bad("targets")
-        texts = (self.digest, self.inputs, self.index_digest, self.codec, self.packer_version, self.labels_digest)
+        texts = (self.digest, self.inputs, self.index_digest, self.codec, self.packer_version, self.labels_digest,
+                 self.sources_digest, self.manifest_digest)
         if not all(isinstance(v, str) for v in texts) or not isinstance(self.shards, list):
             raise bad("digest/shards")
         if not isinstance(self.options, dict):
@@ -199,32 +228,92 @@ class Digest:
         return "sha256:" + hashlib.sha256(f"{records}\0{labels_digest}".encode("ascii")).hexdigest()
 
 
+def manifest_digest(fields: dict[str, Any]) -> str:
+    """sha256 of a manifest's keys and values except ``manifest_digest`` itself, as compact JSON
+    with sorted keys (keys a later packer adds are covered too)."""
+    rest = {k: v for k, v in fields.items() if k != "manifest_digest"}
+    text = json.dumps(rest, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def index_digest(rows: np.ndarray) -> str:
-    """sha256 of the index rows' bytes: the ``src_*`` identity fields are checked by nothing else."""
+    """sha256 of an array's bytes: the index rows (whose ``src_*`` identity fields nothing else
+    checks) or the source-path blob."""
     return "sha256:" + hashlib.sha256(np.ascontiguousarray(rows).view(np.uint8)).hexdigest()
+
+
+def open_regular(path: str | os.PathLike, dir_fd: Optional[int] = None, label: str | os.PathLike = "") -> int:
+    """A read-only descriptor of ``path``, refused unless it is a regular file. Opened non-blocking,
+    so a FIFO put in a dataset's place cannot hang the open, and checked before any read, so a
+    device (/dev/zero) is never read. FileNotFoundError passes through for the caller to word;
+    ``label`` names the file in the error (``path`` relative to ``dir_fd`` otherwise)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(mode), "not a file")
+        raise DatasetError(f"{label or path}: is {kind}, not a regular file; refusing to read it")
+    return fd
+
+
+def map_npy(fd: int, path: str | os.PathLike) -> np.ndarray:
+    """The array of the .npy file open as ``fd``, memory-mapped read-only (a descriptor, not a path:
+    the file a reader pinned, even after it was deleted). The header is parsed by numpy's own
+    parser with pickled (object) dtypes refused, and the data must fit in the file: a hostile shape
+    allocates nothing."""
+    try:
+        head = io.BytesIO(os.pread(fd, 1 << 16, 0))
+        version = np.lib.format.read_magic(head)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(head)
+        if dtype.hasobject or fortran:
+            raise ValueError(f"dtype {dtype} (fortran order {fortran}) is not a plain array")
+        start, size = head.tell(), os.fstat(fd).st_size
+        items = math.prod(shape)
+        if start + items * dtype.itemsize > size:
+            raise ValueError(f"{items} items of {dtype.itemsize} bytes do not fit in {size} bytes")
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    except Exception as e:  # a tampered header fails numpy's parser in many ways (ValueError, SyntaxError,
+        # tokenize.TokenError, OverflowError, ...); the file is at fault, and no code ran
+        raise DatasetError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    return np.ndarray(shape, dtype, buffer=mm, offset=start)
 
 
 def load_index(root: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
     """Load and bounds-check the index and the source-path blob (never pickled, memory-mapped)."""
     root = Path(root)
-    try:
-        index = np.load(root / INDEX, mmap_mode="r", allow_pickle=False)
-        sources = np.load(root / SOURCES, mmap_mode="r", allow_pickle=False)
-    except Exception as e:  # a tampered .npy header fails numpy's parser or mmap in many ways (ValueError,
-        # SyntaxError, tokenize.TokenError, OverflowError, ...); the file is at fault, and no code ran
-        raise DatasetError(f"{root}: unreadable index ({type(e).__name__}: {e})") from None
+    arrays = []
+    for name in (INDEX, SOURCES):
+        try:
+            fd = open_regular(root / name)
+        except OSError as e:
+            raise DatasetError(f"{root}: unreadable index ({type(e).__name__}: {e})") from None
+        try:
+            arrays.append(map_npy(fd, root / name))
+        finally:
+            os.close(fd)
+    index, sources = arrays
+    check_index(root, index, sources, manifest)
+    return index, sources
+
+
+def check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Manifest) -> None:
+    """The index and path blob's types, and the rows' consistency with the manifest."""
     if index.dtype != INDEX_DTYPE or index.ndim != 1:
         raise DatasetError(f"{root / INDEX}: unexpected dtype {index.dtype} / shape {index.shape}")
     if sources.dtype != np.uint8 or sources.ndim != 1:
         raise DatasetError(f"{root / SOURCES}: unexpected dtype {sources.dtype} / shape {sources.shape}")
     if len(index) != manifest.count:
         raise DatasetError(f"{root}: index has {len(index)} rows, manifest says {manifest.count}")
-    _check_index(root, index, sources, manifest)
-    return index, sources
+    _check_rows(root, index, sources, manifest)
 
 
-def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Manifest) -> None:
-    """Reject rows that would read outside their shard or the path blob, or carry impossible sizes."""
+def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Manifest) -> None:
+    """Reject rows that would read outside their shard or the path blob, or carry impossible sizes
+    (a stored image's short edge is at most ``short_edge``, a JPEG's long one at most 65,535, a raw
+    record's length is height x width x 3: a tampered height or width cannot make a reader allocate
+    more than the image could hold)."""
     if len(index) == 0:
         return
     labels = index["label"]
@@ -242,6 +331,14 @@ def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: M
             raise DatasetError(f"{root}: record {first}: length does not match height x width x 3")
     if (index["height"] == 0).any() or (index["width"] == 0).any():
         raise DatasetError(f"{root}: index has records of zero size")
+    short, long = np.minimum(index["height"], index["width"]), np.maximum(index["height"], index["width"])
+    edge = MAX_EDGE if manifest.format == "jpeg" else np.iinfo(np.uint32).max  # raw: length = h x w x 3 bounds it
+    impossible = (short > manifest.short_edge) | (long > edge)
+    if impossible.any():
+        first = int(np.flatnonzero(impossible)[0])
+        raise DatasetError(f"{root}: record {first}: stored size {int(index[first]['height'])} x "
+                           f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
+                           f"or a JPEG edge over {MAX_EDGE})")
     if manifest.backend == "lmdb" and (index["shard"].any() or index["offset"].any()):
         raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
     if manifest.backend == "memmap":
@@ -255,9 +352,11 @@ def _check_index(root: Path, index: np.ndarray, sources: np.ndarray, manifest: M
             raise DatasetError(f"{root}: record {first} points outside its shard")
 
 
-def load_label_arrays(root: str | os.PathLike, manifest: Manifest) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+def load_label_arrays(root: str | os.PathLike, manifest: Manifest,
+                      open_file: Optional[Callable[[str], int]] = None) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """The multi-hot rows (LABELS, "multi" datasets) and TARGETS, memory-mapped and checked: shape,
-    dtype, no bits beyond the last class, finite targets. None for what the dataset does not have."""
+    dtype, no bits beyond the last class, finite targets. None for what the dataset does not have.
+    ``open_file(name)`` opens them (packer.pin: the pinned version's), else :func:`open_regular`."""
     root = Path(root)
     wanted = [(LABELS, np.uint8, (len(manifest.classes) + 7) // 8, manifest.label_kind == "multi"),
               (TARGETS, np.float32, len(manifest.targets), bool(manifest.targets))]
@@ -267,12 +366,14 @@ def load_label_arrays(root: str | os.PathLike, manifest: Manifest) -> tuple[Opti
             out.append(None)
             continue
         path = root / name
-        if not path.is_file():  # also refuses a FIFO, which np.load would block on
-            raise DatasetError(f"{path}: missing (the manifest says the dataset has it)")
         try:
-            a = np.load(path, mmap_mode="r", allow_pickle=False)
-        except Exception as e:  # as load_index: a tampered header fails numpy's parser in many ways
-            raise DatasetError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+            fd = open_file(name) if open_file is not None else open_regular(path)
+        except FileNotFoundError:
+            raise DatasetError(f"{path}: missing (the manifest says the dataset has it)") from None
+        try:
+            a = map_npy(fd, path)
+        finally:
+            os.close(fd)
         if a.dtype != dtype or a.shape != (manifest.count, columns):
             raise DatasetError(f"{path}: unexpected dtype {a.dtype} / shape {a.shape} "
                                f"(expected {np.dtype(dtype)} / {(manifest.count, columns)})")
@@ -293,5 +394,7 @@ def disk_bytes(root: str | os.PathLike) -> int:
 
 
 def source_path(sources: np.ndarray, row: np.void) -> str:
+    """The source path as the build wrote it: bytes that are not UTF-8 come back as the surrogates
+    the build encoded them from (``surrogateescape``), so ``os.fsencode`` gives the original name."""
     start = int(row["src_offset"])
-    return bytes(sources[start : start + int(row["src_length"])]).decode("utf-8", "replace")
+    return bytes(sources[start : start + int(row["src_length"])]).decode("utf-8", "surrogateescape")

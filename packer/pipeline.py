@@ -38,7 +38,7 @@ from .format import (
 )
 from .labels import LabelError, Labelling, arrays_digest, class_counts
 from .preprocess import Options, Record, Skip
-from .read import close_lmdb, mark_lmdb_pages_checked
+from .read import close_lmdb
 from .scan import Scan, ScanError, confusable, identify, scan
 from .split import TRAIN, check_splits, split_path, split_scan
 from .update import Cache, inputs_digest, ordered_results, previous_dataset, reuse_plan
@@ -652,7 +652,8 @@ def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *,
     """Manifest from the settings and totals, then :func:`_finalize`; shared with the Dask build."""
     opts = settings["options"]
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
-    arrays = _record_labels(found, rows, np.fromfile(staging / SOURCES_PART, dtype=np.uint8))
+    blob = np.fromfile(staging / SOURCES_PART, dtype=np.uint8)
+    arrays = _record_labels(found, rows, blob)
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
     manifest = Manifest(
@@ -664,6 +665,7 @@ def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *,
         codec=settings["codec"], packer_version=__version__, inputs=inputs_digest(found, settings),
         index_digest=index_digest(rows), label_kind=found.kind, targets=found.target_names,
         labels_digest=labels_digest,
+        sources_digest=index_digest(blob),
     )
     _finalize(staging, out, manifest, arrays)
     return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned, skipped=skipped,
@@ -708,5 +710,3 @@ def _finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np
     else:
         staging.rename(out)
     fsync_path(out.parent)
-    if manifest.backend == "lmdb":  # packer wrote these pages: readers need not re-check them
-        mark_lmdb_pages_checked(out)

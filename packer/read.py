@@ -1,21 +1,22 @@
-"""Record readers, one per backend, with handles opened lazily in each process.
+"""Record readers, one per backend, over one pinned version of a dataset (see packer.pin).
 
-py-lmdb refuses to open the same files twice in a process (it keys on their device and inode) and an
+py-lmdb refuses to open the same file twice in a process (it keys on its device and inode) and an
 environment must not be used across fork(), so LMDB environments live in a per-process registry
-keyed by path: every reader over that path shares one, and a forked child drops the inherited handle
-before opening its own. An entry whose data.mdb was deleted or replaced (a rebuild with --force, a
-deleted temporary dataset whose inode a new one reuses) is closed rather than served stale. Readers
-keep no handle in their pickled state, so they cross the spawn start method cleanly. A batch's LMDB
-records are fetched by a few threads per process (see :data:`FETCH_THREADS`), each with its own
-read transaction on the shared environment, as LMDB wants one transaction per thread.
+keyed by data.mdb's identity: every reader of that file shares one, readers of another version of
+the same path (a dataset replaced by a refresh) get their own, and a forked child drops the
+inherited handles before opening its own. An environment is opened from the reader's pinned
+descriptor, so it is the version the reader pinned, even once deleted. A batch's LMDB records are
+fetched by a few threads per process (see :data:`FETCH_THREADS`); every thread, the caller's
+included, reads through its own read transaction, as LMDB wants one transaction per thread. Before
+liblmdb is asked for a record, packer.lmdbguard has checked the pages the lookup will touch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
@@ -23,106 +24,98 @@ from typing import Optional, Sequence
 import lmdb
 import numpy as np
 
-from .format import DatasetError, Manifest, lmdb_key
+from .format import DatasetError, Manifest, lmdb_key, open_regular
+from .lmdbguard import Damaged, PageGuard
+from .pin import Pinned, pin
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
 
-FileId = Optional[tuple[int, int]]  # (st_dev, st_ino) of data.mdb, None when it is missing
-_LMDB_ENVS: dict[str, tuple[int, FileId, lmdb.Environment, lmdb.Transaction]] = {}  # path -> (pid, files, env, txn)
+EnvKey = tuple[int, int]  # (st_dev, st_ino) of a data.mdb: what py-lmdb's "already open" guard keys on
+
+
+class _Env:
+    """One open environment in this process, and the pinned versions (readers) that use it."""
+
+    def __init__(self, pinned: Pinned) -> None:
+        self.pid, self.root = os.getpid(), pinned.root
+        try:
+            self.env = lmdb.open(pinned.data_path, readonly=True, lock=False, readahead=False,
+                                 max_readers=2048, subdir=False)
+        except lmdb.Error as e:
+            raise DatasetError(f"{pinned.root}: cannot open LMDB environment ({e})") from None
+        try:
+            self.guard = PageGuard(pinned.data_fd, pinned.manifest.count)
+        except Damaged as e:
+            self.env.close()
+            raise DatasetError(f"{pinned.root}/data.mdb: {e}") from None
+        self.users: weakref.WeakSet[Pinned] = weakref.WeakSet([pinned])
+
+
+_LMDB_ENVS: dict[EnvKey, _Env] = {}
 _LMDB_LOCK = threading.Lock()
 
 
-def _files(path: str) -> FileId:
-    """Identity of the environment's data file, as py-lmdb's "already open" guard sees it."""
-    try:
-        st = os.stat(os.path.join(path, "data.mdb"))
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
+def _env_key(pinned: Pinned) -> EnvKey:
+    return pinned.files["data.mdb"][:2]
 
 
-def _drop_stale(pid: int) -> None:
-    """Close entries inherited across fork (never to be used) and those whose files were deleted or
-    replaced; the caller holds _LMDB_LOCK."""
-    for path, (owner, files, env, _) in list(_LMDB_ENVS.items()):
-        if owner != pid or _files(path) != files:
-            del _LMDB_ENVS[path]
+def _drop(root: Optional[str] = None, everything: bool = False) -> None:
+    """Close environments inherited across fork (never to be used) and those no live reader uses
+    (``root``/``everything``: those of that path / all of them); the caller holds _LMDB_LOCK."""
+    pid = os.getpid()
+    for key, entry in list(_LMDB_ENVS.items()):
+        if entry.pid != pid or not entry.users or everything or entry.root == root:
+            del _LMDB_ENVS[key]
             try:
-                env.close()
+                entry.env.close()
             except Exception:  # pragma: no cover - best effort on a handle we must not use
                 pass
 
 
 def close_lmdb(path: str | os.PathLike | None = None) -> None:
-    """Close this process's shared environment for ``path`` (every one when None), e.g. before opening
-    the same dataset with plain py-lmdb, which refuses a second open in one process. A reader that
-    still uses it reopens on its next read."""
+    """Close this process's environments for the dataset at ``path`` (every one when None), e.g.
+    before opening it with plain py-lmdb, which refuses a second open in one process. A reader that
+    still uses one reopens it, from its pinned descriptor, on its next read."""
     with _LMDB_LOCK:
-        for key in [str(Path(path).resolve())] if path is not None else list(_LMDB_ENVS):
-            entry = _LMDB_ENVS.pop(key, None)
-            if entry is not None:
-                entry[2].close()
+        _drop(root=str(Path(path).resolve()) if path is not None else None, everything=path is None)
 
 
-_PAGES_CHECKED: set[str] = set()  # data.mdb versions this process has checked or written
-
-
-def _pages_key(data_mdb: str) -> str:
-    """A data.mdb version: identity, size and mtime (a rename keeps it; any rewrite changes it)."""
-    st = os.stat(data_mdb)
-    raw = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:32]
-
-
-def _marker_dir() -> Path:
-    return Path(os.environ.get("PACKER_CACHE_DIR") or Path.home() / ".cache" / "packer") / "lmdb-checked"
-
-
-def check_lmdb_pages(path: str | os.PathLike) -> None:
-    """Refuse a data.mdb with malformed pages, using py-lmdb's pure-Python verifier (py-lmdb >= 3.0).
-
-    liblmdb trusts every page it maps, so a damaged or hostile file can crash a reader (SIGBUS,
-    wild reads) instead of raising. The check reads the whole file (~16 us per record).
-    """
+def check_lmdb_pages(path: str | os.PathLike, label: str | os.PathLike = "") -> None:
+    """Refuse a data.mdb with malformed pages anywhere, using py-lmdb's pure-Python verifier
+    (py-lmdb >= 3.0): ``packer verify``'s whole-file check (~16 us per record). ``path`` is the
+    environment directory, or the data file itself; ``label`` names it in errors."""
     try:
         from lmdb.verify import VerifyError, verify as verify_pages
-    except ImportError:  # py-lmdb < 3.0: nothing to check with; liblmdb's own checks still apply
+    except ImportError:  # py-lmdb < 3.0: nothing to check with; the read path's PageGuard still applies
         return
-    data = os.path.join(path, "data.mdb")
+    data = str(path) if not os.path.isdir(path) else os.path.join(path, "data.mdb")
+    label = label or data
     if not os.path.isfile(data):
         raise DatasetError(f"{path}: data.mdb is missing")
     try:
         problems = verify_pages(data, subdir=False)
     except (VerifyError, OSError) as e:
-        raise DatasetError(f"{data}: not a valid LMDB file ({e})") from None
+        raise DatasetError(f"{label}: not a valid LMDB file ({e})") from None
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise DatasetError(f"{data}: damaged LMDB structure: {problems[0]}{more}")
+        raise DatasetError(f"{label}: damaged LMDB structure: {problems[0]}{more}")
 
 
-def mark_lmdb_pages_checked(path: str | os.PathLike) -> None:
-    """Record that this data.mdb version is sound (checked, or just written by packer itself), so
-    later opens on this machine skip the check. Best effort: an unwritable cache only costs time."""
-    key = _pages_key(os.path.join(path, "data.mdb"))
-    _PAGES_CHECKED.add(key)
+def check_lmdb_tree(path: str | os.PathLike) -> None:
+    """Refuse the data.mdb of the environment at ``path`` unless every branch and leaf page is sound
+    and every value lies inside the file (packer.lmdbguard; cost in docs/PERFORMANCE.md): what must hold
+    before a cursor walks all its keys (packer.walk), whatever the file's mtime."""
+    data = os.path.join(path, "data.mdb")
     try:
-        _marker_dir().mkdir(parents=True, exist_ok=True)
-        (_marker_dir() / key).touch()
-    except OSError:
-        pass
-
-
-def _check_pages_once(path: str) -> None:
-    """check_lmdb_pages, once per data.mdb version per machine (see mark_lmdb_pages_checked)."""
+        fd = open_regular(data)
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: data.mdb is missing") from None
     try:
-        key = _pages_key(os.path.join(path, "data.mdb"))
-    except OSError:
-        return  # lmdb.open reports the missing file
-    if key in _PAGES_CHECKED or (_marker_dir() / key).exists():
-        _PAGES_CHECKED.add(key)
-        return
-    check_lmdb_pages(path)
-    mark_lmdb_pages_checked(path)
+        PageGuard(fd, 0).check_tree()
+    except Damaged as e:
+        raise DatasetError(f"{data}: damaged LMDB structure ({e})") from None
+    finally:
+        os.close(fd)
 
 
 #: Threads per process that fetch a batch's LMDB records together. py-lmdb's ``get`` touches every
@@ -132,7 +125,7 @@ def _check_pages_once(path: str) -> None:
 #: raw records 4.3x, JPEG 4.2x faster to fetch; no slower once cached.
 FETCH_THREADS = 8
 
-_FETCH = threading.local()  # per thread: {path: (env, txn)} for the fetch threads' own transactions
+_TXNS = threading.local()  # per thread: {EnvKey: (_Env, txn)}, the thread's own read transactions
 _POOL: tuple[int, Optional[ThreadPoolExecutor]] = (-1, None)  # (pid, executor) of this process
 
 
@@ -145,59 +138,44 @@ def _fetch_pool() -> ThreadPoolExecutor:
         return _POOL[1]
 
 
-def _thread_txn(path: str) -> lmdb.Transaction:
-    """A read transaction of this thread on the process's environment for ``path`` (an LMDB
-    transaction belongs to one thread); renewed when that environment was closed and reopened."""
-    env, _ = _lmdb_env_txn(path)  # opens, or reopens a replaced dataset
-    mine = _FETCH.__dict__.setdefault("txns", {})
-    entry = mine.get(path)
-    if entry is None or entry[0] is not env:
-        entry = mine[path] = (env, env.begin(buffers=True))
-    return entry[1]
-
-
-def _lmdb_txn(path: str) -> lmdb.Transaction:
-    """This process's long-lived read transaction for ``path`` (see :func:`_lmdb_env_txn`)."""
-    return _lmdb_env_txn(path)[1]
-
-
-def _lmdb_env_txn(path: str) -> tuple[lmdb.Environment, lmdb.Transaction]:
-    """This process's shared read-only environment and long-lived read transaction for ``path``."""
+def _lmdb_env(pinned: Pinned) -> _Env:
+    """This process's environment for ``pinned``'s data.mdb: shared by the readers of that file,
+    opened (from the pinned descriptor) on first use in each process."""
+    key = _env_key(pinned)
     with _LMDB_LOCK:
-        pid = os.getpid()
-        entry = _LMDB_ENVS.get(path)
-        if entry is not None and entry[0] == pid:
-            return entry[2], entry[3]
-        _drop_stale(pid)
-        _check_pages_once(path)
-        try:
-            env = lmdb.open(
-                path, readonly=True, lock=False, readahead=False, max_readers=2048, subdir=True
-            )
-        except lmdb.Error as e:
-            raise DatasetError(f"{path}: cannot open LMDB environment ({e})") from None
-        _check_lmdb_size(path, env)
-        txn = env.begin(buffers=True)
-        _LMDB_ENVS[path] = (pid, _files(path), env, txn)
-        return env, txn
+        entry = _LMDB_ENVS.get(key)
+        if entry is not None and entry.pid == os.getpid():
+            entry.users.add(pinned)
+            return entry
+        _drop()
+        entry = _LMDB_ENVS[key] = _Env(pinned)
+        return entry
 
 
-def _check_lmdb_size(path: str, env) -> None:
-    """A truncated data.mdb would fault (SIGBUS) on access; refuse it up front instead."""
-    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.path.getsize(os.path.join(path, "data.mdb"))
-    if size < needed:
-        env.close()
-        raise DatasetError(f"{path}: data.mdb is truncated ({size} bytes, needs {needed})")
+def _thread_txn(pinned: Pinned) -> tuple[_Env, lmdb.Transaction]:
+    """This thread's read transaction on the environment of ``pinned`` (an LMDB transaction belongs
+    to one thread); renewed when that environment was closed and reopened."""
+    entry = _lmdb_env(pinned)
+    mine = _TXNS.__dict__.setdefault("txns", {})
+    held = mine.get(_env_key(pinned))
+    if held is None or held[0] is not entry:
+        held = mine[_env_key(pinned)] = (entry, entry.env.begin(buffers=True))
+    return held
+
+
+def _forget_txn(pinned: Pinned) -> None:
+    """Drop this thread's transaction after an LMDB error: liblmdb marks it unusable (MDB_BAD_TXN)."""
+    _TXNS.__dict__.setdefault("txns", {}).pop(_env_key(pinned), None)
 
 
 class Reader:
-    """Fetches record bytes by index. Subclasses open their handles on first use in each process."""
+    """Fetches record bytes by index from one pinned version of a dataset."""
 
-    def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
-        self.root = str(Path(root).resolve())
-        self.manifest = manifest
-        self.index = index
+    def __init__(self, pinned: Pinned, index: Optional[np.ndarray] = None) -> None:
+        self.pinned = pinned
+        self.root = pinned.root
+        self.manifest = pinned.manifest
+        self.index = pinned.index if index is None else index
 
     def get(self, i: int) -> Buffer:
         raise NotImplementedError
@@ -219,42 +197,56 @@ class Reader:
 
 
 class LmdbReader(Reader):
-    def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
-        super().__init__(root, manifest, index)
-        with _LMDB_LOCK:  # a dataset opened anew may have replaced the one this process has open
-            _drop_stale(os.getpid())
-
     def get(self, i: int) -> Buffer:
-        return self._fetch([i], _lmdb_txn(self.root))[0]
+        return self._fetch([i])[0]
 
     def get_many(self, indices: Sequence[int]) -> list[Buffer]:
         """A batch's records, fetched by :data:`FETCH_THREADS` threads (each every n-th record)."""
         n = FETCH_THREADS
+        self._check_pages(indices)  # in this thread, once: the walk is Python, under the GIL anyway
         if n <= 1 or len(indices) < 2 * n:
-            return self._fetch(indices, _lmdb_txn(self.root))
-        parts = list(_fetch_pool().map(self._fetch_in_thread, [indices[k::n] for k in range(n)]))
+            return self._fetch(indices)
+        parts = list(_fetch_pool().map(self._fetch, [indices[k::n] for k in range(n)]))
         out: list[Buffer] = [None] * len(indices)  # type: ignore[list-item]
         for k, part in enumerate(parts):
             out[k::n] = part
         return out
 
-    def _fetch_in_thread(self, indices: Sequence[int]) -> list[Buffer]:
-        return self._fetch(indices, _thread_txn(self.root))
+    def _check_pages(self, indices: Sequence[int]) -> None:
+        """Refuse a record whose way through data.mdb is damaged, or whose value is not as long as
+        the index says, before liblmdb touches it (see packer.lmdbguard)."""
+        guard = _lmdb_env(self.pinned).guard
+        at = np.asarray(indices, dtype=np.int64)
+        wanted = self.index["length"][at].astype(np.int64)
+        known = guard.lengths[at] if len(guard.lengths) == len(self.index) else np.full(len(at), -1)
+        for i, length in zip(at[known != wanted].tolist(), wanted[known != wanted].tolist()):
+            try:
+                found = guard.length(i)
+            except Damaged as e:
+                raise self._bad(i, f"damaged LMDB structure in data.mdb ({e})") from None
+            if found is None:
+                raise self._bad(i, "missing from data.mdb")
+            if found != length:
+                raise self._bad(i, f"has {found} bytes, index says {length}")
 
-    def _fetch(self, indices: Sequence[int], txn: lmdb.Transaction) -> list[Buffer]:
-        lengths = self.index["length"][np.asarray(indices, dtype=np.int64)].tolist()
+    def _fetch(self, indices: Sequence[int]) -> list[Buffer]:
+        self._check_pages(indices)
+        _, txn = _thread_txn(self.pinned)
         values = []
-        for i, length in zip(indices, lengths):
+        for i in indices:
             try:
                 value = txn.get(lmdb_key(i))
             except lmdb.Error as e:  # a damaged B-tree (MDB_PAGE_NOTFOUND, MDB_CORRUPTED, ...)
+                _forget_txn(self.pinned)
                 raise self._bad(i, f"unreadable in data.mdb ({e})") from None
-            if value is None:
+            if value is None:  # the guard found it: only a file changed under a running reader gets here
                 raise self._bad(i, "missing from data.mdb")
-            if len(value) != length:
-                raise self._bad(i, f"has {len(value)} bytes, index says {length}")
             values.append(value)
         return values
+
+    def txn(self) -> lmdb.Transaction:
+        """This thread's read transaction (``packer verify`` reads every key in order through it)."""
+        return _thread_txn(self.pinned)[1]
 
 
 class MemmapReader(Reader):
@@ -263,56 +255,48 @@ class MemmapReader(Reader):
     before it is read: a batch's reads are then in flight together, and nothing beyond them is read.
     With readahead on, one page fault read 8 MB around it here (the disk's read_ahead_kb): fine for a
     dataset that fits in RAM, which keeps the over-read, but ~7x slower for JPEG records (and 2x for
-    raw ones) once the dataset is bigger than the page cache (docs/PERFORMANCE.md, "Cold reads")."""
+    raw ones) once the dataset is bigger than the page cache (docs/PERFORMANCE.md, "Cold reads").
 
-    def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
-        super().__init__(root, manifest, index)
-        self._maps: list[Optional[tuple[np.ndarray, Optional[mmap.mmap]]]] = []
-        self._pid = -1
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_maps"], state["_pid"] = [], -1
-        return state
-
-    def _shard(self, k: int) -> tuple[np.ndarray, Optional[mmap.mmap]]:
-        if self._pid != os.getpid():
-            self._maps, self._pid = [None] * len(self.manifest.shards), os.getpid()
-        entry = self._maps[k]
-        if entry is None:
-            info = self.manifest.shards[k]
-            path = os.path.join(self.root, str(info["file"]))
-            nbytes = int(info["bytes"])
-            try:
-                size = os.path.getsize(path)
-                if size < nbytes:
-                    raise DatasetError(f"{path}: shard is truncated ({size} bytes, needs {nbytes})")
-                if nbytes == 0:
-                    entry = (np.zeros(0, np.uint8), None)
-                else:
-                    with open(path, "rb") as f:
-                        mm = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ)
-                    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-                        mm.madvise(mmap.MADV_RANDOM)
-                    entry = (np.frombuffer(mm, np.uint8), mm)
-            except OSError as e:
-                raise DatasetError(f"{self.root}: shard {info['file']} unreadable ({e})") from None
-            self._maps[k] = entry
-        return entry
+    A shard truncated in place after it was mapped would fault (SIGBUS) on the lost pages, so before
+    a batch is read each shard it touches is looked up once (one stat): the pinned file, still at its
+    path and now shorter than the batch needs, is refused. A pinned file no longer at its path (a
+    refresh deleted it) has no name left to be truncated through."""
 
     def get(self, i: int) -> Buffer:
-        row = self.index[i]
-        start, length = int(row["offset"]), int(row["length"])
-        array, mm = self._shard(int(row["shard"]))
-        if mm is not None and length and 0 <= start < len(mm) and hasattr(mmap, "MADV_WILLNEED"):
-            first = start - start % mmap.PAGESIZE
+        return self.get_many([i])[0]
+
+    def get_many(self, indices: Sequence[int]) -> list[Buffer]:
+        rows = self.index[np.asarray(indices, dtype=np.int64)]
+        ends = rows["offset"] + rows["length"]
+        for k in np.unique(rows["shard"]).tolist():
+            name, mapped = str(self.manifest.shards[k]["file"]), len(self.pinned.shards[k][0])
             try:
-                mm.madvise(mmap.MADV_WILLNEED, first, min(start + length, len(mm)) - first)
-            except OSError:  # advice only: the read below still works without it
+                st = os.stat(os.path.join(self.root, name))
+                if (st.st_dev, st.st_ino) == self.pinned.files[name][:2]:
+                    mapped = min(mapped, st.st_size)
+            except OSError:
                 pass
+            short = (rows["shard"] == k) & (ends > mapped)
+            if short.any():
+                first = int(np.flatnonzero(short)[0])
+                raise self._bad(indices[first], f"{name}: shard is truncated ({mapped} bytes, needs {int(ends[first])})")
+        return [self._slice(row) for row in rows]
+
+    def _slice(self, row: np.void) -> Buffer:
+        start, length = int(row["offset"]), int(row["length"])
+        array, mapping = self.pinned.shards[int(row["shard"])]
+        if mapping is not None and length and 0 <= start < len(mapping):
+            mapping.madvise(mmap.MADV_WILLNEED, start, min(length, len(mapping) - start))
         return memoryview(array[start : start + length])
 
 
-def open_reader(root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> Reader:
-    cls = LmdbReader if manifest.backend == "lmdb" else MemmapReader
-    return cls(root, manifest, index)
+def open_reader(root: str | os.PathLike, manifest: Optional[Manifest] = None, index: Optional[np.ndarray] = None,
+                pinned: Optional[Pinned] = None) -> Reader:
+    """A reader of ``pinned``, or of the dataset at ``root`` as it is now (pinned here). ``manifest``
+    must be that version's when given (a caller that loaded it by path earlier); ``index`` replaces the
+    pinned one's rows (the caller checked it; tests pass edited copies)."""
+    pinned = pinned or pin(str(Path(root).resolve()))
+    if manifest is not None and (manifest.digest != pinned.manifest.digest or manifest.count != pinned.manifest.count):
+        raise DatasetError(f"{pinned.root}: the dataset changed since its manifest was read; open it again")
+    cls = LmdbReader if pinned.manifest.backend == "lmdb" else MemmapReader
+    return cls(pinned, index)

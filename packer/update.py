@@ -19,7 +19,7 @@ import numpy as np
 from . import __version__
 from .format import MANIFEST, DatasetError, Manifest, load_index
 from .preprocess import Options, Record, Result, process_chunk
-from .read import _check_pages_once
+from .read import check_lmdb_tree
 from .scan import Scan, Source
 from .walk import walk
 from .workers import results
@@ -82,7 +82,7 @@ class _OldRecords:
                 self.close()
                 c = self._cache
                 if c.manifest.backend == "lmdb":
-                    _check_pages_once(str(c.root))  # liblmdb must not map a damaged file
+                    check_lmdb_tree(c.root)  # liblmdb must not walk a damaged file
                 shard_files = [str(s["file"]) for s in c.manifest.shards]
                 self._walk, self._at = walk(c.root, c.manifest.backend, c.index, shard_files=shard_files), -1
             for i, data, crc in self._walk:

@@ -10,6 +10,13 @@ data. Every problem it finds is a line of text; records are named by number and 
 liblmdb trusts its file: a hostile or damaged B-tree page can make it read outside the map and die of
 SIGBUS. So before data.mdb is opened, py-lmdb's pure-Python structural verifier (``lmdb.verify``,
 py-lmdb >= 3.0) walks every page; a data.mdb that fails it is never handed to liblmdb.
+
+Everything else a reader trusts is covered by a digest the build wrote into the manifest: the
+records and labels (``digest``), the index rows (``index_digest``), the source paths
+(``sources_digest``) and the manifest's own fields, class names and options included
+(``manifest_digest``). A format-1 dataset (written before the last two) is verified as far as its
+digests go, and the result's ``notes`` say what could not be checked; in a format-2 manifest they
+must be there.
 """
 
 from __future__ import annotations
@@ -22,11 +29,10 @@ from typing import Optional
 
 import numpy as np
 
-from .format import (
-    INDEX, LABELS, DatasetError, Digest, Manifest, index_digest, load_index, load_label_arrays, source_path,
-)
+from .format import INDEX, LABELS, MANIFEST, SOURCES, DatasetError, Digest, Manifest, index_digest, source_path
 from .labels import arrays_digest, class_counts
-from .read import check_lmdb_pages, mark_lmdb_pages_checked
+from .pin import pin
+from .read import check_lmdb_pages
 from .walk import walk
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
@@ -41,6 +47,7 @@ class Verification:
     count: int
     digest: str
     problems: list[str] = field(default_factory=list)  # the first ``limit`` of them, to print
+    notes: list[str] = field(default_factory=list)  # what could not be checked (a format-1 dataset)
     bad_records: int = 0
     limit: int = 10
     found: int = 0  # every problem, listed or not: the verdict never depends on the limit
@@ -78,15 +85,14 @@ def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:
 
 def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     """Check the dataset at ``root``; raises DatasetError only when it cannot be opened or read safely."""
-    manifest = Manifest.load(root)
-    index, sources = load_index(root, manifest)
+    pinned = pin(str(Path(root).resolve()))  # manifest and arrays of one version; special files refused
+    manifest, index, sources, multi, targets = (pinned.manifest, pinned.index, pinned.sources, pinned.multi,
+                                                pinned.targets)
     result = Verification(str(root), manifest.count, "", limit=limit)
-    multi, targets = load_label_arrays(root, manifest)
     _check_metadata(result, manifest, index, sources, multi, targets)
     digest = Digest()
     if manifest.backend == "lmdb":
         check_lmdb_pages(root)  # before liblmdb maps the file: a damaged page must not crash verify
-        mark_lmdb_pages_checked(root)
     else:
         _check_shard_files(result, Path(root), manifest)
     labels = index["label"].tolist()
@@ -104,9 +110,24 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     result.digest = digest.hexdigest(arrays_digest(multi, targets))
     if result.digest != manifest.digest:
         result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
-    if manifest.index_digest and index_digest(index) != manifest.index_digest:  # last: the rest say more
-        result.add(f"{INDEX}: rows differ from those the build wrote (manifest index_digest; damaged or edited)")
+    _check_digests(result, manifest, index, sources)  # last: the problems found above say more
     return result
+
+
+def _check_digests(result: Verification, manifest: Manifest, index: np.ndarray, sources: np.ndarray) -> None:
+    """The manifest's own fields, the index rows and the source paths against the build's digests."""
+    for name, key, stored, computed, what in (
+        (MANIFEST, "manifest_digest", manifest.manifest_digest, manifest.computed_digest,
+         "fields (class names, options, counts, short edge)"),
+        (INDEX, "index_digest", manifest.index_digest, index_digest(index), "rows"),
+        (SOURCES, "sources_digest", manifest.sources_digest, index_digest(sources), "source paths"),
+    ):
+        if not stored and manifest.format_version < 2:
+            result.notes.append(f"{name}: {what} not checked (the manifest has no {key}: written by "
+                                f"format 1; rebuild to cover them)")
+        elif stored != computed:
+            why = f"the manifest has no {key}" if not stored else f"manifest {key}"
+            result.add(f"{name}: {what} differ from those the build wrote ({why}; damaged or edited)")
 
 
 def _record_problem(manifest: Manifest, row: np.void, data: Optional[bytes], crc: int) -> Optional[str]:

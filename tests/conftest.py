@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-# Keep the "LMDB pages checked" markers (packer.read) out of the user's cache, for this run and its subprocesses.
-os.environ.setdefault("PACKER_CACHE_DIR", tempfile.mkdtemp(prefix="packer-test-cache-"))
 
 # 18 real photos covering every EXIF orientation flag, downscaled, with their licence (see its README.md).
 PHOTOS = Path(__file__).resolve().parent / "data" / "exif-orientation"

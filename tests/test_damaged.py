@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -417,16 +418,64 @@ def test_fuzzed_data_mdb_never_crashes_a_reader(pristine, changes) -> None:
         assert isolated(reader_outcome, root) in ("ok", "refused")
 
 
-def test_page_check_runs_once_per_data_file_version(pristine, tmp_path: Path) -> None:
-    """A dataset packer built is trusted as written; a copy is checked on first open, then remembered."""
-    from packer.read import _marker_dir, _pages_key
+def _leaf_nodes(data: bytes, psize: int = 4096) -> list[int]:
+    """File offsets of every leaf node of a data.mdb (its 4-byte data-size field comes first)."""
+    import struct
 
-    built_here = pristine("lmdb", "jpeg")
-    assert (_marker_dir() / _pages_key(str(built_here / "data.mdb"))).exists()
-    root = copy(built_here, tmp_path / "copy.lmdb")
-    marker = _marker_dir() / _pages_key(str(root / "data.mdb"))
-    assert not marker.exists()
-    assert isolated(reader_outcome, root) == "ok" and marker.exists()
+    offsets = []
+    for page in range(2, len(data) // psize):
+        at = page * psize
+        flags, lower = struct.unpack_from("<HH", data, at + 10)
+        if flags & 0x02:  # P_LEAF
+            offsets += [at + ptr for ptr in struct.unpack_from(f"<{(lower - 16) // 2}H", data, at + 16)]
+    return offsets
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+def test_damaged_node_size_with_restored_mtime_is_an_error_not_sigbus(pristine, tmp_path: Path, fmt: str) -> None:
+    """Bit rot that kept the file's mtime (cp -p, rsync --inplace): one leaf node's 4-byte size made
+    huge. Nothing is keyed on the mtime any more: the read path checks the pages a record's lookup
+    touches before liblmdb does, so show, preview and ShardDataset refuse the records of that page
+    by name (a DatasetError, exit 1), where they died of SIGBUS (exit 135)."""
+    root = copy(pristine("lmdb", fmt), tmp_path / "d.lmdb")
+    data = root / "data.mdb"
+    st = data.stat()
+    node = _leaf_nodes(data.read_bytes())[3]  # record 3: inline (jpeg) or on overflow pages (raw)
+    with open(data, "r+b") as f:
+        f.seek(node)
+        f.write((0x7FFFFFF0).to_bytes(4, "little"))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for args in (["show", str(root), "3"], ["preview", str(root), "-o", str(tmp_path / "s.jpg"), "--n", "20"]):
+        run = subprocess.run(PACKER + args, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1, (args, run.returncode, run.stderr[-800:])
+        assert re.search(r"record \d \(source .*\): damaged LMDB structure", run.stderr), run.stderr[-800:]
+        assert "Traceback" not in run.stderr
+    script = ("import sys, torch\nfrom packer import ShardDataset, DatasetError\n"
+              "ds = ShardDataset(sys.argv[1], crop_size=None, dtype=torch.uint8)\n"
+              "try:\n    [ds[i] for i in range(len(ds))]\nexcept DatasetError as e:\n    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "damaged LMDB structure" in run.stdout, (run.returncode, run.stdout, run.stderr[-800:])
+
+
+def test_update_over_a_damaged_lmdb_with_restored_mtime_decodes_again(pristine, tmp_path: Path) -> None:
+    """--update walks the old data.mdb with a cursor (every key): its whole tree is checked first,
+    whatever the mtime, so a damaged old dataset is decoded again instead of crashing the build."""
+    raw = copy(pristine("lmdb", "raw").parent / "raw", tmp_path / "raw")
+    out = tmp_path / "d.lmdb"
+    build(raw, out, format="raw", workers=1, quiet=True)
+    data = out / "data.mdb"
+    st = data.stat()
+    with open(data, "r+b") as f:
+        f.seek(_leaf_nodes(data.read_bytes())[3])
+        f.write((0x7FFFFFF0).to_bytes(4, "little"))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    Image.fromarray(np.zeros((30, 30, 3), np.uint8)).save(raw / "c0" / "new.png")
+    script = ("import sys\nfrom packer import build\n"
+              "r = build(sys.argv[1], sys.argv[2], format='raw', workers=1, quiet=True, update=True)\n"
+              "print(r.count, r.reused)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(raw), str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-1500:])
+    assert run.stdout.split() == ["21", "0"] and verify(out).ok
 
 
 CROP_DECODE_FUZZ = r"""

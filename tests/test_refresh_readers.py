@@ -1,0 +1,159 @@
+"""Readers during a refresh: the README's nightly recipe rebuilds OUT (``--update`` or ``--force``) while
+a training job reads it. A ShardDataset keeps reading the version it opened, index and records
+together, for its whole life and its workers' (fork, spawn, persistent or not, lazily used memmap
+shards, LMDB and memmap, JPEG and raw), or refuses with one clear DatasetReplaced where the old
+version cannot be reached any more (a spawned worker after the old files were deleted).
+
+Every image is one flat colour that encodes its class (red) and its own number (green), so each
+sample's pixels say which source they came from: a label or a record from another version shows.
+The refresh adds 5 files that sort first, shifting every record of the new version by 5.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from packer import DatasetError, ShardDataset, build
+from packer.pin import DatasetReplaced
+
+CLASSES = 3
+PER_CLASS = 7
+CROP = 16
+
+
+def colour(cls: int, number: int) -> tuple[int, int, int]:
+    return 40 + 80 * cls, 8 * number, 128
+
+
+def write(path: Path, cls: int, number: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (40, 32), colour(cls, number)).save(path)
+
+
+def source_colour(source: str) -> tuple[int, int]:
+    """(class, number) a source path was painted with (see :func:`colour`)."""
+    folder, name = source.split("/")
+    return int(folder[1:]), int(name[1:3])
+
+
+@pytest.fixture
+def raw(tmp_path: Path) -> Path:
+    root = tmp_path / "raw"
+    for c in range(CLASSES):
+        for k in range(PER_CLASS):
+            number = c * PER_CLASS + k
+            write(root / f"c{c}" / f"m{number:02d}.png", c, number)
+    return root
+
+
+def add_five_first(raw: Path) -> None:
+    """5 new files in class 0 that sort before every other: each later record moves by 5."""
+    for j in range(5):
+        write(raw / "c0" / f"a{25 + j:02d}.png", 0, 25 + j)
+
+
+def refresh(raw: Path, out: Path, how: str, backend: str, fmt: str) -> None:
+    add_five_first(raw)
+    build(raw, out, backend=backend, format=fmt, workers=1, quiet=True, shard_size=10,
+          update=how == "update", force=how == "force")
+
+
+def check(ds: ShardDataset, indices: list[int], images: torch.Tensor, labels: torch.Tensor) -> None:
+    """Each sample's label and pixels are those of the source the dataset's own index names."""
+    assert images.shape[1:] == (3, CROP, CROP)
+    means = images.to(torch.float64).mean(dim=(2, 3))
+    for i, mean, label in zip(indices, means.tolist(), labels.tolist()):
+        cls, number = source_colour(ds.source(i))
+        assert label == cls, f"record {i} ({ds.source(i)}): label {label}"
+        assert abs(mean[0] - colour(cls, number)[0]) < 6 and abs(mean[1] - colour(cls, number)[1]) < 3, \
+            f"record {i} ({ds.source(i)}): pixels {mean} are not {colour(cls, number)}"
+
+
+def epoch(ds: ShardDataset, loader: DataLoader, after_first=None) -> int:
+    """One pass in index order, every batch checked; ``after_first`` runs once the first batch is in."""
+    seen = 0
+    for b, (images, labels) in enumerate(loader):
+        check(ds, list(range(seen, seen + len(labels))), images, labels)
+        seen += len(labels)
+        if b == 0 and after_first is not None:
+            after_first()
+    return seen
+
+
+def open_loader(out: Path, ctx: str, persistent: bool) -> tuple[ShardDataset, DataLoader]:
+    ds = ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=ctx, persistent_workers=persistent)
+    return ds, loader
+
+
+KINDS = [("lmdb", "jpeg"), ("lmdb", "raw"), ("memmap", "jpeg"), ("memmap", "raw")]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+@pytest.mark.parametrize("backend,fmt", KINDS)
+def test_fork_workers_keep_the_version_they_opened(raw: Path, tmp_path: Path, backend: str, fmt: str,
+                                                   persistent: bool) -> None:
+    """The refresh lands after the first batch (mid-epoch, memmap shards of 10 not all touched yet);
+    that epoch and the next read the old version whole: 21 records, each matching its pixels."""
+    out = tmp_path / ("d.lmdb" if backend == "lmdb" else "d")
+    build(raw, out, backend=backend, format=fmt, workers=1, quiet=True, shard_size=10)
+    ds, loader = open_loader(out, "fork", persistent)
+    how = "update" if persistent else "force"
+    assert epoch(ds, loader, after_first=lambda: refresh(raw, out, how, backend, fmt)) == 21
+    assert ShardDataset(out).manifest.count == 26  # the refresh did replace OUT
+    ds.set_epoch(1)
+    assert epoch(ds, loader) == 21
+    check(ds, [0, 20], torch.stack([ds[0][0], ds[20][0]]), torch.tensor([ds[0][1], ds[20][1]]))  # the parent too
+
+
+@pytest.mark.parametrize("backend,fmt", [("lmdb", "jpeg"), ("memmap", "raw")])
+def test_spawn_workers_keep_the_version_or_say_it_was_replaced(raw: Path, tmp_path: Path, backend: str, fmt: str) -> None:
+    """Spawned workers reopen by path (nothing else crosses exec). Persistent ones opened the old
+    version before the refresh (an epoch ran: both are up) and keep it; workers started after it find
+    other files there and refuse with one clear error. (A spawned worker still starting when the
+    refresh lands refuses the same way.)"""
+    out = tmp_path / ("d.lmdb" if backend == "lmdb" else "d")
+    build(raw, out, backend=backend, format=fmt, workers=1, quiet=True, shard_size=10)
+    ds, persistent = open_loader(out, "spawn", True)
+    fresh = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    assert epoch(ds, persistent) == 21
+    refresh(raw, out, "update", backend, fmt)
+    assert epoch(ds, persistent) == 21
+    with pytest.raises(DatasetError, match="replaced since it was opened.*create a new ShardDataset"):
+        next(iter(fresh))
+    again = ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8)
+    assert epoch(again, DataLoader(again, batch_size=4)) == 26
+
+
+def test_two_datasets_on_one_lmdb_path_read_their_own_versions(raw: Path, tmp_path: Path) -> None:
+    """One process, the old and the new version of one path open at once (one LMDB environment
+    each: they are different files), reads interleaved, in the main thread and the fetch threads."""
+    out = tmp_path / "d.lmdb"
+    build(raw, out, workers=1, quiet=True)
+    old = ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8)
+    first = old.__getitems__(list(range(21)))
+    refresh(raw, out, "update", "lmdb", "jpeg")
+    new = ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8)
+    for ds, n in ((old, 21), (new, 26), (old, 21), (new, 26)):
+        batch = ds.__getitems__(list(range(n)))
+        check(ds, list(range(n)), torch.stack([s.image for s in batch]), torch.tensor([s.label for s in batch]))
+    assert [torch.equal(a.image, b.image) for a, b in zip(first, old.__getitems__(list(range(21))))] == [True] * 21
+
+
+def test_a_pickled_copy_of_a_replaced_dataset_refuses_to_read(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "d"
+    build(raw, out, workers=1, quiet=True, shard_size=10)
+    ds = ShardDataset(out, crop_size=CROP)
+    copy = pickle.loads(pickle.dumps(ds))
+    assert len(copy) == 21 and torch.equal(copy[3][0], ds[3][0])
+    refresh(raw, out, "force", "memmap", "jpeg")
+    stale = pickle.loads(pickle.dumps(ds))
+    with pytest.raises(DatasetReplaced, match="replaced since it was opened"):
+        stale[0]
+    assert copy[3][1] == ds[3][1] == 0 and len(ds) == 21  # the copy made before still reads the old version
