@@ -7,11 +7,11 @@ opened without readahead, so a cold record is faulted in one 4 KiB page at a tim
 a random sample and ruinous for a pass over every record. A walk opens its own LMDB environment with
 the kernel's readahead and follows a cursor through the keys in the order ``append=True`` laid them
 out, and reads memmap shards with plain buffered file reads (no mmap: a truncated file is an error,
-not a SIGBUS). A thread runs one record ahead, reading it and computing its CRC-32 (which touches
-every page with the GIL released, so the page faults happen there, not under the GIL), then copying
-it out of the map (records outlive the walk's environment), while the caller works on the current
-one (a digest, a write): the disk and both cores work at once. Figures: docs/PERFORMANCE.md
-("Scale").
+not a SIGBUS). A thread runs a chunk of records ahead, reading each and computing its CRC-32 (which
+touches every page with the GIL released, so the page faults happen there, not under the GIL), then
+copying it out of the map (records outlive the walk's environment), while the caller works on the
+chunk before (a digest, a write): the disk and both cores work at once. Figures:
+docs/PERFORMANCE.md ("Whole-dataset passes at scale").
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .format import DatasetError, lmdb_key, shard_name
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
 Record = tuple[int, Optional[bytes], int]  # the same, copied, and the bytes' CRC-32 (0 when missing)
 READ_BLOCK = 8 << 20  # bytes per buffered read of a memmap shard
+CHUNK_BYTES, CHUNK_RECORDS = 4 << 20, 1024  # records handed from the reading thread at a time
 
 
 def walk(root: str | os.PathLike, backend: str, index: np.ndarray, *, shard_files: Optional[list[str]] = None,
@@ -45,25 +46,30 @@ def walk(root: str | os.PathLike, backend: str, index: np.ndarray, *, shard_file
 
 
 def _ahead(records: Generator[Raw, None, None]) -> Iterator[Record]:
-    """``records`` with their CRC-32s, the next one read in a thread (always the same one: an LMDB
-    transaction belongs to its thread) while the caller works on the current one."""
+    """``records`` with their CRC-32s, read in a thread (always the same one: an LMDB transaction
+    belongs to its thread) a chunk ahead of the caller, who works on the chunk before. Chunks of
+    ~CHUNK_BYTES (at most CHUNK_RECORDS): a hand-over per record would cost more than a small record."""
 
-    def fetch() -> Optional[Record]:
-        item = next(records, None)
-        if item is None:
-            return None
-        i, data = item
-        if data is None:
-            return i, None, 0
-        crc = zlib.crc32(data)  # first: faults the pages in without the GIL
-        return i, data if isinstance(data, bytes) else bytes(data), crc
+    def fetch() -> list[Record]:
+        chunk: list[Record] = []
+        size = 0
+        for i, data in records:
+            if data is None:
+                chunk.append((i, None, 0))
+            else:
+                crc = zlib.crc32(data)  # first: faults the pages in without the GIL
+                chunk.append((i, data if isinstance(data, bytes) else bytes(data), crc))
+                size += len(data)
+            if size >= CHUNK_BYTES or len(chunk) >= CHUNK_RECORDS:
+                break
+        return chunk
 
     with ThreadPoolExecutor(1, thread_name_prefix="packer-walk") as pool:
         try:
-            pending: Future[Optional[Record]] = pool.submit(fetch)
-            while (record := pending.result()) is not None:
+            pending: Future[list[Record]] = pool.submit(fetch)
+            while chunk := pending.result():
                 pending = pool.submit(fetch)
-                yield record
+                yield from chunk
         finally:  # a caller that stops early: close the walk (its LMDB environment) in its own thread
             pending.exception()
             pool.submit(records.close).result()
