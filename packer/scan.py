@@ -17,7 +17,7 @@ import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import BinaryIO, Callable, Optional
 
 import numpy as np
@@ -35,7 +35,7 @@ class ScanError(PackerError):
     """raw/ or the labels file cannot be used as given; the message says why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Source:
     rel: str  # POSIX path relative to raw/
     label: int  # class id; -1 for kinds "multi" and "none" (see packer.labels)
@@ -155,6 +155,8 @@ def identify(root: str | os.PathLike, sources: list[Source], checksum: bool = Fa
 def _not_regular(entry: os.DirEntry) -> Optional[str]:
     """Why ``entry`` (its target, for a symlink) is not a file to open: "FIFO", "symlink to a character
     device", ...; None for a regular file or a broken link (skipped as unreadable when decoded)."""
+    if not entry.is_symlink() and entry.is_file(follow_symlinks=False):
+        return None  # the directory entry's own type says so: no stat call per file
     try:
         mode = entry.stat(follow_symlinks=True).st_mode
     except OSError:
@@ -189,39 +191,41 @@ def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]], list[tuple[str,
     unreadable: list[tuple[str, str]] = []
     seen: set[tuple[int, int]] = set()
 
-    def visit(directory: Path, rel: PurePosixPath) -> None:
+    def visit(directory: str, rel: str) -> None:
+        """``rel``: the folder's path relative to raw/ with a trailing "/" ("" for raw/ itself); plain
+        strings, as a million files' worth of path objects cost seconds (docs/PERFORMANCE.md)."""
         try:
-            st = directory.stat()
+            st = os.stat(directory)
             if (st.st_dev, st.st_ino) in seen:
-                ignored.append((f"{rel}/", "directory already visited (symlink loop or duplicate link)"))
+                ignored.append((rel, "directory already visited (symlink loop or duplicate link)"))
                 return
             seen.add((st.st_dev, st.st_ino))
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError as e:  # no permission, an I/O error, removed during the scan, a path too long
-            if str(rel) == ".":
+            if not rel:
                 raise ScanError(f"{directory}: cannot read the raw folder ({e.strerror or e})") from None
-            entry = (f"{rel}/", f"unreadable directory ({e.strerror or e})")
+            entry = (rel, f"unreadable directory ({e.strerror or e})")
             ignored.append(entry)
             unreadable.append(entry)
             return
         for entry in entries:
-            child = rel / entry.name if str(rel) != "." else PurePosixPath(entry.name)
+            child = rel + entry.name
             try:
                 is_dir = entry.is_dir(follow_symlinks=True)
             except OSError:
                 is_dir = False
             if entry.name.startswith("."):
-                ignored.append((f"{child}/" if is_dir else str(child), "hidden"))
+                ignored.append((f"{child}/" if is_dir else child, "hidden"))
             elif is_dir:
-                visit(Path(entry.path), child)
+                visit(entry.path, child + "/")
             elif os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
-                ignored.append((str(child), "not an image extension"))
+                ignored.append((child, "not an image extension"))
             elif kind := _not_regular(entry):
-                ignored.append((str(child), f"not a regular file ({kind})"))  # never opened
+                ignored.append((child, f"not a regular file ({kind})"))  # never opened
             else:
-                files.append(str(child))  # a broken symlink is an image we cannot read: skipped, reported
+                files.append(child)  # a broken symlink is an image we cannot read: skipped, reported
 
-    visit(root, PurePosixPath("."))
+    visit(str(root), "")
     return files, ignored, unreadable
 
 
@@ -259,7 +263,8 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
         ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
         files = [f for f in files if "/" in f]
         named = [(f.split("/", 1)[0],) for f in files]
-        where = [f"{root / n[0]}/" for n in named]
+        folder = {n: f"{root / n[0]}/" for n in set(named)}  # one path join per class, not per file
+        where = [folder[n] for n in named]
         # A class folder that cannot be listed stays a class (with no files this time), so that the ids
         # of the classes after it do not shift under a refresh that goes on without it (--on-error skip).
         unlisted = sorted({rel.rstrip("/") for rel, _ in unreadable if rel.count("/") == 1})
