@@ -128,15 +128,20 @@ def identify(root: str | os.PathLike, sources: list[Source], checksum: bool = Fa
     Stored in every index row, so that ``build --update`` can tell which files are unchanged. Hashing
     reads every file; threads overlap the reads (hashlib releases the GIL on large buffers).
     """
-    paths = [os.path.join(root, s.rel) for s in sources]
-    sizes, mtimes = np.zeros(len(paths), np.uint64), np.zeros(len(paths), np.int64)
-    for i, p in enumerate(paths):
-        try:
-            st = os.stat(p)
-        except OSError:  # a broken symlink: it is skipped at decode time, never reused
-            continue
-        sizes[i], mtimes[i] = st.st_size, st.st_mtime_ns
-    out = np.zeros(len(paths), IDENTITY_DTYPE)
+    n = len(sources)
+    sizes, mtimes = np.zeros(n, np.uint64), np.zeros(n, np.int64)
+    # relative to an open raw/: no million joined paths held at once, shorter lookups
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, s in enumerate(sources):
+            try:
+                st = os.stat(s.rel, dir_fd=root_fd)
+            except OSError:  # a broken symlink: it is skipped at decode time, never reused
+                continue
+            sizes[i], mtimes[i] = st.st_size, st.st_mtime_ns
+    finally:
+        os.close(root_fd)
+    out = np.zeros(n, IDENTITY_DTYPE)
     out["src_size"], out["src_mtime_ns"] = sizes, mtimes
     if checksum:
         # Ctrl-C or SIGTERM while the threads hash: queued files are dropped and running ones stop at
@@ -144,8 +149,9 @@ def identify(root: str | os.PathLike, sources: list[Source], checksum: bool = Fa
         stop = threading.Event()
         pool = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4))
         try:
-            for i in range(0, len(paths), 4096):  # batches: map() would queue a future per file at once
-                out["src_hash"][i:i + 4096] = list(pool.map(partial(_content_hash, stop=stop), paths[i:i + 4096]))
+            for i in range(0, n, 4096):  # batches: map() would queue a future per file at once
+                paths = [os.path.join(root, s.rel) for s in sources[i:i + 4096]]
+                out["src_hash"][i:i + 4096] = list(pool.map(partial(_content_hash, stop=stop), paths))
         finally:
             stop.set()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -262,8 +268,10 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
     else:
         ignored += [(f, "not inside a class folder") for f in files if "/" not in f]
         files = [f for f in files if "/" in f]
-        named = [(f.split("/", 1)[0],) for f in files]
-        folder = {n: f"{root / n[0]}/" for n in set(named)}  # one path join per class, not per file
+        # one tuple and one path per class folder, shared by its files (not a million of each)
+        per_class: dict[str, tuple[str, ...]] = {}
+        named = [per_class.setdefault(c, (c,)) for c in (f[: f.index("/")] for f in files)]
+        folder = {n: f"{root / n[0]}/" for n in per_class.values()}
         where = [folder[n] for n in named]
         # A class folder that cannot be listed stays a class (with no files this time), so that the ids
         # of the classes after it do not shift under a refresh that goes on without it (--on-error skip).
@@ -290,13 +298,14 @@ def _class_ids(files: list[str], named: list[tuple[str, ...]], where: list[str],
     reason (``unknown(name)``, plus the CSV row ``with_row``); with ``strict`` the first other one is an error."""
     ids = {c: i for i, c in enumerate(classes)}
     keep: list[str] = []
-    sets: list[list[int]] = []
+    sets: list[list[int]] = []  # read-only: files with the same label names share one list
+    shared: dict[tuple[str, ...], list[int]] = {}
     rejected: list[tuple[str, str]] = []
     for f, names, at in zip(files, named, where):
         bad = next((n for n in names if n not in ids), None)
         if bad is None:
             keep.append(f)
-            sets.append([ids[n] for n in names])
+            sets.append(shared.get(names) or shared.setdefault(names, [ids[n] for n in names]))
         elif strict:
             raise ScanError(f"{at}: {unknown(bad)} (--on-error fail)")
         else:

@@ -142,8 +142,8 @@ def ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Op
                      opts: Options, workers: int) -> Iterator[tuple[Result, bool]]:
     """Each source's result in scan order, and whether it was reused: copied from the old dataset when
     ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
-    paths = [str(raw / s.rel) for s, j in zip(todo, old_of) if j < 0]
-    fresh = results(paths, opts, workers if paths else 1, chunk=2)  # nothing to decode: start no pool
+    rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies
+    fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
     old = _OldRecords(cache) if cache is not None else None
     try:
         for source, j in zip(todo, old_of.tolist()):

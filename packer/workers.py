@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -92,32 +93,37 @@ def _isolated(path: str, opts: Options, ctx: mp.context.BaseContext) -> Result:
         worker.stop(now=False)
 
 
-def results(paths: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
-    """Preprocess ``paths`` in order with a bounded window of in-flight chunks (flat memory).
+def results(root: str, rels: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
+    """Preprocess the files ``rels`` (relative to ``root``) in order with a bounded window of in-flight
+    chunks (flat memory: a chunk's full paths are made when it is handed over, not a million at once).
 
     A worker that dies (a decoder crash, the kernel's OOM killer) is replaced, and the files of the
     chunk it held run one by one in fresh processes: the file that kills its process is skipped with
     a reason, every other file is packed.
     """
+
+    def paths(k: int) -> list[str]:
+        return [os.path.join(root, rel) for rel in rels[k * chunk:(k + 1) * chunk]]
+
+    count = -(-len(rels) // chunk)
     if workers <= 1:
-        for i in range(0, len(paths), chunk):
-            yield from process_chunk(paths[i:i + chunk], opts)
+        for k in range(count):
+            yield from process_chunk(paths(k), opts)
         return
     ctx = _worker_context()
-    chunks = [paths[i:i + chunk] for i in range(0, len(paths), chunk)]
-    pool = [_Worker(ctx, opts) for _ in range(min(workers, len(chunks)))]
+    pool = [_Worker(ctx, opts) for _ in range(min(workers, count))]
     done: dict[int, list[Result]] = {}
     handed, emitted = 0, 0  # chunks given to workers; chunks yielded in order
     window = 8 * workers  # finished-but-not-yet-yielded chunks stay few: memory stays flat
     try:
-        while emitted < len(chunks):
+        while emitted < count:
             if emitted in done:
                 yield from done.pop(emitted)
                 emitted += 1
                 continue
             for w in pool:
-                while len(w.tasks) < 2 and handed < min(len(chunks), emitted + window):
-                    w.give(handed, chunks[handed])
+                while len(w.tasks) < 2 and handed < min(count, emitted + window):
+                    w.give(handed, paths(handed))
                     handed += 1
             busy = [w for w in pool if w.tasks]
             ready = set(wait([w.conn for w in busy] + [w.proc.sentinel for w in busy]))
