@@ -8,8 +8,17 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["build", "BuildReport", "BuildError", "DatasetError", "Labelling", "PackerError", "ShardDataset",
-           "ShardSampler", "__version__"]
+__all__ = [
+    "build",
+    "BuildReport",
+    "BuildError",
+    "DatasetError",
+    "Labelling",
+    "PackerError",
+    "ShardDataset",
+    "ShardSampler",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -121,8 +121,17 @@ class PooledBatch(torch.Tensor):
         if seg.sent:  # pickled twice: only one receiver can own the release, so copy for the others
             return plain.clone().__reduce_ex__(protocol)
         seg.sent = True
-        return (_receive, (DupFd(seg.fd), seg.nbytes, str(self.dtype).removeprefix("torch."),
-                           tuple(plain.shape), tuple(plain.stride()), plain.storage_offset()))
+        return (
+            _receive,
+            (
+                DupFd(seg.fd),
+                seg.nbytes,
+                str(self.dtype).removeprefix("torch."),
+                tuple(plain.shape),
+                tuple(plain.stride()),
+                plain.storage_offset(),
+            ),
+        )
 
 
 def pooled(batch: torch.Tensor) -> torch.Tensor:
@@ -138,8 +147,9 @@ def pooled(batch: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _receive(fd: DupFd, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...],
-             offset: int) -> torch.Tensor:
+def _receive(
+    fd: DupFd, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], offset: int
+) -> torch.Tensor:
     """Unpickling side: map the segment; when the last tensor over the mapping dies, free it."""
     handle = fd.detach()
     try:

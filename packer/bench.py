@@ -99,8 +99,9 @@ class Point:
     cpu_us_per_sample: float
 
 
-def make_loader(ds: Any, workers: int, batch_size: int, samples: int, seed: int = 0, packer_sampler: bool = False,
-                **kw: Any) -> Any:
+def make_loader(
+    ds: Any, workers: int, batch_size: int, samples: int, seed: int = 0, packer_sampler: bool = False, **kw: Any
+) -> Any:
     """A DataLoader drawing ``samples`` indices at random (wrapping around small datasets), with
     torch's RandomSampler or, if ``packer_sampler``, a ShardSampler (draw-keyed augmentation)."""
     import torch
@@ -115,8 +116,9 @@ def make_loader(ds: Any, workers: int, batch_size: int, samples: int, seed: int 
     return DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, **kw)
 
 
-def measure(ds: Any, workers: int, batch_size: int, samples: int, prefetch_factor: int = 2,
-            packer_sampler: bool = False) -> Point:
+def measure(
+    ds: Any, workers: int, batch_size: int, samples: int, prefetch_factor: int = 2, packer_sampler: bool = False
+) -> Point:
     """samples/s of ``samples`` samples after a warm-up: each worker's first ``prefetch_factor + 1``
     batches, which pay its start-up and the first use of each batch segment it will reuse for the
     rest of the epoch (packer.batchpool: one per batch in flight, ~150 MB each for float32 at 224
@@ -208,17 +210,28 @@ def _resize_advice(resize: str) -> str:
 
     used = "Pillow-SIMD" if resize == "pillow" else "torch's kernel"
     if transform._native is None:
-        return (f"crops are resized by {used}: packer's C extension was not built (installing packer needs a C "
-                "compiler and libjpeg62-turbo-dev for it); its AVX2 resize kernel is ~2x faster than Pillow-SIMD "
-                "here and ~4x faster than torch's")
+        return (
+            f"crops are resized by {used}: packer's C extension was not built (installing packer needs a C "
+            "compiler and libjpeg62-turbo-dev for it); its AVX2 resize kernel is ~2x faster than Pillow-SIMD "
+            "here and ~4x faster than torch's"
+        )
     if resize == "torch":
-        return ("crops are resized by torch's kernel (this CPU has no AVX2 for packer's): installing Pillow-SIMD "
-                "(`make setup SIMD=1`) makes that step ~2.5x faster (measured 96 vs 240 us per 224 crop)")
+        return (
+            "crops are resized by torch's kernel (this CPU has no AVX2 for packer's): installing Pillow-SIMD "
+            "(`make setup SIMD=1`) makes that step ~2.5x faster (measured 96 vs 240 us per 224 crop)"
+        )
     return f"crops are resized by {used} (PACKER_RESIZE={resize}): unset PACKER_RESIZE to use packer's faster kernel"
 
 
-def advice(points: Sequence[Point], stages: Sequence[dict[str, Any]], fmt: str, dtype: str,
-           resize: str, fits_in_page_cache: Optional[bool] = None, backend: str = "lmdb") -> dict[str, Any]:
+def advice(
+    points: Sequence[Point],
+    stages: Sequence[dict[str, Any]],
+    fmt: str,
+    dtype: str,
+    resize: str,
+    fits_in_page_cache: Optional[bool] = None,
+    backend: str = "lmdb",
+) -> dict[str, Any]:
     """DataLoader settings and notes that follow from the sweep, the profile and the dataset's size."""
     k = knee(points)
     top = max(p.workers for p in points)
@@ -227,24 +240,35 @@ def advice(points: Sequence[Point], stages: Sequence[dict[str, Any]], fmt: str, 
     if k.workers == top and top < cores():
         notes.append(f"throughput still grows at {top} workers: try up to {cores()} (--workers)")
     if share.get("decode", 0) > 40 and fmt == "jpeg":
-        notes.append("JPEG decoding dominates: it scales with workers; `packer build --format raw` skips it "
-                     "(about 6x the bytes on disk)")
+        notes.append(
+            "JPEG decoding dominates: it scales with workers; `packer build --format raw` skips it "
+            "(about 6x the bytes on disk)"
+        )
     if share.get("to float", 0) > 15:
-        notes.append("float conversion is a large share and makes batches 4x bigger: use dtype=torch.uint8 "
-                     "and packer.transform.to_device(images, 'cuda') to normalize on the GPU")
+        notes.append(
+            "float conversion is a large share and makes batches 4x bigger: use dtype=torch.uint8 "
+            "and packer.transform.to_device(images, 'cuda') to normalize on the GPU"
+        )
     if share.get("read", 0) > 30:
-        notes.append("reading bytes is a large share: check that the dataset fits in the page cache or is on "
-                     "fast local storage")
+        notes.append(
+            "reading bytes is a large share: check that the dataset fits in the page cache or is on fast local storage"
+        )
     if share.get("resize", 0) > 25 and resize != "packer":
         notes.append(_resize_advice(resize))
     if fits_in_page_cache is False and (fmt == "raw" or backend == "lmdb"):
-        better = [*(["JPEG records are ~14x smaller than raw ones (`--format jpeg`)"] if fmt == "raw" else []),
-                  *(["memmap shards read from disk faster than LMDB (`--backend memmap`)"] if backend == "lmdb" else [])]
-        notes.append("the dataset does not fit in the page cache, so every epoch reads it from disk: "
-                     + "; ".join(better) + " (docs/PERFORMANCE.md, \"Cold reads\")")
+        better = [
+            *(["JPEG records are ~14x smaller than raw ones (`--format jpeg`)"] if fmt == "raw" else []),
+            *(["memmap shards read from disk faster than LMDB (`--backend memmap`)"] if backend == "lmdb" else []),
+        ]
+        notes.append(
+            "the dataset does not fit in the page cache, so every epoch reads it from disk: "
+            + "; ".join(better)
+            + ' (docs/PERFORMANCE.md, "Cold reads")'
+        )
     if share.get("resize", 0) > 40:
-        notes.append("the resize dominates: a smaller --short-edge at build time (closer to the crop size) "
-                     "makes it cheaper")
+        notes.append(
+            "the resize dominates: a smaller --short-edge at build time (closer to the crop size) makes it cheaper"
+        )
     settings = {
         "num_workers": k.workers,
         "persistent_workers": k.workers > 0,
@@ -293,15 +317,22 @@ class BenchResult:
         for p in self.throughput:
             bar = "#" * max(1, round(30 * p.samples_per_s / best)) if best else ""
             lines.append(f"  {p.workers:>7}   {p.samples_per_s:>9,.0f}   {p.cpu_us_per_sample:>13,.0f}  {bar}")
-        lines.append(f"throughput stops growing at {self.knee.workers} workers "
-                     f"({self.knee.samples_per_s:,.0f} samples/s; more add < {100 - 100 * KNEE_FRACTION:.0f}%)")
+        lines.append(
+            f"throughput stops growing at {self.knee.workers} workers "
+            f"({self.knee.samples_per_s:,.0f} samples/s; more add < {100 - 100 * KNEE_FRACTION:.0f}%)"
+        )
         prof = self.profile
-        lines += ["", f"Where a sample's time goes (one process, {prof['samples']} samples):",
-                  "  stage           us/sample       %"]
+        lines += [
+            "",
+            f"Where a sample's time goes (one process, {prof['samples']} samples):",
+            "  stage           us/sample       %",
+        ]
         for s in prof["stages"]:
             lines.append(f"  {s['stage']:<14} {s['us_per_sample']:>10,.1f}   {s['percent']:>5.1f}")
-        lines.append(f"  {'total':<14} {prof['us_per_sample']:>10,.1f}   100.0  "
-                     f"(= {1e6 / prof['us_per_sample']:,.0f} samples/s per process)")
+        lines.append(
+            f"  {'total':<14} {prof['us_per_sample']:>10,.1f}   100.0  "
+            f"(= {1e6 / prof['us_per_sample']:,.0f} samples/s per process)"
+        )
         lines.append("")
         gib = 1 << 30
         if self.fits_in_page_cache is None:
@@ -309,8 +340,11 @@ class BenchResult:
         else:
             lines.append(
                 f"dataset {self.dataset_bytes / gib:.2f} GiB, available memory {self.mem_available / gib:.1f} GiB: "
-                + ("fits in the page cache (epochs after the first read from memory)" if self.fits_in_page_cache
-                   else "does NOT fit in the page cache: every epoch reads from disk")
+                + (
+                    "fits in the page cache (epochs after the first read from memory)"
+                    if self.fits_in_page_cache
+                    else "does NOT fit in the page cache: every epoch reads from disk"
+                )
             )
         lines.append(self.cold_read)
         rec = self.recommendation
@@ -344,10 +378,23 @@ def run_bench(
     size, avail = disk_bytes(path), mem_available()
     fits, resize = None if avail is None else size < avail, resize_backend()
     return BenchResult(
-        path=str(path), count=len(ds), format=ds.manifest.format, backend=ds.manifest.backend, dtype=dtype,
-        resize=resize, batch_size=batch_size, crop_size=crop_size, train=train, cores=cores(),
-        dataset_bytes=size, mem_available=avail, fits_in_page_cache=fits,
-        cold_read=COLD_READ_HINT, throughput=points, knee=knee(points), profile=prof,
+        path=str(path),
+        count=len(ds),
+        format=ds.manifest.format,
+        backend=ds.manifest.backend,
+        dtype=dtype,
+        resize=resize,
+        batch_size=batch_size,
+        crop_size=crop_size,
+        train=train,
+        cores=cores(),
+        dataset_bytes=size,
+        mem_available=avail,
+        fits_in_page_cache=fits,
+        cold_read=COLD_READ_HINT,
+        throughput=points,
+        knee=knee(points),
+        profile=prof,
         recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize, fits, ds.manifest.backend),
     )
 

@@ -47,8 +47,10 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt as e:
             if debug:
                 raise
-            click.echo("packer: interrupted; nothing was written at the output "
-                       "(run the same build with --resume to continue)", err=True)
+            click.echo(
+                "packer: interrupted; nothing was written at the output (run the same build with --resume to continue)",
+                err=True,
+            )
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
         except PackerError as e:
             if debug:
@@ -90,72 +92,160 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
 @main.command()
 @click.argument("raw_dir", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--backend", type=click.Choice(["lmdb", "memmap"]), default=None,
-              help="Default: lmdb when OUT ends in .lmdb, else memmap.")
-@click.option("--format", "format_", type=click.Choice(["jpeg", "raw"]), default="jpeg", show_default=True,
-              help="jpeg: re-encoded JPEG; raw: decoded uint8 H x W x 3 pixels (bigger, no decode at read).")
+@click.option(
+    "--backend",
+    type=click.Choice(["lmdb", "memmap"]),
+    default=None,
+    help="Default: lmdb when OUT ends in .lmdb, else memmap.",
+)
+@click.option(
+    "--format",
+    "format_",
+    type=click.Choice(["jpeg", "raw"]),
+    default="jpeg",
+    show_default=True,
+    help="jpeg: re-encoded JPEG; raw: decoded uint8 H x W x 3 pixels (bigger, no decode at read).",
+)
 @click.option("--short-edge", type=int, default=320, show_default=True, help="Target short edge; never upscales.")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG quality.")
 @click.option("--workers", type=int, default=None, help="Worker processes [default: all cores].")
-@click.option("--shard-size", type=int, default=None,
-              help="Records per memmap shard [default: 10000]. With --dask: files per task, and each "
-                   "task's records form one memmap shard [default: 1000].")
-@click.option("--labels", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="CSV whose header names the columns path,label (path relative to RAW_DIR) instead of "
-                   "folder labels. Integer labels (0, 1, 2, ...) keep their value as the class id; other "
-                   "labels are numbered in sorted order.")
-@click.option("--classes", "classes_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              metavar="FILE",
-              help="Fixed class list, one name per line: line order = class ids. Folder names or CSV labels "
-                   "must be in it (others: skipped and reported; an error with --on-error fail); classes "
-                   "without images keep their id. Same mapping for every --split and --update.")
-@click.option("--unlabeled", is_flag=True,
-              help="No labels: every image under RAW_DIR (a flat folder, or folders whose names are ignored). "
-                   "ShardDataset returns (image, -1), or (image, targets) with --targets.")
-@click.option("--multi-label", is_flag=True,
-              help="With --labels: the label column lists several labels separated by ';' (or none). "
-                   "ShardDataset returns a multi-hot float32 vector of len(classes) as the label.")
-@click.option("--targets", metavar="COL[,COL...]", default=None,
-              help="With --labels: store these numeric CSV columns per image (float32). ShardDataset returns "
-                   "(image, label, targets), or (image, targets) with --unlabeled.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default=None,
-              help="skip: report bad files and folders and go on; fail: stop at the first one. Default: "
-                   "skip bad files, but fail on a folder that cannot be read (its files and perhaps a "
-                   "whole class would be missing); a class folder skipped with --on-error skip keeps "
-                   "its class id.")
-@click.option("--max-pixels", type=int, default=256_000_000, show_default=True,
-              help="Refuse images with more pixels (decompression bombs).")
+@click.option(
+    "--shard-size",
+    type=int,
+    default=None,
+    help="Records per memmap shard [default: 10000]. With --dask: files per task, and each "
+    "task's records form one memmap shard [default: 1000].",
+)
+@click.option(
+    "--labels",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="CSV whose header names the columns path,label (path relative to RAW_DIR) instead of "
+    "folder labels. Integer labels (0, 1, 2, ...) keep their value as the class id; other "
+    "labels are numbered in sorted order.",
+)
+@click.option(
+    "--classes",
+    "classes_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="Fixed class list, one name per line: line order = class ids. Folder names or CSV labels "
+    "must be in it (others: skipped and reported; an error with --on-error fail); classes "
+    "without images keep their id. Same mapping for every --split and --update.",
+)
+@click.option(
+    "--unlabeled",
+    is_flag=True,
+    help="No labels: every image under RAW_DIR (a flat folder, or folders whose names are ignored). "
+    "ShardDataset returns (image, -1), or (image, targets) with --targets.",
+)
+@click.option(
+    "--multi-label",
+    is_flag=True,
+    help="With --labels: the label column lists several labels separated by ';' (or none). "
+    "ShardDataset returns a multi-hot float32 vector of len(classes) as the label.",
+)
+@click.option(
+    "--targets",
+    metavar="COL[,COL...]",
+    default=None,
+    help="With --labels: store these numeric CSV columns per image (float32). ShardDataset returns "
+    "(image, label, targets), or (image, targets) with --unlabeled.",
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(["skip", "fail"]),
+    default=None,
+    help="skip: report bad files and folders and go on; fail: stop at the first one. Default: "
+    "skip bad files, but fail on a folder that cannot be read (its files and perhaps a "
+    "whole class would be missing); a class folder skipped with --on-error skip keeps "
+    "its class id.",
+)
+@click.option(
+    "--max-pixels",
+    type=int,
+    default=256_000_000,
+    show_default=True,
+    help="Refuse images with more pixels (decompression bombs).",
+)
 @click.option("--min-size", type=int, default=16, show_default=True, help="Skip images with a shorter edge.")
-@click.option("--max-aspect", type=float, default=10.0, show_default=True,
-              help="Skip images whose long/short edge ratio exceeds this.")
-@click.option("--force", is_flag=True, help="Replace an existing OUT (only once the new one is complete). "
-              "When OUT is a symlink, the dataset it points to is replaced and the link kept.")
-@click.option("--update", is_flag=True,
-              help="Refresh OUT: decode only files added or changed since it was built (same path, size and "
-                   "mtime = unchanged), drop deleted ones, copy the other records. Unchanged input: says so, "
-                   "writes nothing. Changed build options: rebuilds everything. Builds OUT if absent.")
-@click.option("--checksum", is_flag=True,
-              help="With --update: compare file contents (a hash; reads every file) instead of mtimes.")
-@click.option("--split", "split", multiple=True, callback=_split_specs, metavar="NAME=FRACTION",
-              help="Also write split NAME (e.g. val=0.05; repeatable): OUT becomes a folder with one dataset "
-                   "per split (OUT/train.lmdb, OUT/val.lmdb, or OUT/train/, ... for memmap); train gets the "
-                   "rest. By hashed path, per class, stable when files are added.")
+@click.option(
+    "--max-aspect",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Skip images whose long/short edge ratio exceeds this.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing OUT (only once the new one is complete). "
+    "When OUT is a symlink, the dataset it points to is replaced and the link kept.",
+)
+@click.option(
+    "--update",
+    is_flag=True,
+    help="Refresh OUT: decode only files added or changed since it was built (same path, size and "
+    "mtime = unchanged), drop deleted ones, copy the other records. Unchanged input: says so, "
+    "writes nothing. Changed build options: rebuilds everything. Builds OUT if absent.",
+)
+@click.option(
+    "--checksum",
+    is_flag=True,
+    help="With --update: compare file contents (a hash; reads every file) instead of mtimes.",
+)
+@click.option(
+    "--split",
+    "split",
+    multiple=True,
+    callback=_split_specs,
+    metavar="NAME=FRACTION",
+    help="Also write split NAME (e.g. val=0.05; repeatable): OUT becomes a folder with one dataset "
+    "per split (OUT/train.lmdb, OUT/val.lmdb, or OUT/train/, ... for memmap); train gets the "
+    "rest. By hashed path, per class, stable when files are added.",
+)
 @click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the --split assignment.")
-@click.option("--resume", is_flag=True,
-              help="Continue an interrupted build of the same inputs and options. OUT already built from "
-                   "them: says so, exit 0; OUT built from other input or options: an error.")
-@click.option("--wait", is_flag=True,
-              help="If another build of OUT is running, wait for it to finish instead of failing with "
-                   "'OUT is being built by pid N'.")
-@click.option("--checkpoint-seconds", type=float, default=2.0, show_default=True,
-              help="Make the work so far resumable at least this often (also every 2000 images).")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted build of the same inputs and options. OUT already built from "
+    "them: says so, exit 0; OUT built from other input or options: an error.",
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="If another build of OUT is running, wait for it to finish instead of failing with "
+    "'OUT is being built by pid N'.",
+)
+@click.option(
+    "--checkpoint-seconds",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Make the work so far resumable at least this often (also every 2000 images).",
+)
 @click.option("--quiet", is_flag=True, help="No progress output.")
-@click.option("--dask", "dask_address", metavar="ADDRESS", default=None,
-              help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
-                   "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.")
+@click.option(
+    "--dask",
+    "dask_address",
+    metavar="ADDRESS",
+    default=None,
+    help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
+    "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.",
+)
 @_friendly
-def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, classes_file: str | None,
-          unlabeled: bool, multi_label: bool, targets: str | None, **options: Any) -> None:
+def build(
+    raw_dir: Path,
+    out: Path,
+    format_: str,
+    dask_address: str | None,
+    classes_file: str | None,
+    unlabeled: bool,
+    multi_label: bool,
+    targets: str | None,
+    **options: Any,
+) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
 
@@ -167,15 +257,23 @@ def build(raw_dir: Path, out: Path, format_: str, dask_address: str | None, clas
     """
     from .labels import Labelling
 
-    options["labelling"] = Labelling(classes_file, unlabeled, multi_label,
-                                     tuple(t.strip() for t in targets.split(",")) if targets else ())
+    options["labelling"] = Labelling(
+        classes_file, unlabeled, multi_label, tuple(t.strip() for t in targets.split(",")) if targets else ()
+    )
     if options["shard_size"] is None:
         del options["shard_size"]  # local and Dask builds have their own defaults
     if dask_address is not None:
         from .distributed import build_dask as run_build
 
-        used = [flag for flag, on in (("--update", options.pop("update")), ("--checksum", options.pop("checksum")),
-                                      ("--split", options.pop("split"))) if on]
+        used = [
+            flag
+            for flag, on in (
+                ("--update", options.pop("update")),
+                ("--checksum", options.pop("checksum")),
+                ("--split", options.pop("split")),
+            )
+            if on
+        ]
         if used:
             raise click.UsageError(f"{', '.join(used)} cannot be combined with --dask yet")
         options.pop("split_seed")
@@ -199,18 +297,32 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     on_disk = disk_bytes(out)
     record_bytes = int(index["length"].sum()) if len(index) else 0
     return {
-        "path": str(out), "count": manifest.count, "label_kind": manifest.label_kind, "classes": manifest.classes,
+        "path": str(out),
+        "count": manifest.count,
+        "label_kind": manifest.label_kind,
+        "classes": manifest.classes,
         "class_counts": dict(zip(manifest.classes, manifest.class_counts)),
         # multi-label: packed rows with no bit set (bits past the last class are checked to be 0)
         "records_without_labels": int((np.asarray(multi) == 0).all(axis=1).sum()) if multi is not None else None,
-        "targets": {name: {"min": float(col.min()), "mean": float(col.mean(dtype=np.float64)),
-                           "max": float(col.max())} for name, col in zip(manifest.targets, np.asarray(targets).T)}
-                   if targets is not None and len(targets) else {},
-        "format": manifest.format, "backend": manifest.backend, "short_edge": manifest.short_edge,
-        "quality": manifest.quality, "bytes": on_disk, "record_bytes": record_bytes,
+        "targets": {
+            name: {"min": float(col.min()), "mean": float(col.mean(dtype=np.float64)), "max": float(col.max())}
+            for name, col in zip(manifest.targets, np.asarray(targets).T)
+        }
+        if targets is not None and len(targets)
+        else {},
+        "format": manifest.format,
+        "backend": manifest.backend,
+        "short_edge": manifest.short_edge,
+        "quality": manifest.quality,
+        "bytes": on_disk,
+        "record_bytes": record_bytes,
         "mean_bytes": record_bytes / manifest.count if manifest.count else 0.0,
-        "digest": manifest.digest, "scanned": manifest.scanned, "skipped": manifest.skipped,
-        "ignored": manifest.ignored, "codec": manifest.codec, "shards": len(manifest.shards),
+        "digest": manifest.digest,
+        "scanned": manifest.scanned,
+        "skipped": manifest.skipped,
+        "ignored": manifest.ignored,
+        "codec": manifest.codec,
+        "shards": len(manifest.shards),
         "packer_version": manifest.packer_version,
         "long_edge_histogram": _histogram(np.maximum(index["height"], index["width"])),
         "short_edge_histogram": _histogram(np.minimum(index["height"], index["width"])),
@@ -243,9 +355,11 @@ def info(out: Path, as_json: bool) -> None:
         return
     width = max((len(c) for c in facts["classes"]), default=0)
     kind = {"class": "", "multi": " (multi-label)", "none": " (unlabeled)"}[facts["label_kind"]]
-    click.echo(f"{facts['path']}: {facts['count']} images, {len(facts['classes'])} classes{kind}, "
-               f"{facts['format']} in {facts['backend']}, short edge {facts['short_edge']}"
-               + (f", quality {facts['quality']}" if facts["format"] == "jpeg" else ""))
+    click.echo(
+        f"{facts['path']}: {facts['count']} images, {len(facts['classes'])} classes{kind}, "
+        f"{facts['format']} in {facts['backend']}, short edge {facts['short_edge']}"
+        + (f", quality {facts['quality']}" if facts["format"] == "jpeg" else "")
+    )
     click.echo(f"  bytes on disk {facts['bytes']:,}; mean {facts['mean_bytes']:,.0f} bytes/image")
     click.echo(f"  scanned {facts['scanned']}, skipped {facts['skipped']}, ignored {facts['ignored']}")
     click.echo(f"  digest {facts['digest']}")
@@ -268,8 +382,13 @@ def info(out: Path, as_json: bool) -> None:
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Problems to list at most (all are counted).")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Problems to list at most (all are counted).",
+)
 @_friendly
 def verify(out: Path, limit: int) -> None:
     """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad)."""
@@ -300,20 +419,28 @@ def clean(out: Path) -> None:
     from .pipeline import clean as run_clean
 
     deleted = run_clean(out)
-    click.echo(f"packer: deleted {', '.join(map(str, deleted))}" if deleted else f"packer: {out}: nothing to delete",
-               err=True)
+    click.echo(
+        f"packer: deleted {', '.join(map(str, deleted))}" if deleted else f"packer: {out}: nothing to delete", err=True
+    )
 
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "dest", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Image file to write (.jpg or .png).")
+@click.option(
+    "-o",
+    "--output",
+    "dest",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Image file to write (.jpg or .png).",
+)
 @click.option("--n", "count", type=click.IntRange(min=1), default=64, show_default=True, help="Records on the sheet.")
 @click.option("--augment", is_flag=True, help="Show the training crops exactly as ShardDataset yields them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Picks the records (and the crops).")
 @click.option("--epoch", type=int, default=0, show_default=True, help="Epoch of the crops, with --augment.")
-@click.option("--crop-size", type=click.IntRange(min=1), default=224, show_default=True,
-              help="Crop size, with --augment.")
+@click.option(
+    "--crop-size", type=click.IntRange(min=1), default=224, show_default=True, help="Crop size, with --augment."
+)
 @_friendly
 def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: int, crop_size: int) -> None:
     """Write a contact sheet of records captioned with index and class."""
@@ -326,8 +453,14 @@ def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.argument("index", type=int)
-@click.option("-o", "--output", "dest", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the stored image here.")
+@click.option(
+    "-o",
+    "--output",
+    "dest",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the stored image here.",
+)
 @_friendly
 def show(out: Path, index: int, dest: Path | None) -> None:
     """Print record INDEX's source path, class and size; write its image with -o."""
@@ -355,21 +488,49 @@ def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--workers", callback=_worker_list, default=None, metavar="N,N,...",
-              help="num_workers values to sweep [default: 0, 1, ... up to the core count].")
+@click.option(
+    "--workers",
+    callback=_worker_list,
+    default=None,
+    metavar="N,N,...",
+    help="num_workers values to sweep [default: 0, 1, ... up to the core count].",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--crop-size", type=click.IntRange(min=1), default=224, show_default=True)
 @click.option("--eval", "eval_", is_flag=True, help="Eval transform (resize + center crop) instead of train.")
-@click.option("--epochs", type=click.IntRange(min=1), default=None,
-              help="Full passes per sweep point [default: one pass, at least 8 batches and at most 10,000 samples].")
-@click.option("--dtype", type=click.Choice(["uint8", "float32"]), default="float32", show_default=True,
-              help="Output dtype (uint8: normalize on the GPU with packer.transform.to_device).")
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Full passes per sweep point [default: one pass, at least 8 batches and at most 10,000 samples].",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["uint8", "float32"]),
+    default="float32",
+    show_default=True,
+    help="Output dtype (uint8: normalize on the GPU with packer.transform.to_device).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write a PNG of samples/s vs num_workers (needs matplotlib: packer[plot]).")
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write a PNG of samples/s vs num_workers (needs matplotlib: packer[plot]).",
+)
 @_friendly
-def bench(out: Path, workers: list[int] | None, batch_size: int, crop_size: int, eval_: bool,
-          epochs: int | None, dtype: str, as_json: bool, plot_file: Path | None) -> None:
+def bench(
+    out: Path,
+    workers: list[int] | None,
+    batch_size: int,
+    crop_size: int,
+    eval_: bool,
+    epochs: int | None,
+    dtype: str,
+    as_json: bool,
+    plot_file: Path | None,
+) -> None:
     """Measure OUT's input pipeline without a model: samples/s per num_workers, where time goes."""
     import importlib.util
 
@@ -378,8 +539,9 @@ def bench(out: Path, workers: list[int] | None, batch_size: int, crop_size: int,
     if plot_file is not None and importlib.util.find_spec("matplotlib") is None:
         click.echo("packer: error: --plot needs matplotlib: pip install 'packer[plot]'", err=True)
         sys.exit(1)
-    result = run_bench(out, workers=workers, batch_size=batch_size, crop_size=crop_size, train=not eval_,
-                       epochs=epochs, dtype=dtype)
+    result = run_bench(
+        out, workers=workers, batch_size=batch_size, crop_size=crop_size, train=not eval_, epochs=epochs, dtype=dtype
+    )
     if plot_file is not None:
         plot(result, plot_file)
     click.echo(json.dumps(result.to_json(), indent=1) if as_json else result.summary())

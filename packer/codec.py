@@ -122,7 +122,13 @@ def can_decode_region() -> bool:
 
 
 def decode_jpeg_region(
-    data: bytes | memoryview, factor: tuple[int, int], top: int, left: int, height: int, width: int, rgbx: bool,
+    data: bytes | memoryview,
+    factor: tuple[int, int],
+    top: int,
+    left: int,
+    height: int,
+    width: int,
+    rgbx: bool,
     out: np.ndarray,
 ) -> tuple[np.ndarray, int, tuple[int, int]]:
     """Rows ``[top, top + height)`` and at least columns ``[left, left + width)`` of the image as
@@ -135,7 +141,8 @@ def decode_jpeg_region(
     channels = 4 if rgbx else 3
     try:
         x_offset, band_width, image_width, image_height = _native.decode_crop(
-            data, top, left, height, width, factor[0], factor[1], channels, out)
+            data, top, left, height, width, factor[0], factor[1], channels, out
+        )
     except ValueError as e:
         raise ValueError(f"corrupt JPEG data ({e})") from None
     band = out[: height * band_width * channels].reshape(height, band_width, channels)

@@ -78,8 +78,9 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> to
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
-def collate_samples(batch: Sequence[Sample | TargetSample], *,
-                    collate_fn_map: Optional[dict] = None) -> list[torch.Tensor]:
+def collate_samples(
+    batch: Sequence[Sample | TargetSample], *, collate_fn_map: Optional[dict] = None
+) -> list[torch.Tensor]:
     """default_collate for Samples: ``[images, labels(, targets)]`` as for plain tuples (labels and
     targets each stacked into one tensor), but when the images are the consecutive slots of one batch
     tensor (as ``__getitems__`` makes them) that tensor is returned as it is (memory format
@@ -99,7 +100,9 @@ def collate_samples(batch: Sequence[Sample | TargetSample], *,
         and root.is_contiguous()
         and root.numel() == len(images) * step
         and all(
-            im._base is root and im.stride() == first.stride() and im.data_ptr() == first.data_ptr() + k * step * im.element_size()
+            im._base is root
+            and im.stride() == first.stride()
+            and im.data_ptr() == first.data_ptr() + k * step * im.element_size()
             for k, im in enumerate(images)
         )
     ):
@@ -164,7 +167,9 @@ class ShardDataset(Dataset):
             raise ValueError("batch_transform needs images of one size: a crop_size or a transform")
         if crop_size is not None and crop_size <= 0:
             raise ValueError(f"crop_size must be positive or None, not {crop_size}")
-        if not (len(scale) == 2 and 0 < scale[0] <= scale[1]) or not (len(ratio) == 2 and 0 < ratio[0] <= ratio[1] < math.inf):
+        if not (len(scale) == 2 and 0 < scale[0] <= scale[1]) or not (
+            len(ratio) == 2 and 0 < ratio[0] <= ratio[1] < math.inf
+        ):
             raise ValueError(f"scale and ratio must be (low, high) with 0 < low <= high, not {scale}, {ratio}")
         if not 0 < eval_ratio <= 1:
             raise ValueError(f"eval_ratio must be in (0, 1] (crop size / resized short edge), not {eval_ratio}")
@@ -174,13 +179,13 @@ class ShardDataset(Dataset):
         self.seed = seed
         self.dtype = dtype
         if memory_format not in (torch.channels_last, torch.contiguous_format):
-            raise ValueError(f"memory_format must be torch.channels_last or torch.contiguous_format, not {memory_format}")
+            raise ValueError(
+                f"memory_format must be torch.channels_last or torch.contiguous_format, not {memory_format}"
+            )
         self.memory_format = memory_format
         self.mean, self.std = tuple(mean), tuple(std)
         self.augment = (
-            Augment(crop_size, train, tuple(scale), tuple(ratio), eval_ratio, flip)
-            if crop_size is not None
-            else None
+            Augment(crop_size, train, tuple(scale), tuple(ratio), eval_ratio, flip) if crop_size is not None else None
         )
         self.transform, self.batch_transform = transform, batch_transform
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -197,8 +202,20 @@ class ShardDataset(Dataset):
         self._reader = open_reader(self.root, pinned=pinned)
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("root", "seed", "dtype", "memory_format", "mean", "std", "augment", "_epoch", "verify", "transform",
-                "batch_transform", "_files")
+        keep = (
+            "root",
+            "seed",
+            "dtype",
+            "memory_format",
+            "mean",
+            "std",
+            "augment",
+            "_epoch",
+            "verify",
+            "transform",
+            "batch_transform",
+            "_files",
+        )
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -226,7 +243,7 @@ class ShardDataset(Dataset):
 
     @property
     def label_kind(self) -> str:
-        """"class" (one class id per record), "multi" (several) or "none" (unlabeled): packer.labels."""
+        """ "class" (one class id per record), "multi" (several) or "none" (unlabeled): packer.labels."""
         return self.manifest.label_kind
 
     @property
@@ -262,7 +279,7 @@ class ShardDataset(Dataset):
         """Record ``i``'s label as text: its class, its classes joined by ';', or "unlabeled"."""
         i = self._check(i)
         if self.label_kind == "multi":
-            hot = labelling.unpack(self._multi[i:i + 1], len(self.manifest.classes))[0]
+            hot = labelling.unpack(self._multi[i : i + 1], len(self.manifest.classes))[0]
             return labelling.SEPARATOR.join(self.manifest.classes[c] for c in np.flatnonzero(hot)) or "(none)"
         return self.manifest.classes[self._labels[i]] if self.label_kind == "class" else "unlabeled"
 
@@ -308,7 +325,11 @@ class ShardDataset(Dataset):
         return records, epochs, [i.draw if type(i) is Draw else r for i, r in zip(indices, records)]
 
     def _batch(
-        self, indices: Sequence[int], epoch: Any, keys: Optional[Sequence[int]] = None, shared: bool = False,
+        self,
+        indices: Sequence[int],
+        epoch: Any,
+        keys: Optional[Sequence[int]] = None,
+        shared: bool = False,
         clock: transform.Clock = None,
     ) -> list[Sample]:
         """Samples for in-range ``indices``, written into one output tensor when crops have one size.
@@ -387,8 +408,9 @@ class ShardDataset(Dataset):
         except DatasetError as e:
             raise self._damaged(e.record, e) if e.record is not None else e from None
 
-    def _transformed(self, indices: Sequence[int], epoch: Any, keys: Sequence[int], extras: list[tuple[Any, ...]],
-                     shared: bool) -> list[Sample | TargetSample]:
+    def _transformed(
+        self, indices: Sequence[int], epoch: Any, keys: Sequence[int], extras: list[tuple[Any, ...]], shared: bool
+    ) -> list[Sample | TargetSample]:
         """The batch with the user's transforms: each sample cropped (uint8) into a scratch buffer,
         transformed under its seeded random state, written into the batch (whose shape and dtype the
         first output sets), converted to ``dtype`` if uint8; then ``batch_transform`` on the batch."""
@@ -418,11 +440,14 @@ class ShardDataset(Dataset):
                     if not isinstance(x, torch.Tensor):
                         raise TypeError(f"transform returned {type(x).__name__} for record {i}, not a tensor")
                 if images is None:
-                    images = self._output(len(indices), tuple(x.shape), self.dtype if x.dtype == torch.uint8 else x.dtype,
-                                          shared)
+                    images = self._output(
+                        len(indices), tuple(x.shape), self.dtype if x.dtype == torch.uint8 else x.dtype, shared
+                    )
                 elif x.shape != images.shape[1:]:
-                    raise ValueError(f"transform output for record {i} is {tuple(x.shape)}, the batch's first was "
-                                     f"{tuple(images.shape[1:])}: a batch needs one shape")
+                    raise ValueError(
+                        f"transform output for record {i} is {tuple(x.shape)}, the batch's first was "
+                        f"{tuple(images.shape[1:])}: a batch needs one shape"
+                    )
                 slot = images[k]
                 if x.dtype == torch.uint8 and slot.dtype != torch.uint8 and x.dim() == 3:
                     transform.normalize_hwc(x.permute(1, 2, 0), slot.permute(1, 2, 0), self.mean, self.std)
@@ -435,8 +460,9 @@ class ShardDataset(Dataset):
                 images, extras = self._batch_transformed(images, extras)
         return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
 
-    def _batch_transformed(self, images: torch.Tensor, extras: list[tuple[Any, ...]]
-                           ) -> tuple[torch.Tensor, list[tuple[Any, ...]]]:
+    def _batch_transformed(
+        self, images: torch.Tensor, extras: list[tuple[Any, ...]]
+    ) -> tuple[torch.Tensor, list[tuple[Any, ...]]]:
         """``batch_transform`` on the batch and its labels as one tensor (int64 class ids, or the
         multi-hot / target rows stacked); the labels it returns are split back per sample (targets
         beside labels pass through)."""

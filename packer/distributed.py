@@ -36,8 +36,20 @@ from .codec import can_decode_region, codec_name
 from .errors import PackerError
 from .format import IDENTITY_FIELDS, INDEX_DTYPE, Digest, shard_name
 from .pipeline import (
-    PROGRESS, BuildError, BuildReport, _Journal, _open_staging, _Progress, _write_json_atomic,
-    complete, dataset_path, default_backend, lock_outputs, prepare, resume_finished, staging_path,
+    PROGRESS,
+    BuildError,
+    BuildReport,
+    _Journal,
+    _open_staging,
+    _Progress,
+    _write_json_atomic,
+    complete,
+    dataset_path,
+    default_backend,
+    lock_outputs,
+    prepare,
+    resume_finished,
+    staging_path,
 )
 from .labels import Labelling
 from .preprocess import Options, Record, process_chunk
@@ -61,6 +73,7 @@ def fragment_stem(k: int) -> str:
 
 # ----------------------------------------------------------------------------------------- worker side
 
+
 def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options) -> dict[str, Any]:
     """One task: preprocess ``rels`` (paths under ``raw``) into fragment ``k``; returns its metadata.
 
@@ -69,8 +82,9 @@ def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options)
     """
     host = socket.gethostname()
     if not os.path.isdir(raw):
-        raise ShardError(f"shard {k}: worker on {host} cannot see raw/ at {raw} "
-                         f"(raw/ must be on storage every worker can reach)")
+        raise ShardError(
+            f"shard {k}: worker on {host} cannot see raw/ at {raw} (raw/ must be on storage every worker can reach)"
+        )
     stem = Path(fragments) / fragment_stem(k)
     rows = np.zeros(len(rels), dtype=INDEX_DTYPE)
     skipped: list[tuple[int, str]] = []
@@ -92,8 +106,9 @@ def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options)
                 else:
                     skipped.append((i, result.reason))
             except Exception as e:
-                raise ShardError(f"shard {k}: {os.path.join(raw, rel)}: {type(e).__name__}: {e} "
-                                 f"(on worker {host})") from e
+                raise ShardError(
+                    f"shard {k}: {os.path.join(raw, rel)}: {type(e).__name__}: {e} (on worker {host})"
+                ) from e
 
     try:
         write_atomic(stem.with_suffix(".bin"), write_records)
@@ -113,13 +128,24 @@ def probe(raw: str, fragments: str, first: str, dask_worker: Any = None) -> dict
     handler reports damaged JPEG data per call; PyTurboJPEG reports it as a Python warning, which only
     a process-wide (and so thread-unsafe) filter turns into an error.
     """
-    threads = (getattr(getattr(dask_worker, "state", None), "nthreads", None)  # distributed >= 2023
-               or getattr(dask_worker, "nthreads", None) or 1)
-    facts: dict[str, Any] = {"host": socket.gethostname(), "codec": codec_name(), "version": __version__,
-                             "threads": threads, "error": None, "probe": None}
+    threads = (
+        getattr(getattr(dask_worker, "state", None), "nthreads", None)  # distributed >= 2023
+        or getattr(dask_worker, "nthreads", None)
+        or 1
+    )
+    facts: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "codec": codec_name(),
+        "version": __version__,
+        "threads": threads,
+        "error": None,
+        "probe": None,
+    }
     if threads > 1 and not can_decode_region():
-        facts["error"] = (f"runs {threads} threads, and packer's C extension is not built there: damaged "
-                          f"JPEGs could not be told apart reliably (start workers with --nthreads 1)")
+        facts["error"] = (
+            f"runs {threads} threads, and packer's C extension is not built there: damaged "
+            f"JPEGs could not be told apart reliably (start workers with --nthreads 1)"
+        )
         return facts
     if not os.path.isfile(os.path.join(raw, first)):
         facts["error"] = f"cannot see raw/ ({os.path.join(raw, first)} is missing there)"
@@ -136,6 +162,7 @@ def probe(raw: str, fragments: str, first: str, dask_worker: Any = None) -> dict
 
 # ----------------------------------------------------------------------------------------- driver side
 
+
 def _slices(n: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
@@ -145,9 +172,12 @@ def _finished(fragments: Path, k: int, files: int) -> Optional[dict[str, Any]]:
     stem = fragments / fragment_stem(k)
     try:
         meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
-        ok = (meta["files"] == files and meta["count"] + len(meta["skipped"]) == files
-              and stem.with_suffix(".bin").stat().st_size == meta["bytes"]
-              and stem.with_suffix(".npy").is_file())
+        ok = (
+            meta["files"] == files
+            and meta["count"] + len(meta["skipped"]) == files
+            and stem.with_suffix(".bin").stat().st_size == meta["bytes"]
+            and stem.with_suffix(".npy").is_file()
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return meta if ok else None
@@ -160,9 +190,15 @@ def _connect(address: str, workers: int, stack: ExitStack) -> Any:
     except ImportError:
         raise BuildError("--dask needs Dask distributed: pip install 'packer[dask]'") from None
     if address == "local":
-        cluster = stack.enter_context(LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
-            silence_logs=logging.ERROR))
+        cluster = stack.enter_context(
+            LocalCluster(
+                n_workers=workers,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=":0",
+                silence_logs=logging.ERROR,
+            )
+        )
         return stack.enter_context(Client(cluster))
     try:  # a malformed address is refused before a Client exists (a half-made one stalls exit 20 s)
         from distributed.comm import get_address_host_port, parse_address
@@ -175,8 +211,10 @@ def _connect(address: str, workers: int, stack: ExitStack) -> Any:
     try:
         client = Client(address, timeout=CONNECT_TIMEOUT)
     except (OSError, TimeoutError):
-        raise BuildError(f"cannot reach the Dask scheduler at {address} within {CONNECT_TIMEOUT} s: is it "
-                         f"running, and is the address right (e.g. tcp://host:8786)?") from None
+        raise BuildError(
+            f"cannot reach the Dask scheduler at {address} within {CONNECT_TIMEOUT} s: is it "
+            f"running, and is the address right (e.g. tcp://host:8786)?"
+        ) from None
     return stack.enter_context(client)
 
 
@@ -189,36 +227,54 @@ def _check_workers(client: Any, raw: str, fragments: Path, first: str, codec: st
     try:
         facts = client.run(probe, raw, str(fragments), first)
     except Exception as e:  # typically packer missing on a worker: the function cannot be unpickled
-        raise BuildError(f"a Dask worker could not run packer ({type(e).__name__}: {e}); install "
-                         f"packer[dask] on every worker") from None
+        raise BuildError(
+            f"a Dask worker could not run packer ({type(e).__name__}: {e}); install packer[dask] on every worker"
+        ) from None
     for addr, f in sorted(facts.items()):
         where = f"Dask worker {addr} on {f['host']}"
         if f["error"]:
-            raise BuildError(f"{where} {f['error']}; raw/ and the output's parent must be on storage "
-                             f"every worker can reach (see docs/DISTRIBUTED.md)")
+            raise BuildError(
+                f"{where} {f['error']}; raw/ and the output's parent must be on storage "
+                f"every worker can reach (see docs/DISTRIBUTED.md)"
+            )
         probe_file = fragments / f["probe"]
         if not probe_file.exists():
-            raise BuildError(f"{where} wrote {probe_file} but this machine cannot see it: the output's "
-                             f"parent is not on storage shared with the workers (see docs/DISTRIBUTED.md)")
+            raise BuildError(
+                f"{where} wrote {probe_file} but this machine cannot see it: the output's "
+                f"parent is not on storage shared with the workers (see docs/DISTRIBUTED.md)"
+            )
         probe_file.unlink()
         if (f["codec"], f["version"]) != (codec, __version__):
-            raise BuildError(f"{where} runs packer {f['version']} with {f['codec']}, this machine packer "
-                             f"{__version__} with {codec}: install the same versions everywhere "
-                             f"(JPEG bytes, and so the digest, depend on them)")
+            raise BuildError(
+                f"{where} runs packer {f['version']} with {f['codec']}, this machine packer "
+                f"{__version__} with {codec}: install the same versions everywhere "
+                f"(JPEG bytes, and so the digest, depend on them)"
+            )
 
 
 def _describe_failure(k: int, rels: list[str], raw: str, e: BaseException) -> str:
     from distributed import KilledWorker
 
     if isinstance(e, KilledWorker):
-        return (f"shard {k} ({os.path.join(raw, rels[0])} .. {rels[-1]}): every worker that ran it died "
-                f"(out of memory, or a crash in a decoder?); build those files locally to find the culprit")
+        return (
+            f"shard {k} ({os.path.join(raw, rels[0])} .. {rels[-1]}): every worker that ran it died "
+            f"(out of memory, or a crash in a decoder?); build those files locally to find the culprit"
+        )
     return str(e) if isinstance(e, ShardError) else f"shard {k}: {type(e).__name__}: {e}"
 
 
-def _run_tasks(client: Any, raw: str, fragments: Path, found: Scan, slices: list[tuple[int, int]],
-               todo: list[int], opts: Options, on_error: str, progress: _Progress,
-               retries: int) -> dict[int, dict[str, Any]]:
+def _run_tasks(
+    client: Any,
+    raw: str,
+    fragments: Path,
+    found: Scan,
+    slices: list[tuple[int, int]],
+    todo: list[int],
+    opts: Options,
+    on_error: str,
+    progress: _Progress,
+    retries: int,
+) -> dict[int, dict[str, Any]]:
     """Run the missing fragments with a bounded window of in-flight tasks (the scheduler holds few paths).
 
     Returns each new fragment's metadata by shard number.
@@ -226,7 +282,7 @@ def _run_tasks(client: Any, raw: str, fragments: Path, found: Scan, slices: list
     from distributed import as_completed
 
     token = uuid.uuid4().hex[:8]
-    rels = {k: [s.rel for s in found.sources[slices[k][0]:slices[k][1]]] for k in todo}
+    rels = {k: [s.rel for s in found.sources[slices[k][0] : slices[k][1]]] for k in todo}
     queue, running = list(reversed(todo)), as_completed()
     shard_of: dict[Any, int] = {}
     metas: dict[int, dict[str, Any]] = {}
@@ -236,8 +292,17 @@ def _run_tasks(client: Any, raw: str, fragments: Path, found: Scan, slices: list
         window = max(4, 2 * sum(client.nthreads().values()))  # follows workers joining or leaving
         while queue and len(shard_of) < window:
             k = queue.pop()
-            future = client.submit(pack_shard, raw, str(fragments), k, rels[k], opts, retries=retries,
-                                   key=f"packer-shard-{k:05d}-{token}", pure=False)
+            future = client.submit(
+                pack_shard,
+                raw,
+                str(fragments),
+                k,
+                rels[k],
+                opts,
+                retries=retries,
+                key=f"packer-shard-{k:05d}-{token}",
+                pure=False,
+            )
             shard_of[future] = k
             running.add(future)
 
@@ -263,20 +328,30 @@ def _run_tasks(client: Any, raw: str, fragments: Path, found: Scan, slices: list
     return metas
 
 
-def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: dict[str, Any],
-              slices: list[tuple[int, int]], metas: dict[int, dict[str, Any]], quiet: bool) -> BuildReport:
+def _assemble(
+    out: Path,
+    staging: Path,
+    fragments: Path,
+    found: Scan,
+    settings: dict[str, Any],
+    slices: list[tuple[int, int]],
+    metas: dict[int, dict[str, Any]],
+    quiet: bool,
+) -> BuildReport:
     """Fragments -> dataset in shard order: journal rows, digest, LMDB pass or shard renames; finalize."""
     backend = settings["backend"]
     for stale in [*staging.glob("shard-*.bin"), staging / "data.mdb", staging / "lock.mdb"]:
         stale.unlink(missing_ok=True)  # left by an interrupted assembly; rebuilt below
     expected_bytes = sum(int(m["bytes"]) for m in metas.values())
     if not quiet:
-        print(f"packer: assembling {len(slices)} shards ({expected_bytes / 1e6:.1f} MB)", file=sys.stderr,
-              flush=True)
+        print(f"packer: assembling {len(slices)} shards ({expected_bytes / 1e6:.1f} MB)", file=sys.stderr, flush=True)
     journal = _Journal(staging, None)
     journal.add_scan_report(found)
-    writer = (LmdbWriter(staging, map_size=max(1 << 30, int(expected_bytes * 1.25) + (64 << 20)))
-              if backend == "lmdb" else None)
+    writer = (
+        LmdbWriter(staging, map_size=max(1 << 30, int(expected_bytes * 1.25) + (64 << 20)))
+        if backend == "lmdb"
+        else None
+    )
     digest, shards = Digest(), []
     labels = np.array([s.label for s in found.sources], dtype=np.int64)
     skipped = len(found.missing)
@@ -294,8 +369,9 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
                 rows[name] = found.identity[name][members]
             if backend == "memmap" and meta["count"]:
                 rows["shard"] = len(shards)
-            _add_fragment(stem.with_suffix(".bin"), rows, [found.sources[j].rel for j in members],
-                          journal, digest, writer)
+            _add_fragment(
+                stem.with_suffix(".bin"), rows, [found.sources[j].rel for j in members], journal, digest, writer
+            )
             if backend == "memmap" and meta["count"]:
                 name = shard_name(len(shards))
                 os.replace(stem.with_suffix(".bin"), staging / name)
@@ -306,18 +382,20 @@ def _assemble(out: Path, staging: Path, fragments: Path, found: Scan, settings: 
             writer.close()
     shutil.rmtree(fragments)
     total = writer.total_bytes() if writer is not None else sum(int(s["bytes"]) for s in shards)
-    return complete(staging, out, found, settings, skipped=skipped, total=total, digest=digest,
-                    shards=shards, resumed_from=0)
+    return complete(
+        staging, out, found, settings, skipped=skipped, total=total, digest=digest, shards=shards, resumed_from=0
+    )
 
 
-def _add_fragment(data_file: Path, rows: np.ndarray, rels: list[str], journal: _Journal, digest: Digest,
-                  writer: Optional[LmdbWriter]) -> None:
+def _add_fragment(
+    data_file: Path, rows: np.ndarray, rels: list[str], journal: _Journal, digest: Digest, writer: Optional[LmdbWriter]
+) -> None:
     """Journal one fragment's rows (source offsets filled in here), hash its records, copy them to LMDB."""
     if len(rows) == 0:
         return
     with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         for row, rel in zip(rows, rels):
-            data = m[int(row["offset"]):int(row["offset"]) + int(row["length"])]
+            data = m[int(row["offset"]) : int(row["offset"]) + int(row["length"])]
             digest.update(int(row["label"]), data)
             if writer is not None:
                 writer.append(data)
@@ -327,13 +405,29 @@ def _add_fragment(data_file: Path, rows: np.ndarray, rels: list[str], journal: _
             journal.add_record(row, encoded)
 
 
-def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: str = "local",
-               workers: Optional[int] = None, shard_size: int = DEFAULT_TASK_SIZE,
-               backend: Optional[str] = None, format: str = "jpeg", short_edge: int = 320,
-               quality: int = 90, labels: Optional[str] = None, force: bool = False,
-               resume: bool = False, on_error: Optional[str] = None, max_pixels: int = 256_000_000,
-               min_size: int = 16, max_aspect: float = 10.0, quiet: bool = False,
-               retries: int = RETRIES, wait: bool = False, labelling: Optional[Labelling] = None) -> BuildReport:
+def build_dask(
+    raw_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    address: str = "local",
+    workers: Optional[int] = None,
+    shard_size: int = DEFAULT_TASK_SIZE,
+    backend: Optional[str] = None,
+    format: str = "jpeg",
+    short_edge: int = 320,
+    quality: int = 90,
+    labels: Optional[str] = None,
+    force: bool = False,
+    resume: bool = False,
+    on_error: Optional[str] = None,
+    max_pixels: int = 256_000_000,
+    min_size: int = 16,
+    max_aspect: float = 10.0,
+    quiet: bool = False,
+    retries: int = RETRIES,
+    wait: bool = False,
+    labelling: Optional[Labelling] = None,
+) -> BuildReport:
     """Like :func:`packer.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
 
     ``address`` is ``"local"`` (a LocalCluster of ``workers`` processes on this machine) or a scheduler
@@ -347,26 +441,73 @@ def build_dask(raw_dir: str | os.PathLike, out: str | os.PathLike, *, address: s
     given, out = Path(out), dataset_path(out)
     with ExitStack() as locks:
         lock_outputs(locks, out, backend, None, wait, quiet)
-        report = _build_dask_locked(raw_dir, out, address=address, workers=workers, shard_size=shard_size,
-                                    backend=backend, format=format, short_edge=short_edge, quality=quality,
-                                    labels=labels, force=force, resume=resume, on_error=on_error,
-                                    max_pixels=max_pixels, min_size=min_size, max_aspect=max_aspect,
-                                    quiet=quiet, retries=retries, labelling=labelling)
+        report = _build_dask_locked(
+            raw_dir,
+            out,
+            address=address,
+            workers=workers,
+            shard_size=shard_size,
+            backend=backend,
+            format=format,
+            short_edge=short_edge,
+            quality=quality,
+            labels=labels,
+            force=force,
+            resume=resume,
+            on_error=on_error,
+            max_pixels=max_pixels,
+            min_size=min_size,
+            max_aspect=max_aspect,
+            quiet=quiet,
+            retries=retries,
+            labelling=labelling,
+        )
     report.out = str(given)
     report.seconds = time.monotonic() - t0
     return report
 
 
-def _build_dask_locked(raw_dir: str | os.PathLike, out: Path, *, address: str, workers: Optional[int],
-                       shard_size: int, backend: str, format: str, short_edge: int, quality: int,
-                       labels: Optional[str], force: bool, resume: bool, on_error: Optional[str],
-                       max_pixels: int, min_size: int, max_aspect: float, quiet: bool,
-                       retries: int, labelling: Optional[Labelling]) -> BuildReport:
+def _build_dask_locked(
+    raw_dir: str | os.PathLike,
+    out: Path,
+    *,
+    address: str,
+    workers: Optional[int],
+    shard_size: int,
+    backend: str,
+    format: str,
+    short_edge: int,
+    quality: int,
+    labels: Optional[str],
+    force: bool,
+    resume: bool,
+    on_error: Optional[str],
+    max_pixels: int,
+    min_size: int,
+    max_aspect: float,
+    quiet: bool,
+    retries: int,
+    labelling: Optional[Labelling],
+) -> BuildReport:
     """:func:`build_dask` once it holds OUT's build lock (``out``: the dataset behind a symlink)."""
     out, opts, found, settings = prepare(
-        raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
-        shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
-        min_size=min_size, max_aspect=max_aspect, resume=resume, labelling=labelling, quiet=quiet)
+        raw_dir,
+        out,
+        backend=backend,
+        format=format,
+        short_edge=short_edge,
+        quality=quality,
+        shard_size=shard_size,
+        labels=labels,
+        force=force,
+        on_error=on_error,
+        max_pixels=max_pixels,
+        min_size=min_size,
+        max_aspect=max_aspect,
+        resume=resume,
+        labelling=labelling,
+        quiet=quiet,
+    )
     on_error = on_error or "skip"
     settings["engine"] = "dask"  # staging layouts differ: a local --resume must not pick this one up
     if resume and not force and (finished := resume_finished(out, found, settings, quiet)) is not None:
@@ -392,10 +533,8 @@ def _build_dask_locked(raw_dir: str | os.PathLike, out: Path, *, address: str, w
         with ExitStack() as stack:
             if todo:
                 client = _connect(address, workers or os.cpu_count() or 1, stack)
-                _check_workers(client, raw, fragments, found.sources[slices[todo[0]][0]].rel,
-                               settings["codec"])
-                metas |= _run_tasks(client, raw, fragments, found, slices, todo, opts, on_error, progress,
-                                    retries)
+                _check_workers(client, raw, fragments, found.sources[slices[todo[0]][0]].rel, settings["codec"])
+                metas |= _run_tasks(client, raw, fragments, found, slices, todo, opts, on_error, progress, retries)
     finally:
         progress.close()
     report = _assemble(out, staging, fragments, found, settings, slices, metas, quiet)

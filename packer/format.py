@@ -158,6 +158,7 @@ class Manifest:
         return m
 
     computed_digest: ClassVar[str] = ""  # manifest_digest() of the file as read (set by load)
+
     def _check(self, path: Path) -> None:
         """Types and ranges, so that later arithmetic on tampered values cannot misbehave."""
 
@@ -186,11 +187,23 @@ class Manifest:
             raise bad("label_kind")
         if self.label_kind == "none" and self.classes:
             raise bad("classes")
-        if not (isinstance(self.targets, list) and all(isinstance(t, str) and t for t in self.targets)
-                and len(set(self.targets)) == len(self.targets) and (self.format_version > 1 or not self.targets)):
+        if not (
+            isinstance(self.targets, list)
+            and all(isinstance(t, str) and t for t in self.targets)
+            and len(set(self.targets)) == len(self.targets)
+            and (self.format_version > 1 or not self.targets)
+        ):
             raise bad("targets")
-        texts = (self.digest, self.inputs, self.index_digest, self.codec, self.packer_version, self.labels_digest,
-                 self.sources_digest, self.manifest_digest)
+        texts = (
+            self.digest,
+            self.inputs,
+            self.index_digest,
+            self.codec,
+            self.packer_version,
+            self.labels_digest,
+            self.sources_digest,
+            self.manifest_digest,
+        )
         if not all(isinstance(v, str) for v in texts) or not isinstance(self.shards, list):
             raise bad("digest/shards")
         if not isinstance(self.options, dict):
@@ -251,8 +264,13 @@ def open_regular(path: str | os.PathLike, dir_fd: Optional[int] = None, label: s
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-                stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(mode), "not a file")
+        kind = {
+            stat.S_IFIFO: "a FIFO",
+            stat.S_IFCHR: "a character device",
+            stat.S_IFBLK: "a block device",
+            stat.S_IFSOCK: "a socket",
+            stat.S_IFDIR: "a directory",
+        }.get(stat.S_IFMT(mode), "not a file")
         raise DatasetError(f"{label or path}: is {kind}, not a regular file; refusing to read it")
     return fd
 
@@ -336,9 +354,11 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
     impossible = (short > manifest.short_edge) | (long > edge)
     if impossible.any():
         first = int(np.flatnonzero(impossible)[0])
-        raise DatasetError(f"{root}: record {first}: stored size {int(index[first]['height'])} x "
-                           f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
-                           f"or a JPEG edge over {MAX_EDGE})")
+        raise DatasetError(
+            f"{root}: record {first}: stored size {int(index[first]['height'])} x "
+            f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
+            f"or a JPEG edge over {MAX_EDGE})"
+        )
     if manifest.backend == "lmdb" and (index["shard"].any() or index["offset"].any()):
         raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
     if manifest.backend == "memmap":
@@ -352,14 +372,17 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
             raise DatasetError(f"{root}: record {first} points outside its shard")
 
 
-def load_label_arrays(root: str | os.PathLike, manifest: Manifest,
-                      open_file: Optional[Callable[[str], int]] = None) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+def load_label_arrays(
+    root: str | os.PathLike, manifest: Manifest, open_file: Optional[Callable[[str], int]] = None
+) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """The multi-hot rows (LABELS, "multi" datasets) and TARGETS, memory-mapped and checked: shape,
     dtype, no bits beyond the last class, finite targets. None for what the dataset does not have.
     ``open_file(name)`` opens them (packer.pin: the pinned version's), else :func:`open_regular`."""
     root = Path(root)
-    wanted = [(LABELS, np.uint8, (len(manifest.classes) + 7) // 8, manifest.label_kind == "multi"),
-              (TARGETS, np.float32, len(manifest.targets), bool(manifest.targets))]
+    wanted = [
+        (LABELS, np.uint8, (len(manifest.classes) + 7) // 8, manifest.label_kind == "multi"),
+        (TARGETS, np.float32, len(manifest.targets), bool(manifest.targets)),
+    ]
     out: list[Optional[np.ndarray]] = []
     for name, dtype, columns, present in wanted:
         if not present:
@@ -375,8 +398,10 @@ def load_label_arrays(root: str | os.PathLike, manifest: Manifest,
         finally:
             os.close(fd)
         if a.dtype != dtype or a.shape != (manifest.count, columns):
-            raise DatasetError(f"{path}: unexpected dtype {a.dtype} / shape {a.shape} "
-                               f"(expected {np.dtype(dtype)} / {(manifest.count, columns)})")
+            raise DatasetError(
+                f"{path}: unexpected dtype {a.dtype} / shape {a.shape} "
+                f"(expected {np.dtype(dtype)} / {(manifest.count, columns)})"
+            )
         out.append(a)
     multi, targets = out
     spare = (-len(manifest.classes)) % 8

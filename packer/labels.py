@@ -134,8 +134,10 @@ def read_csv(path: str | Path, labelling: Labelling) -> tuple[dict[str, Row], li
             wanted = ["path"] + ([] if labelling.unlabeled else ["label"]) + list(labelling.targets)
             missing = [c for c in wanted if c not in header]
             if missing:
-                raise LabelError(f"{path}:1: no column {missing[0]!r} in the header ({', '.join(map(repr, header))}); "
-                                 f"the first line must name the columns, e.g. {','.join(wanted)}")
+                raise LabelError(
+                    f"{path}:1: no column {missing[0]!r} in the header ({', '.join(map(repr, header))}); "
+                    f"the first line must name the columns, e.g. {','.join(wanted)}"
+                )
             if len(set(header)) != len(header):
                 raise LabelError(f"{path}:1: a column name appears twice in the header")
             col = {name: header.index(name) for name in wanted}
@@ -174,8 +176,9 @@ def _names(label: str, labelling: Labelling, path: str, where: str) -> tuple[str
     return names
 
 
-def class_list(named: Sequence[tuple[str, ...]], where: Sequence[str], pinned: Optional[list[str]],
-               integers: bool) -> list[str]:
+def class_list(
+    named: Sequence[tuple[str, ...]], where: Sequence[str], pinned: Optional[list[str]], integers: bool
+) -> list[str]:
     """The class names in id order: ``pinned`` (--classes) as given; else, when ``integers`` (a CSV)
     and every name is a plain non-negative integer, '0'..'max' (the CSV's ids kept); else sorted."""
     if pinned is not None:
@@ -185,8 +188,10 @@ def class_list(named: Sequence[tuple[str, ...]], where: Sequence[str], pinned: O
         top = max(seen, key=int)
         if int(top) > MAX_INTEGER_ID:
             at = next(w for names, w in zip(named, where) if top in names)
-            raise LabelError(f"{at}: integer label {top} is above {MAX_INTEGER_ID}, too large for a class id "
-                             f"(if labels are names, list them with --classes FILE)")
+            raise LabelError(
+                f"{at}: integer label {top} is above {MAX_INTEGER_ID}, too large for a class id "
+                f"(if labels are names, list them with --classes FILE)"
+            )
         return [str(i) for i in range(int(top) + 1)]
     return sorted(seen)
 
@@ -211,7 +216,7 @@ def class_counts(kind: str, labels: np.ndarray, multi: Optional[np.ndarray], n_c
     if kind == "multi":
         counts = np.zeros(n_classes, dtype=np.int64)
         for start in range(0, len(multi), 1 << 16):  # bounded memory for big datasets
-            counts += unpack(multi[start:start + (1 << 16)], n_classes).sum(axis=0, dtype=np.int64)
+            counts += unpack(multi[start : start + (1 << 16)], n_classes).sum(axis=0, dtype=np.int64)
         return counts
     if kind == "none":
         return np.zeros(0, dtype=np.int64)
@@ -232,10 +237,10 @@ def sample_weights(kind: str, labels: np.ndarray, multi: Optional[np.ndarray], n
         return 1.0 / counts[labels]
     weights = np.empty(len(multi), dtype=np.float64)
     for start in range(0, len(multi), 1 << 16):
-        hot = unpack(multi[start:start + (1 << 16)], n_classes)
+        hot = unpack(multi[start : start + (1 << 16)], n_classes)
         k = hot.sum(axis=1)
         total = hot @ counts
-        weights[start:start + len(hot)] = np.divide(k, total, out=np.zeros(len(hot)), where=k > 0)
+        weights[start : start + len(hot)] = np.divide(k, total, out=np.zeros(len(hot)), where=k > 0)
     empty = weights == 0
     weights[empty] = 1.0 / max(int(empty.sum()), 1)
     return weights

@@ -127,7 +127,13 @@ class PageGuard:
     def _remember(self, keys: list[bytes], lengths: list[int], lo: bytes, hi: Optional[bytes]) -> None:
         """Keep the lengths of the records this leaf holds for liblmdb's search (keys in [lo, hi))."""
         for key, length in zip(keys, lengths):
-            if lo <= key and (hi is None or key < hi) and len(key) == 10 and key.isdigit() and int(key) < len(self.lengths):
+            if (
+                lo <= key
+                and (hi is None or key < hi)
+                and len(key) == 10
+                and key.isdigit()
+                and int(key) < len(self.lengths)
+            ):
                 self.lengths[int(key)] = length
 
     def _page(self, page: int) -> tuple:
@@ -189,6 +195,7 @@ class PageGuard:
         # looking at that header; the overflow pages themselves are not read here (a cold dataset's
         # first read of each record stays in the fetch threads, see packer.read)
         if not 2 <= first <= self.last or first * self.psize + HEADER + length > (self.last + 1) * self.psize:
-            raise Damaged(f"leaf page {page} has a value of {length} bytes on overflow page {first}: "
-                          f"past the end of the file")
+            raise Damaged(
+                f"leaf page {page} has a value of {length} bytes on overflow page {first}: past the end of the file"
+            )
         return length

@@ -29,7 +29,15 @@ from typing import Optional
 import numpy as np
 
 from .format import (
-    INDEX, MANIFEST, SOURCES, DatasetError, Manifest, check_index, load_label_arrays, map_npy, open_regular,
+    INDEX,
+    MANIFEST,
+    SOURCES,
+    DatasetError,
+    Manifest,
+    check_index,
+    load_label_arrays,
+    map_npy,
+    open_regular,
 )
 
 FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
@@ -54,8 +62,15 @@ class Pinned:
     dataset has (else None); ``data_fd`` holds data.mdb open (LMDB); ``shards`` are the memmap
     shards' mappings, in order."""
 
-    def __init__(self, root: str, manifest: Manifest, arrays: tuple[np.ndarray, ...], files: dict[str, FileKey],
-                 data_fd: Optional[int], shards: list[Shard]) -> None:
+    def __init__(
+        self,
+        root: str,
+        manifest: Manifest,
+        arrays: tuple[np.ndarray, ...],
+        files: dict[str, FileKey],
+        data_fd: Optional[int],
+        shards: list[Shard],
+    ) -> None:
         self.root, self.manifest = root, manifest
         self.index, self.sources, self.multi, self.targets = arrays
         self.files, self.data_fd, self.shards = files, data_fd, shards
@@ -92,7 +107,8 @@ def pin(root: str, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
 def replaced(root: str) -> DatasetReplaced:
     return DatasetReplaced(
         f"{root}: the dataset was replaced since it was opened (a build --update or --force ran); "
-        f"create a new ShardDataset to read the new version")
+        f"create a new ShardDataset to read the new version"
+    )
 
 
 def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:

@@ -33,8 +33,19 @@ from . import __version__
 from .codec import codec_name
 from .errors import PackerError
 from .format import (
-    BACKENDS, FORMATS, IDENTITY_FIELDS, INDEX, INDEX_DTYPE, LABELS, MANIFEST, REPORT, SOURCES, TARGETS,
-    Digest, Manifest, index_digest,
+    BACKENDS,
+    FORMATS,
+    IDENTITY_FIELDS,
+    INDEX,
+    INDEX_DTYPE,
+    LABELS,
+    MANIFEST,
+    REPORT,
+    SOURCES,
+    TARGETS,
+    Digest,
+    Manifest,
+    index_digest,
 )
 from .labels import LabelError, Labelling, arrays_digest, class_counts
 from .preprocess import Options, Record, Skip
@@ -82,18 +93,30 @@ class BuildReport:
         if self.up_to_date:
             return f"packer: {self.out} is up to date ({self.count} records, {self.digest}); nothing to do"
         rate = self.processed / self.seconds if self.seconds > 0 else 0.0
-        return (f"packer: {self.out}: packed {self.count} of {self.scanned} scanned "
-                f"({self.skipped} skipped, {self.ignored} ignored; see {REPORT}), "
-                f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, {self.seconds:.1f} s, {rate:.1f} images/s")
+        return (
+            f"packer: {self.out}: packed {self.count} of {self.scanned} scanned "
+            f"({self.skipped} skipped, {self.ignored} ignored; see {REPORT}), "
+            f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, {self.seconds:.1f} s, {rate:.1f} images/s"
+        )
 
     @classmethod
     def combine(cls, out: str, splits: dict[str, "BuildReport"]) -> "BuildReport":
         """The totals over the split datasets of one build (digest empty: there is one per split)."""
-        total = {name: sum(getattr(r, name) for r in splits.values())
-                 for name in ("count", "scanned", "skipped", "ignored", "bytes", "seconds", "resumed_from",
-                              "processed", "reused")}
-        return cls(out=out, digest="", up_to_date=all(r.up_to_date for r in splits.values()),
-                   splits=splits, **total)
+        total = {
+            name: sum(getattr(r, name) for r in splits.values())
+            for name in (
+                "count",
+                "scanned",
+                "skipped",
+                "ignored",
+                "bytes",
+                "seconds",
+                "resumed_from",
+                "processed",
+                "reused",
+            )
+        }
+        return cls(out=out, digest="", up_to_date=all(r.up_to_date for r in splits.values()), splits=splits, **total)
 
 
 def staging_path(out: Path) -> Path:
@@ -144,15 +167,22 @@ def _acquire(path: Path, out: Path, wait: bool, quiet: bool) -> Optional[int]:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 if e.errno not in (errno.EACCES, errno.EAGAIN):
-                    print(f"packer: warning: cannot lock {path} ({e.strerror}); nothing stops a second build "
-                          f"of {out} meanwhile", file=sys.stderr, flush=True)
+                    print(
+                        f"packer: warning: cannot lock {path} ({e.strerror}); nothing stops a second build "
+                        f"of {out} meanwhile",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     os.close(fd)
                     return None
                 if not wait:
                     raise BuildError(f"{out} is being built by pid {_lock_holder(fd)}") from None
                 if not announced and not quiet:
-                    print(f"packer: waiting for pid {_lock_holder(fd)}, which is building {out}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"packer: waiting for pid {_lock_holder(fd)}, which is building {out}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 announced = True
                 fcntl.lockf(fd, fcntl.LOCK_EX)  # Ctrl-C and SIGTERM interrupt the wait
             if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a file its last holder removed
@@ -203,8 +233,9 @@ def _check_split_names(split: dict[str, float]) -> None:
         raise BuildError(str(e)) from None
 
 
-def lock_outputs(stack: contextlib.ExitStack, out: Path, backend: str, split: Optional[dict[str, float]],
-                 wait: bool, quiet: bool) -> None:
+def lock_outputs(
+    stack: contextlib.ExitStack, out: Path, backend: str, split: Optional[dict[str, float]], wait: bool, quiet: bool
+) -> None:
     """Take the build locks of OUT and, with --split, of each split dataset inside it, onto ``stack``."""
     if split:
         _check_split_names(split)  # before their names become lock files
@@ -222,9 +253,11 @@ def _made_by_packer(path: Path, sibling: bool) -> bool:
     entries = list(path.iterdir())
     if not entries:
         return sibling
-    return all(_made_by_packer(e, e.name.startswith(".") and e.name.endswith((".packer-tmp", ".packer-old")))
-               or (e.name.startswith(".") and e.name.endswith(".packer-lock") and e.is_file())
-               for e in entries)
+    return all(
+        _made_by_packer(e, e.name.startswith(".") and e.name.endswith((".packer-tmp", ".packer-old")))
+        or (e.name.startswith(".") and e.name.endswith(".packer-lock") and e.is_file())
+        for e in entries
+    )
 
 
 def clean(out: str | os.PathLike) -> list[Path]:
@@ -328,8 +361,12 @@ class _Progress:
             self.last = now
             rate = (self.done - self.start_done) / (now - self.start)
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            print(f"packer: {self.done}/{self.total} files{', ' + note if note else ''}, {rate:.1f} images/s, "
-                  f"ETA {eta:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"packer: {self.done}/{self.total} files{', ' + note if note else ''}, {rate:.1f} images/s, "
+                f"ETA {eta:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -342,20 +379,39 @@ def _replay_digest(staging: Path, backend: str, index: np.ndarray) -> Digest:
     labels = index["label"].tolist()
     for i, data, _ in walk(staging, backend, index) if len(index) else ():
         if data is None:
-            raise BuildError(f"cannot --resume: record {i} of the journal is missing from {staging}; "
-                             f"build again without --resume")
+            raise BuildError(
+                f"cannot --resume: record {i} of the journal is missing from {staging}; build again without --resume"
+            )
         digest.update(labels[i], data)
     return digest
 
 
-def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Optional[str] = None,
-          format: str = "jpeg", short_edge: int = 320, quality: int = 90,
-          workers: Optional[int] = None, shard_size: int = 10_000, labels: Optional[str] = None,
-          force: bool = False, resume: bool = False, on_error: Optional[str] = None,
-          max_pixels: int = 256_000_000, min_size: int = 16, max_aspect: float = 10.0,
-          quiet: bool = False, checkpoint_seconds: float = CHECKPOINT_SECONDS, update: bool = False,
-          checksum: bool = False, split: Optional[dict[str, float]] = None,
-          split_seed: int = 0, wait: bool = False, labelling: Optional[Labelling] = None) -> BuildReport:
+def build(
+    raw_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    backend: Optional[str] = None,
+    format: str = "jpeg",
+    short_edge: int = 320,
+    quality: int = 90,
+    workers: Optional[int] = None,
+    shard_size: int = 10_000,
+    labels: Optional[str] = None,
+    force: bool = False,
+    resume: bool = False,
+    on_error: Optional[str] = None,
+    max_pixels: int = 256_000_000,
+    min_size: int = 16,
+    max_aspect: float = 10.0,
+    quiet: bool = False,
+    checkpoint_seconds: float = CHECKPOINT_SECONDS,
+    update: bool = False,
+    checksum: bool = False,
+    split: Optional[dict[str, float]] = None,
+    split_seed: int = 0,
+    wait: bool = False,
+    labelling: Optional[Labelling] = None,
+) -> BuildReport:
     """Pack ``raw_dir`` into ``out``; see ``packer build --help`` for the options.
 
     ``labelling``: a fixed class list, unlabeled images, several labels per image, numeric targets
@@ -374,20 +430,47 @@ def build(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Option
     with contextlib.ExitStack() as locks:
         lock_outputs(locks, out, backend, split, wait, quiet)
         out, opts, found, settings = prepare(
-            raw_dir, out, backend=backend, format=format, short_edge=short_edge, quality=quality,
-            shard_size=shard_size, labels=labels, force=force, on_error=on_error, max_pixels=max_pixels,
-            min_size=min_size, max_aspect=max_aspect, update=update, resume=resume, checksum=checksum,
-            split=split, labelling=labelling, quiet=quiet)
-        job = _Job(raw=Path(raw_dir), opts=opts, workers=workers or os.cpu_count() or 1,
-                   on_error=on_error or "skip", quiet=quiet, checkpoint_seconds=checkpoint_seconds,
-                   resume=resume, update=update, keep_current=update or (resume and not force))
+            raw_dir,
+            out,
+            backend=backend,
+            format=format,
+            short_edge=short_edge,
+            quality=quality,
+            shard_size=shard_size,
+            labels=labels,
+            force=force,
+            on_error=on_error,
+            max_pixels=max_pixels,
+            min_size=min_size,
+            max_aspect=max_aspect,
+            update=update,
+            resume=resume,
+            checksum=checksum,
+            split=split,
+            labelling=labelling,
+            quiet=quiet,
+        )
+        job = _Job(
+            raw=Path(raw_dir),
+            opts=opts,
+            workers=workers or os.cpu_count() or 1,
+            on_error=on_error or "skip",
+            quiet=quiet,
+            checkpoint_seconds=checkpoint_seconds,
+            resume=resume,
+            update=update,
+            keep_current=update or (resume and not force),
+        )
         if not split:
             report = _build_dataset(out, found, settings, job)
         else:
             out.mkdir(parents=True, exist_ok=True)
-            reports = {name: _build_dataset(split_path(out, name, settings["backend"]), part,
-                                            settings | {"inputs": part.fingerprint()}, job)
-                       for name, part in split_scan(found, split, split_seed).items()}
+            reports = {
+                name: _build_dataset(
+                    split_path(out, name, settings["backend"]), part, settings | {"inputs": part.fingerprint()}, job
+                )
+                for name, part in split_scan(found, split, split_seed).items()
+            }
             report = BuildReport.combine(str(out), reports)
     report.out = str(given)
     report.seconds = time.monotonic() - t0
@@ -428,8 +511,10 @@ def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) 
     except (lmdb.Error, OSError) as e:  # LMDB reports a full disk as a bare "Input/output error"
         if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
             raise
-        raise BuildError(f"cannot write {staging}: {e} (disk full? the work so far is kept there: "
-                         f"free some space, then run the same build with --resume)") from e
+        raise BuildError(
+            f"cannot write {staging}: {e} (disk full? the work so far is kept there: "
+            f"free some space, then run the same build with --resume)"
+        ) from e
     finally:
         if cache is not None:
             close_lmdb(out)  # our handle on the old OUT: it is being replaced
@@ -439,14 +524,24 @@ def _build_dataset(out: Path, found: Scan, settings: dict[str, Any], job: _Job) 
 
 def _up_to_date(out: Path, manifest: Manifest) -> BuildReport:
     """The report of a build that finds OUT already built from the same inputs and options."""
-    return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned,
-                       skipped=manifest.skipped, ignored=manifest.ignored, bytes=manifest.bytes,
-                       digest=manifest.digest, seconds=0.0, up_to_date=True)
+    return BuildReport(
+        out=str(out),
+        count=manifest.count,
+        scanned=manifest.scanned,
+        skipped=manifest.skipped,
+        ignored=manifest.ignored,
+        bytes=manifest.bytes,
+        digest=manifest.digest,
+        seconds=0.0,
+        up_to_date=True,
+    )
 
 
 def _built_otherwise(out: Path) -> BuildError:
-    return BuildError(f"{out} is a complete dataset built from other input or options than this --resume "
-                      f"(use --update to refresh it, or --force to replace it)")
+    return BuildError(
+        f"{out} is a complete dataset built from other input or options than this --resume "
+        f"(use --update to refresh it, or --force to replace it)"
+    )
 
 
 def resume_finished(out: Path, found: Scan, settings: dict[str, Any], quiet: bool) -> Optional[BuildReport]:
@@ -465,17 +560,38 @@ def _warn_class_changes(out: Path, old: list[str], new: list[str], quiet: bool) 
     moved = [f"{name!r} {i} -> {new.index(name)}" for i, name in enumerate(old) if name in new and new.index(name) != i]
     if moved and not quiet:
         gone = [name for name in old if name not in new]
-        print(f"packer: warning: class ids change from those of {out}"
-              + (f" (gone: {', '.join(map(repr, gone))})" if gone else "") + f": {', '.join(moved[:5])}"
-              + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""), file=sys.stderr, flush=True)
+        print(
+            f"packer: warning: class ids change from those of {out}"
+            + (f" (gone: {', '.join(map(repr, gone))})" if gone else "")
+            + f": {', '.join(moved[:5])}"
+            + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Optional[str], format: str,
-            short_edge: int, quality: int, shard_size: int, labels: Optional[str], force: bool,
-            on_error: str, max_pixels: int, min_size: int, max_aspect: float, update: bool = False,
-            resume: bool = False, checksum: bool = False, split: Optional[dict[str, float]] = None,
-            labelling: Optional[Labelling] = None, quiet: bool = False,
-            ) -> tuple[Path, Options, Scan, dict[str, Any]]:
+def prepare(
+    raw_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    backend: Optional[str],
+    format: str,
+    short_edge: int,
+    quality: int,
+    shard_size: int,
+    labels: Optional[str],
+    force: bool,
+    on_error: str,
+    max_pixels: int,
+    min_size: int,
+    max_aspect: float,
+    update: bool = False,
+    resume: bool = False,
+    checksum: bool = False,
+    split: Optional[dict[str, float]] = None,
+    labelling: Optional[Labelling] = None,
+    quiet: bool = False,
+) -> tuple[Path, Options, Scan, dict[str, Any]]:
     """Validate the options and scan raw/; shared with the Dask build so both refuse the same inputs.
 
     Returns OUT, the preprocessing options, the scan (with each source's identity), and the settings
@@ -494,16 +610,26 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
     if split:
         _check_split_names(split)
         if (out / MANIFEST).is_file():
-            raise BuildError(f"{out} is a dataset; --split writes a folder of datasets "
-                             f"({split_path(out, TRAIN, backend)}, ...): choose another OUT")
+            raise BuildError(
+                f"{out} is a dataset; --split writes a folder of datasets "
+                f"({split_path(out, TRAIN, backend)}, ...): choose another OUT"
+            )
     for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
         if target.exists() and not (force or update or resume):
             raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
         if target.exists() and not force and not (target / MANIFEST).is_file():
-            raise BuildError(f"{target} exists and is not a packer dataset; --update and --resume only "
-                             f"replace a dataset (use --force to replace it anyway)")
-    opts = Options(format=format, short_edge=short_edge, quality=quality, max_pixels=max_pixels,
-                   min_size=min_size, max_aspect=max_aspect)
+            raise BuildError(
+                f"{target} exists and is not a packer dataset; --update and --resume only "
+                f"replace a dataset (use --force to replace it anyway)"
+            )
+    opts = Options(
+        format=format,
+        short_edge=short_edge,
+        quality=quality,
+        max_pixels=max_pixels,
+        min_size=min_size,
+        max_aspect=max_aspect,
+    )
     labelling = labelling or Labelling()
     try:
         found = scan(raw_dir, labels, labelling, strict=on_error == "fail")
@@ -512,21 +638,33 @@ def prepare(raw_dir: str | os.PathLike, out: str | os.PathLike, *, backend: Opti
     if found.unreadable and on_error != "skip":
         rel, reason = found.unreadable[0]
         more = f" (and {len(found.unreadable) - 1} more)" if len(found.unreadable) > 1 else ""
-        raise BuildError(f"{Path(raw_dir) / rel}: {reason}{more}; its files cannot be packed (pass "
-                         f"--on-error skip to build without them)")
+        raise BuildError(
+            f"{Path(raw_dir) / rel}: {reason}{more}; its files cannot be packed (pass "
+            f"--on-error skip to build without them)"
+        )
     for a, b in confusable(found.classes):
         if not quiet:
-            print(f"packer: warning: class names {a!r} and {b!r} differ only in Unicode normalization or "
-                  f"case: they are two classes", file=sys.stderr, flush=True)
+            print(
+                f"packer: warning: class names {a!r} and {b!r} differ only in Unicode normalization or "
+                f"case: they are two classes",
+                file=sys.stderr,
+                flush=True,
+            )
     for note in found.notes if not quiet else ():
         print(f"packer: {note}", file=sys.stderr, flush=True)
     if not found.sources:
         hint = "" if labels or labelling.unlabeled else "; for a flat folder of unlabeled images use --unlabeled"
         raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside{hint})")
     found.identity = identify(raw_dir, found.sources, checksum)
-    settings = {"options": asdict(opts), "backend": backend, "shard_size": shard_size,
-                "inputs": found.fingerprint(), "codec": codec_name(), "checksum": checksum,
-                "labels": labelling.settings()}
+    settings = {
+        "options": asdict(opts),
+        "backend": backend,
+        "shard_size": shard_size,
+        "inputs": found.fingerprint(),
+        "codec": codec_name(),
+        "checksum": checksum,
+        "labels": labelling.settings(),
+    }
     return out, opts, found, settings
 
 
@@ -537,11 +675,14 @@ def _open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Opti
             previous = json.loads((staging / BUILD_STATE).read_text(encoding="utf-8"))
             progress = json.loads((staging / PROGRESS).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise BuildError(f"cannot --resume: the journal in {staging} is damaged ({e}); "
-                             f"build again without --resume") from None
+            raise BuildError(
+                f"cannot --resume: the journal in {staging} is damaged ({e}); build again without --resume"
+            ) from None
         if previous != settings:
-            raise BuildError(f"cannot --resume: raw/ or the options changed since the interrupted build "
-                             f"({staging}); build again without --resume")
+            raise BuildError(
+                f"cannot --resume: raw/ or the options changed since the interrupted build "
+                f"({staging}); build again without --resume"
+            )
         return progress
     if staging.exists():
         shutil.rmtree(staging)
@@ -553,8 +694,15 @@ def _open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Opti
     return None
 
 
-def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _Job,
-         state: Optional[dict[str, Any]], cache: Optional[Cache]) -> BuildReport:
+def _run(
+    out: Path,
+    staging: Path,
+    found: Scan,
+    settings: dict[str, Any],
+    job: _Job,
+    state: Optional[dict[str, Any]],
+    cache: Optional[Cache],
+) -> BuildReport:
     raw, backend, on_error = job.raw, settings["backend"], job.on_error
     done = int(state["sources_done"]) if state else 0
     journal = _Journal(staging, state["journal"] if state else None)
@@ -570,8 +718,12 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
 
     def checkpoint() -> None:
         nonlocal last_checkpoint
-        progress = {"sources_done": done, "skipped": skipped, "writer": writer.checkpoint(),
-                    "journal": journal.checkpoint()}
+        progress = {
+            "sources_done": done,
+            "skipped": skipped,
+            "writer": writer.checkpoint(),
+            "journal": journal.checkpoint(),
+        }
         _write_json_atomic(staging / PROGRESS, progress)
         last_checkpoint = time.monotonic()
 
@@ -620,8 +772,17 @@ def _run(out: Path, staging: Path, found: Scan, settings: dict[str, Any], job: _
     total = writer.total_bytes()
     if cache is not None:
         close_lmdb(out)  # before the rename replaces the old dataset under our handle
-    report = complete(staging, out, found, settings, skipped=skipped, total=total, digest=digest, shards=shards,
-                      resumed_from=int(state["sources_done"]) if state else 0)
+    report = complete(
+        staging,
+        out,
+        found,
+        settings,
+        skipped=skipped,
+        total=total,
+        digest=digest,
+        shards=shards,
+        resumed_from=int(state["sources_done"]) if state else 0,
+    )
     report.processed, report.reused = len(todo) - reused, reused
     return report
 
@@ -639,16 +800,25 @@ def _record_labels(found: Scan, rows: np.ndarray, blob: np.ndarray) -> dict[str,
     at = np.empty(len(rows), dtype=np.int64)
     j = 0
     for k, (o, n) in enumerate(zip(rows["src_offset"].tolist(), rows["src_length"].tolist())):
-        rel = bytes(blob[o:o + n]).decode("utf-8", "surrogateescape")
+        rel = bytes(blob[o : o + n]).decode("utf-8", "surrogateescape")
         while found.sources[j].rel != rel:
             j += 1
         at[k], j = j, j + 1
     return {name: a[at] for name, a in per_source.items()}
 
 
-def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *,
-             skipped: int, total: int, digest: Digest, shards: list[dict[str, Any]],
-             resumed_from: int) -> BuildReport:
+def complete(
+    staging: Path,
+    out: Path,
+    found: Scan,
+    settings: dict[str, Any],
+    *,
+    skipped: int,
+    total: int,
+    digest: Digest,
+    shards: list[dict[str, Any]],
+    resumed_from: int,
+) -> BuildReport:
     """Manifest from the settings and totals, then :func:`_finalize`; shared with the Dask build."""
     opts = settings["options"]
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
@@ -657,20 +827,41 @@ def complete(staging: Path, out: Path, found: Scan, settings: dict[str, Any], *,
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
     manifest = Manifest(
-        backend=settings["backend"], format=opts["format"], short_edge=opts["short_edge"],
-        quality=opts["quality"], classes=found.classes, count=len(rows),
-        class_counts=[int(c) for c in counts], bytes=total, digest=digest.hexdigest(labels_digest),
-        shards=shards, scanned=found.scanned, skipped=skipped, ignored=len(found.ignored),
+        backend=settings["backend"],
+        format=opts["format"],
+        short_edge=opts["short_edge"],
+        quality=opts["quality"],
+        classes=found.classes,
+        count=len(rows),
+        class_counts=[int(c) for c in counts],
+        bytes=total,
+        digest=digest.hexdigest(labels_digest),
+        shards=shards,
+        scanned=found.scanned,
+        skipped=skipped,
+        ignored=len(found.ignored),
         options=opts | {"shard_size": settings["shard_size"], "checksum": settings["checksum"]},
-        codec=settings["codec"], packer_version=__version__, inputs=inputs_digest(found, settings),
-        index_digest=index_digest(rows), label_kind=found.kind, targets=found.target_names,
+        codec=settings["codec"],
+        packer_version=__version__,
+        inputs=inputs_digest(found, settings),
+        index_digest=index_digest(rows),
+        label_kind=found.kind,
+        targets=found.target_names,
         labels_digest=labels_digest,
         sources_digest=index_digest(blob),
     )
     _finalize(staging, out, manifest, arrays)
-    return BuildReport(out=str(out), count=manifest.count, scanned=manifest.scanned, skipped=skipped,
-                       ignored=manifest.ignored, bytes=total, digest=manifest.digest, seconds=0.0,
-                       resumed_from=resumed_from)
+    return BuildReport(
+        out=str(out),
+        count=manifest.count,
+        scanned=manifest.scanned,
+        skipped=skipped,
+        ignored=manifest.ignored,
+        bytes=total,
+        digest=manifest.digest,
+        seconds=0.0,
+        resumed_from=resumed_from,
+    )
 
 
 def _exchange(a: Path, b: Path) -> bool:

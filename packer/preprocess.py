@@ -183,8 +183,7 @@ def shrink(pixels: np.ndarray, target: tuple[int, int]) -> np.ndarray:
     if (width, height) == target or not native_shrink():
         return pixels
     out = np.empty((target[1], target[0], 3), np.uint8)
-    codec._native.resize_crop(pixels, height, width, 0, 0, height, width, out, target[1], target[0], False,
-                              True, True)
+    codec._native.resize_crop(pixels, height, width, 0, 0, height, width, out, target[1], target[0], False, True, True)
     return out
 
 

@@ -39,8 +39,15 @@ def pick(count: int, n: int, seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(count, size=n, replace=False).tolist())
 
 
-def contact_sheet(out: str | os.PathLike, dest: str | os.PathLike, n: int = 64, augment: bool = False,
-                  seed: int = 0, crop_size: int = 224, epoch: int = 0) -> tuple[int, int]:
+def contact_sheet(
+    out: str | os.PathLike,
+    dest: str | os.PathLike,
+    n: int = 64,
+    augment: bool = False,
+    seed: int = 0,
+    crop_size: int = 224,
+    epoch: int = 0,
+) -> tuple[int, int]:
     """Write a grid of ``n`` records captioned ``index class``; returns the grid's (columns, rows)."""
     ds = _dataset(out, augment, seed, crop_size)
     ds.set_epoch(epoch)

@@ -39,8 +39,9 @@ class _Env:
     def __init__(self, pinned: Pinned) -> None:
         self.pid, self.root = os.getpid(), pinned.root
         try:
-            self.env = lmdb.open(pinned.data_path, readonly=True, lock=False, readahead=False,
-                                 max_readers=2048, subdir=False)
+            self.env = lmdb.open(
+                pinned.data_path, readonly=True, lock=False, readahead=False, max_readers=2048, subdir=False
+            )
         except lmdb.Error as e:
             raise DatasetError(f"{pinned.root}: cannot open LMDB environment ({e})") from None
         try:
@@ -279,7 +280,9 @@ class MemmapReader(Reader):
             short = (rows["shard"] == k) & (ends > mapped)
             if short.any():
                 first = int(np.flatnonzero(short)[0])
-                raise self._bad(indices[first], f"{name}: shard is truncated ({mapped} bytes, needs {int(ends[first])})")
+                raise self._bad(
+                    indices[first], f"{name}: shard is truncated ({mapped} bytes, needs {int(ends[first])})"
+                )
         return [self._slice(row) for row in rows]
 
     def _slice(self, row: np.void) -> Buffer:
@@ -290,8 +293,12 @@ class MemmapReader(Reader):
         return memoryview(array[start : start + length])
 
 
-def open_reader(root: str | os.PathLike, manifest: Optional[Manifest] = None, index: Optional[np.ndarray] = None,
-                pinned: Optional[Pinned] = None) -> Reader:
+def open_reader(
+    root: str | os.PathLike,
+    manifest: Optional[Manifest] = None,
+    index: Optional[np.ndarray] = None,
+    pinned: Optional[Pinned] = None,
+) -> Reader:
     """A reader of ``pinned``, or of the dataset at ``root`` as it is now (pinned here). ``manifest``
     must be that version's when given (a caller that loaded it by path earlier); ``index`` replaces the
     pinned one's rows (the caller checked it; tests pass edited copies)."""

@@ -186,8 +186,11 @@ class ShardSampler(Sampler[Draw]):
         start, self._resume = self._resume or 0, None
         epoch = self.epoch
         if start == 0 and self._done_epoch == epoch:
-            warnings.warn(f"ShardSampler: epoch {epoch} iterated again without set_epoch(): the same order "
-                          "and augmentation as last time", stacklevel=2)
+            warnings.warn(
+                f"ShardSampler: epoch {epoch} iterated again without set_epoch(): the same order "
+                "and augmentation as last time",
+                stacklevel=2,
+            )
         self._base, self._yielded = start, 0
         first, end = self._span(start)
         positions = np.arange(first, end, self.num_replicas)
@@ -226,8 +229,10 @@ class ShardSampler(Sampler[Draw]):
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` (from any number of ranks): its epoch, at its position."""
         if int(state["seed"]) != self.seed or int(state["total"]) != self.total:
-            raise ValueError(f"sampler state for seed {state['seed']} and {state['total']} draws an epoch, but this "
-                             f"sampler has seed {self.seed} and {self.total}: it would not continue the same order")
+            raise ValueError(
+                f"sampler state for seed {state['seed']} and {state['total']} draws an epoch, but this "
+                f"sampler has seed {self.seed} and {self.total}: it would not continue the same order"
+            )
         if not 0 <= int(state["position"]) <= self.total:
             raise ValueError(f"sampler state position {state['position']} outside 0..{self.total}")
         self.set_epoch(int(state["epoch"]))

@@ -26,9 +26,7 @@ from .errors import PackerError
 from .format import IDENTITY_DTYPE
 from .labels import Labelling, class_list, pack, read_classes, read_csv
 
-IMAGE_EXTENSIONS = frozenset(
-    ".jpg .jpeg .jpe .jfif .png .webp .tif .tiff .bmp .gif .heic .heif .ppm .pgm .pbm".split()
-)
+IMAGE_EXTENSIONS = frozenset(".jpg .jpeg .jpe .jfif .png .webp .tif .tiff .bmp .gif .heic .heif .ppm .pgm .pbm".split())
 
 
 class ScanError(PackerError):
@@ -49,7 +47,9 @@ class Scan:
     # skipped before decoding: listed in --labels but not on disk, or a label not in --classes
     missing: list[tuple[str, str]] = field(default_factory=list)
     identity: Optional[np.ndarray] = None  # IDENTITY_DTYPE, one row per source (see identify)
-    unreadable: list[tuple[str, str]] = field(default_factory=list)  # folders among ``ignored`` that could not be listed
+    unreadable: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # folders among ``ignored`` that could not be listed
     kind: str = "class"  # label kind (packer.labels)
     target_names: list[str] = field(default_factory=list)  # --targets columns
     multi: Optional[np.ndarray] = None  # kind "multi": bit-packed multi-hot row per source
@@ -85,10 +85,15 @@ class Scan:
         """The sources, ignored and missing entries whose path ``keep`` accepts, with the same classes."""
         mask = np.array([keep(s.rel) for s in self.sources], dtype=bool)
         return replace(
-            self, sources=[s for s, k in zip(self.sources, mask) if k],
-            ignored=[e for e in self.ignored if keep(e[0])], missing=[e for e in self.missing if keep(e[0])],
-            **{name: getattr(self, name)[mask] for name in ("identity", "multi", "targets")
-               if getattr(self, name) is not None},
+            self,
+            sources=[s for s, k in zip(self.sources, mask) if k],
+            ignored=[e for e in self.ignored if keep(e[0])],
+            missing=[e for e in self.missing if keep(e[0])],
+            **{
+                name: getattr(self, name)[mask]
+                for name in ("identity", "multi", "targets")
+                if getattr(self, name) is not None
+            },
         )
 
 
@@ -150,8 +155,8 @@ def identify(root: str | os.PathLike, sources: list[Source], checksum: bool = Fa
         pool = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4))
         try:
             for i in range(0, n, 4096):  # batches: map() would queue a future per file at once
-                paths = [os.path.join(root, s.rel) for s in sources[i:i + 4096]]
-                out["src_hash"][i:i + 4096] = list(pool.map(partial(_content_hash, stop=stop), paths))
+                paths = [os.path.join(root, s.rel) for s in sources[i : i + 4096]]
+                out["src_hash"][i : i + 4096] = list(pool.map(partial(_content_hash, stop=stop), paths))
         finally:
             stop.set()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -169,8 +174,12 @@ def _not_regular(entry: os.DirEntry) -> Optional[str]:
         return None
     if stat.S_ISREG(mode):
         return None
-    kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-             (stat.S_ISSOCK, "socket"))
+    kinds = (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    )
     kind = next((name for is_kind, name in kinds if is_kind(mode)), "special file")
     return f"symlink to a {kind}" if entry.is_symlink() else kind
 
@@ -235,8 +244,12 @@ def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]], list[tuple[str,
     return files, ignored, unreadable
 
 
-def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None,
-         labelling: Optional[Labelling] = None, strict: bool = False) -> Scan:
+def scan(
+    raw_dir: str | os.PathLike,
+    labels_csv: str | os.PathLike | None = None,
+    labelling: Optional[Labelling] = None,
+    strict: bool = False,
+) -> Scan:
     """The sources under ``raw_dir`` and their labels (folders, or ``labels_csv``) as ``labelling`` says.
 
     A label not in ``--classes``: with ``strict`` (``--on-error fail``) an error, else the file is
@@ -255,12 +268,13 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
     if labels_csv is not None:
         rows, unused = read_csv(labels_csv, labelling)
         if unused:
-            notes.append(f"{labels_csv}: column(s) {', '.join(map(repr, unused))} not used "
-                         f"(--targets COL stores numeric columns)")
+            notes.append(
+                f"{labels_csv}: column(s) {', '.join(map(repr, unused))} not used "
+                f"(--targets COL stores numeric columns)"
+            )
         on_disk = set(files) | {rel for rel, _ in ignored}  # an ignored file is reported once, as ignored
         ignored += [(f, "not listed in the labels file") for f in files if f not in rows]
-        missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(rows)
-                   if p not in on_disk]
+        missing = [(p, "listed in the labels file but not found under raw/") for p in sorted(rows) if p not in on_disk]
         files = [f for f in files if f in rows]
         named, where = [rows[f].names for f in files], [rows[f].where for f in files]
     elif labelling.unlabeled:
@@ -276,24 +290,53 @@ def scan(raw_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None
         # A class folder that cannot be listed stays a class (with no files this time), so that the ids
         # of the classes after it do not shift under a refresh that goes on without it (--on-error skip).
         unlisted = sorted({rel.rstrip("/") for rel, _ in unreadable if rel.count("/") == 1})
-    classes = class_list(named + [(c,) for c in unlisted], where + [f"{root / c}/" for c in unlisted], pinned,
-                         integers=labels_csv is not None)
+    classes = class_list(
+        named + [(c,) for c in unlisted],
+        where + [f"{root / c}/" for c in unlisted],
+        pinned,
+        integers=labels_csv is not None,
+    )
     what = "label" if labels_csv is not None else "class folder"
-    keep, sets, rejected = _class_ids(files, named, where, classes,
-                                      lambda name: f"{what} {name!r} is not in --classes {labelling.classes}",
-                                      strict, with_row=labels_csv is not None)
+    keep, sets, rejected = _class_ids(
+        files,
+        named,
+        where,
+        classes,
+        lambda name: f"{what} {name!r} is not in --classes {labelling.classes}",
+        strict,
+        with_row=labels_csv is not None,
+    )
     label_of = (lambda k: sets[k][0]) if labelling.kind == "class" else (lambda k: -1)
     sources = [Source(f, label_of(k)) for k, f in enumerate(keep)]
     multi = pack(sets, len(classes)) if labelling.kind == "multi" else None
-    targets = (np.array([rows[f].targets for f in keep], dtype=np.float32).reshape(len(keep), len(labelling.targets))
-               if labelling.targets else None)
-    return Scan(sources, classes, sorted(ignored), sorted(missing + rejected), unreadable=unreadable,
-                kind=labelling.kind, target_names=list(labelling.targets), multi=multi, targets=targets, notes=notes)
+    targets = (
+        np.array([rows[f].targets for f in keep], dtype=np.float32).reshape(len(keep), len(labelling.targets))
+        if labelling.targets
+        else None
+    )
+    return Scan(
+        sources,
+        classes,
+        sorted(ignored),
+        sorted(missing + rejected),
+        unreadable=unreadable,
+        kind=labelling.kind,
+        target_names=list(labelling.targets),
+        multi=multi,
+        targets=targets,
+        notes=notes,
+    )
 
 
-def _class_ids(files: list[str], named: list[tuple[str, ...]], where: list[str], classes: list[str],
-               unknown: Callable[[str], str], strict: bool,
-               with_row: bool) -> tuple[list[str], list[list[int]], list[tuple[str, str]]]:
+def _class_ids(
+    files: list[str],
+    named: list[tuple[str, ...]],
+    where: list[str],
+    classes: list[str],
+    unknown: Callable[[str], str],
+    strict: bool,
+    with_row: bool,
+) -> tuple[list[str], list[list[int]], list[tuple[str, str]]]:
     """The files whose label names are all in ``classes``, their class ids, and the others with the
     reason (``unknown(name)``, plus the CSV row ``with_row``); with ``strict`` the first other one is an error."""
     ids = {c: i for i, c in enumerate(classes)}

@@ -26,8 +26,10 @@ def check_splits(splits: dict[str, float]) -> None:
     """Raise ValueError unless the names are usable folder names and the fractions leave room for train."""
     for name, fraction in splits.items():
         if not _NAME.fullmatch(name) or name == TRAIN or name.endswith(".lmdb"):
-            raise ValueError(f"--split name {name!r} must be a plain name other than {TRAIN!r} "
-                             f"(letters, digits, '_', '-', '.'); {TRAIN} is the remainder")
+            raise ValueError(
+                f"--split name {name!r} must be a plain name other than {TRAIN!r} "
+                f"(letters, digits, '_', '-', '.'); {TRAIN} is the remainder"
+            )
         if not 0 < fraction < 1:
             raise ValueError(f"--split {name}={fraction:g}: the fraction must be between 0 and 1")
     if sum(splits.values()) >= 1:

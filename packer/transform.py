@@ -92,6 +92,7 @@ def uniforms(seed: int, epoch: int | np.ndarray, indices: np.ndarray, count: int
 
 # --- crop boxes ----------------------------------------------------------------------------------
 
+
 def random_resized_crops(
     u: np.ndarray,
     heights: np.ndarray,
@@ -144,8 +145,9 @@ class Augment:
     eval_ratio: float = 0.875
     flip: bool = True
 
-    def crops(self, seed: int, epoch: int | np.ndarray, indices: Sequence[int], heights: np.ndarray,
-              widths: np.ndarray) -> list[Crop]:
+    def crops(
+        self, seed: int, epoch: int | np.ndarray, indices: Sequence[int], heights: np.ndarray, widths: np.ndarray
+    ) -> list[Crop]:
         """The crop of each of ``indices`` (stored sizes ``heights`` x ``widths``) in ``epoch`` (one
         value, or one per sample)."""
         if not self.train:
@@ -215,8 +217,9 @@ def raw_image(data: memoryview, height: int, width: int) -> np.ndarray:
 _decode_buffers = threading.local()
 
 
-def decode_jpeg(data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]] = None,
-                rgbx: bool = False) -> np.ndarray:
+def decode_jpeg(
+    data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]] = None, rgbx: bool = False
+) -> np.ndarray:
     """Decode a JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size.
 
     The result is this thread's buffer for that size, valid until the thread's next such call.
@@ -240,8 +243,15 @@ def decode_jpeg(data: memoryview, height: int, width: int, factor: Optional[tupl
 _band_buffers = threading.local()
 
 
-def decode_jpeg_band(data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]],
-                     box: tuple[int, int, int, int], margin: int, rgbx: bool) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+def decode_jpeg_band(
+    data: memoryview,
+    height: int,
+    width: int,
+    factor: Optional[tuple[int, int]],
+    box: tuple[int, int, int, int],
+    margin: int,
+    rgbx: bool,
+) -> tuple[np.ndarray, tuple[int, int, int, int]]:
     """Decode only ``box`` (top, left, bottom, right, in the image decoded at ``factor``) of a JPEG
     record, plus ``margin`` pixels around it (for the resize filter's reach and so that the box's
     pixels equal a full decode's); ValueError unless the record has the indexed size.
@@ -269,8 +279,12 @@ def decode_jpeg_band(data: memoryview, height: int, width: int, factor: Optional
 def crop_box(crop: Crop, factor: Optional[tuple[int, int]]) -> tuple[int, int, int, int]:
     """The crop box (stored-image pixels) as (top, left, bottom, right) in an image decoded at ``factor``."""
     num, den = factor or (1, 1)
-    return (crop.top * num // den, crop.left * num // den,
-            -(-(crop.top + crop.height) * num // den), -(-(crop.left + crop.width) * num // den))
+    return (
+        crop.top * num // den,
+        crop.left * num // den,
+        -(-(crop.top + crop.height) * num // den),
+        -(-(crop.left + crop.width) * num // den),
+    )
 
 
 def _raw_bytes(im: Image.Image, rawmode: str) -> bytes:
@@ -304,8 +318,9 @@ def _pixels(im: Image.Image) -> object:
 Clock = Optional[Callable[[str], None]]
 
 
-def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out: np.ndarray,
-                clock: Clock = None) -> None:
+def resize_into(
+    img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out: np.ndarray, clock: Clock = None
+) -> None:
     """Write ``img[box]`` resized (antialiased bilinear) and optionally mirrored into ``out``, a
     ``size x size x 3`` uint8 HWC array (a view of the output batch), with :func:`resize_backend`.
     ``img`` is HWC RGB, or RGBX for Pillow, whose images map RGBX memory without a copy."""
@@ -315,8 +330,9 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
     if backend == "packer":
         img = np.ascontiguousarray(img[:, :, :3])  # already so: RGB from the decoders and raw records
         dst = out if out.flags.c_contiguous else np.empty(out.shape, np.uint8)
-        _native.resize_crop(img, img.shape[0], img.shape[1], top, left, bottom - top, right - left, dst, size, size,
-                            flip)
+        _native.resize_crop(
+            img, img.shape[0], img.shape[1], top, left, bottom - top, right - left, dst, size, size, flip
+        )
         if clock:
             clock("resize")
         if dst is not out:
@@ -327,8 +343,9 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
             src = Image.frombuffer("RGBX", (img.shape[1], img.shape[0]), img, "raw", "RGBX", 0, 1)
         else:  # RGB (raw records): Pillow unpacks just the box's rows, read in place, to its layout
             start = (top * img.shape[1] + left) * 3
-            src = Image.frombuffer("RGB", (right - left, bottom - top), img.reshape(-1)[start:], "raw", "RGB",
-                                   img.shape[1] * 3, 1)
+            src = Image.frombuffer(
+                "RGB", (right - left, bottom - top), img.reshape(-1)[start:], "raw", "RGB", img.shape[1] * 3, 1
+            )
             top, left, bottom, right = 0, 0, bottom - top, right - left
         small = src.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, right, bottom))
         if clock:
@@ -357,8 +374,9 @@ def resize_into(img: np.ndarray, box: tuple[int, int, int, int], flip: bool, out
         clock("write to batch")
 
 
-def crop_into(data: memoryview, fmt: str, height: int, width: int, crop: Crop, out: np.ndarray,
-              clock: Clock = None) -> None:
+def crop_into(
+    data: memoryview, fmt: str, height: int, width: int, crop: Crop, out: np.ndarray, clock: Clock = None
+) -> None:
     """One record's crop, resized to ``out``'s size and flipped if the crop says so, written into
     ``out`` (a uint8 H x W x C array).
 
@@ -395,7 +413,9 @@ def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.T
     return _tensor(img).clone()
 
 
-def norm_constants(mean: Sequence[float], std: Sequence[float], shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_constants(
+    mean: Sequence[float], std: Sequence[float], shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(255 * mean, 1 / (255 * std)) as float32, reshaped to broadcast over channels."""
     m = torch.tensor(mean, dtype=torch.float32).mul(255)
     inv = torch.tensor(std, dtype=torch.float32).mul(255).reciprocal()

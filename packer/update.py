@@ -105,8 +105,11 @@ def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]
 
     Backend and shard size only change the layout, so records are reused across them.
     """
-    changed = [f"{k} {manifest.options.get(k)!r} -> {v!r}" for k, v in settings["options"].items()
-               if manifest.options.get(k) != v]
+    changed = [
+        f"{k} {manifest.options.get(k)!r} -> {v!r}"
+        for k, v in settings["options"].items()
+        if manifest.options.get(k) != v
+    ]
     if manifest.codec != settings["codec"]:
         changed.append(f"codec {manifest.codec} -> {settings['codec']}")
     if manifest.packer_version != __version__:
@@ -116,8 +119,9 @@ def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]
     return ", ".join(changed) or None
 
 
-def reuse_plan(out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], found: Scan,
-                settings: dict[str, Any], quiet: bool) -> Optional[Cache]:
+def reuse_plan(
+    out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], found: Scan, settings: dict[str, Any], quiet: bool
+) -> Optional[Cache]:
     """Match each source to an old record by path and identity (size and mtime, or size and content
     hash with --checksum); None when the old records were built differently."""
     manifest, index, paths = previous
@@ -126,8 +130,10 @@ def reuse_plan(out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], fou
         _say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
         return None
     blob = bytes(paths)
-    old = {blob[o:o + n].decode("utf-8", "surrogateescape"): j
-           for j, (o, n) in enumerate(zip(index["src_offset"].tolist(), index["src_length"].tolist()))}
+    old = {
+        blob[o : o + n].decode("utf-8", "surrogateescape"): j
+        for j, (o, n) in enumerate(zip(index["src_offset"].tolist(), index["src_length"].tolist()))
+    }
     candidate = np.array([old.get(s.rel, -1) for s in found.sources], dtype=np.int64)
     known = np.flatnonzero(candidate >= 0)
     same = np.ones(len(known), dtype=bool)
@@ -138,8 +144,9 @@ def reuse_plan(out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], fou
     return Cache(out, manifest, index, old_of)
 
 
-def ordered_results(raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[Cache],
-                     opts: Options, workers: int) -> Iterator[tuple[Result, bool]]:
+def ordered_results(
+    raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[Cache], opts: Options, workers: int
+) -> Iterator[tuple[Result, bool]]:
     """Each source's result in scan order, and whether it was reused: copied from the old dataset when
     ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
     rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies

@@ -74,9 +74,9 @@ def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:
         if marker == 0xFF:  # fill byte
             pos += 1
             continue
-        (seg,) = struct.unpack(">H", data[pos + 2:pos + 4])
+        (seg,) = struct.unpack(">H", data[pos + 2 : pos + 4])
         if marker in _SOF and pos + 9 <= end:
-            return struct.unpack(">HH", data[pos + 5:pos + 9])
+            return struct.unpack(">HH", data[pos + 5 : pos + 9])
         if marker == 0xDA or seg < 2:  # start of scan: no frame header came first
             return None
         pos += 2 + seg
@@ -86,8 +86,13 @@ def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:
 def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     """Check the dataset at ``root``; raises DatasetError only when it cannot be opened or read safely."""
     pinned = pin(str(Path(root).resolve()))  # manifest and arrays of one version; special files refused
-    manifest, index, sources, multi, targets = (pinned.manifest, pinned.index, pinned.sources, pinned.multi,
-                                                pinned.targets)
+    manifest, index, sources, multi, targets = (
+        pinned.manifest,
+        pinned.index,
+        pinned.sources,
+        pinned.multi,
+        pinned.targets,
+    )
     result = Verification(str(root), manifest.count, "", limit=limit)
     _check_metadata(result, manifest, index, sources, multi, targets)
     digest = Digest()
@@ -98,8 +103,13 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     labels = index["label"].tolist()
     try:
         shard_files = [str(s["file"]) for s in manifest.shards]
-        for i, data, crc in walk(root, manifest.backend, index, shard_files=shard_files, extra_keys=lambda n: result.add(
-                f"data.mdb holds {n} records the index does not name")):
+        for i, data, crc in walk(
+            root,
+            manifest.backend,
+            index,
+            shard_files=shard_files,
+            extra_keys=lambda n: result.add(f"data.mdb holds {n} records the index does not name"),
+        ):
             why = _record_problem(manifest, index[i], data, crc)
             if why:
                 result.bad_records += 1
@@ -117,14 +127,20 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
 def _check_digests(result: Verification, manifest: Manifest, index: np.ndarray, sources: np.ndarray) -> None:
     """The manifest's own fields, the index rows and the source paths against the build's digests."""
     for name, key, stored, computed, what in (
-        (MANIFEST, "manifest_digest", manifest.manifest_digest, manifest.computed_digest,
-         "fields (class names, options, counts, short edge)"),
+        (
+            MANIFEST,
+            "manifest_digest",
+            manifest.manifest_digest,
+            manifest.computed_digest,
+            "fields (class names, options, counts, short edge)",
+        ),
         (INDEX, "index_digest", manifest.index_digest, index_digest(index), "rows"),
         (SOURCES, "sources_digest", manifest.sources_digest, index_digest(sources), "source paths"),
     ):
         if not stored and manifest.format_version < 2:
-            result.notes.append(f"{name}: {what} not checked (the manifest has no {key}: written by "
-                                f"format 1; rebuild to cover them)")
+            result.notes.append(
+                f"{name}: {what} not checked (the manifest has no {key}: written by format 1; rebuild to cover them)"
+            )
         elif stored != computed:
             why = f"the manifest has no {key}" if not stored else f"manifest {key}"
             result.add(f"{name}: {what} differ from those the build wrote ({why}; damaged or edited)")
@@ -156,19 +172,28 @@ def _first_gap(offsets: np.ndarray, lengths: np.ndarray, total: int) -> Optional
     return None if (int(ends[-1]) if len(ends) else 0) == total else len(offsets)
 
 
-def _check_metadata(result: Verification, manifest: Manifest, index: np.ndarray, sources: np.ndarray,
-                    multi: Optional[np.ndarray], targets: Optional[np.ndarray]) -> None:
+def _check_metadata(
+    result: Verification,
+    manifest: Manifest,
+    index: np.ndarray,
+    sources: np.ndarray,
+    multi: Optional[np.ndarray],
+    targets: Optional[np.ndarray],
+) -> None:
     """Counts and layout that the index, manifest, source-path blob and label arrays must agree on."""
     if manifest.scanned != manifest.count + manifest.skipped + manifest.ignored:
-        result.add(f"manifest: scanned {manifest.scanned} != count + skipped + ignored "
-                   f"({manifest.count} + {manifest.skipped} + {manifest.ignored})")
+        result.add(
+            f"manifest: scanned {manifest.scanned} != count + skipped + ignored "
+            f"({manifest.count} + {manifest.skipped} + {manifest.ignored})"
+        )
     counts = class_counts(manifest.label_kind, index["label"], multi, len(manifest.classes)).tolist()
     if counts != manifest.class_counts:
         where = LABELS if manifest.label_kind == "multi" else "index"
         result.add(f"manifest: class_counts {manifest.class_counts} differ from the {where}'s labels {counts}")
     if arrays_digest(multi, targets) != manifest.labels_digest:
-        result.add("labels.npy/targets.npy differ from those the build wrote (manifest labels_digest; "
-                   "damaged or edited)")
+        result.add(
+            "labels.npy/targets.npy differ from those the build wrote (manifest labels_digest; damaged or edited)"
+        )
     gap = _first_gap(index["src_offset"], index["src_length"], len(sources))
     if gap is not None:
         result.add(f"{INDEX}: source paths are not laid out back to back (at record {gap})")

@@ -33,8 +33,14 @@ READ_BLOCK = 8 << 20  # bytes per buffered read of a memmap shard
 CHUNK_BYTES, CHUNK_RECORDS = 4 << 20, 1024  # records handed from the reading thread at a time
 
 
-def walk(root: str | os.PathLike, backend: str, index: np.ndarray, *, shard_files: Optional[list[str]] = None,
-         extra_keys: Optional[Callable[[int], None]] = None) -> Iterator[Record]:
+def walk(
+    root: str | os.PathLike,
+    backend: str,
+    index: np.ndarray,
+    *,
+    shard_files: Optional[list[str]] = None,
+    extra_keys: Optional[Callable[[int], None]] = None,
+) -> Iterator[Record]:
     """Every record of the dataset (or staging folder) at ``root`` in index order, ``(i, bytes,
     crc32)``; bytes ``None`` (and CRC 0) for a record whose bytes are missing. Memmap shards are
     ``shard_files`` (a manifest's list) or the standard names; for LMDB, ``extra_keys(n)`` is told of
@@ -118,8 +124,9 @@ def _memmap(root: Path, index: np.ndarray, shards: Optional[list[str]]) -> Gener
     """Records read shard by shard with large buffered reads; a missing shard gives None records."""
     current, f = -1, None
     try:
-        for i, (k, offset, length) in enumerate(zip(index["shard"].tolist(), index["offset"].tolist(),
-                                                    index["length"].tolist())):
+        for i, (k, offset, length) in enumerate(
+            zip(index["shard"].tolist(), index["offset"].tolist(), index["length"].tolist())
+        ):
             if k != current:
                 if f is not None:
                     f.close()

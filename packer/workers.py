@@ -103,7 +103,7 @@ def results(root: str, rels: list[str], opts: Options, workers: int, chunk: int)
     """
 
     def paths(k: int) -> list[str]:
-        return [os.path.join(root, rel) for rel in rels[k * chunk:(k + 1) * chunk]]
+        return [os.path.join(root, rel) for rel in rels[k * chunk : (k + 1) * chunk]]
 
     count = -(-len(rels) // chunk)
     if workers <= 1:

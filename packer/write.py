@@ -49,11 +49,25 @@ class LmdbWriter:
     the whole batch written again (tensorpack #1562 dropped records here; Caffe #3731 did this).
     """
 
-    def __init__(self, path: str | os.PathLike, state: dict[str, Any] | None = None,
-                 map_size: int = 1 << 30, batch_records: int = 1000, batch_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any] | None = None,
+        map_size: int = 1 << 30,
+        batch_records: int = 1000,
+        batch_bytes: int = 64 << 20,
+    ) -> None:
         self.path = str(path)
-        self.env = lmdb.open(self.path, map_size=map_size, subdir=True, sync=False, metasync=False,
-                             meminit=False, max_dbs=0, readahead=False)
+        self.env = lmdb.open(
+            self.path,
+            map_size=map_size,
+            subdir=True,
+            sync=False,
+            metasync=False,
+            meminit=False,
+            max_dbs=0,
+            readahead=False,
+        )
         self.count = int(state["count"]) if state else 0
         self._discard_from(self.count)
         self.batch_records, self.batch_bytes = batch_records, batch_bytes
@@ -105,13 +119,12 @@ class LmdbWriter:
 class MemmapWriter:
     """Plain files of concatenated records, ``shard_size`` records each, written sequentially."""
 
-    def __init__(self, path: str | os.PathLike, state: dict[str, Any] | None = None,
-                 shard_size: int = 10_000) -> None:
+    def __init__(self, path: str | os.PathLike, state: dict[str, Any] | None = None, shard_size: int = 10_000) -> None:
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_size = shard_size
         self.shards: list[dict[str, Any]] = [dict(s) for s in state["shards"]] if state else []
-        for extra in sorted(self.root.glob("shard-*.bin"))[len(self.shards):]:
+        for extra in sorted(self.root.glob("shard-*.bin"))[len(self.shards) :]:
             extra.unlink()  # written after the last checkpoint
         self._file = None
         if self.shards:
@@ -157,8 +170,9 @@ class MemmapWriter:
         return sum(int(s["bytes"]) for s in self.shards)
 
 
-def open_writer(backend: str, path: str | os.PathLike, state: dict[str, Any] | None,
-                shard_size: int) -> LmdbWriter | MemmapWriter:
+def open_writer(
+    backend: str, path: str | os.PathLike, state: dict[str, Any] | None, shard_size: int
+) -> LmdbWriter | MemmapWriter:
     if backend == "lmdb":
         return LmdbWriter(path, state)
     return MemmapWriter(path, state, shard_size=shard_size)

@@ -142,12 +142,15 @@ def time_packer(raw: Path, out: Path, workers: int, backend: str, fmt: str) -> t
 
 def run_packer(raw: Path, out: Path, workers: int, backend: str, fmt: str) -> dict:
     """packer build in a subprocess; peak PSS summed over its whole process tree, polled every 50 ms."""
-    code = ("import json, sys, dataclasses, packer; r = packer.build(sys.argv[1], sys.argv[2], "
-            "workers=int(sys.argv[3]), backend=sys.argv[4], format=sys.argv[5], force=True, quiet=True); "
-            "print(json.dumps(dataclasses.asdict(r)))")
+    code = (
+        "import json, sys, dataclasses, packer; r = packer.build(sys.argv[1], sys.argv[2], "
+        "workers=int(sys.argv[3]), backend=sys.argv[4], format=sys.argv[5], force=True, quiet=True); "
+        "print(json.dumps(dataclasses.asdict(r)))"
+    )
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, str(raw), str(out), str(workers), backend, fmt],
-                            stdout=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(raw), str(out), str(workers), backend, fmt], stdout=subprocess.PIPE, cwd=ROOT
+    )
     peak = 0
     done = threading.Event()
 
@@ -185,8 +188,12 @@ def quality(out: Path, raw: Path, sample: int) -> dict:
         theirs.append(10 * np.log10(255**2 / np.mean((naive_jpeg - ref) ** 2)))
     record_bytes = int(index["length"].sum())
     disk = sum(p.stat().st_size for p in out.iterdir() if p.name.endswith((".mdb", ".bin")))
-    return {"psnr_db": statistics.mean(ours), "naive_q90_psnr_db": statistics.mean(theirs),
-            "bytes_per_image": record_bytes / len(index), "data_file_over_records": disk / record_bytes}
+    return {
+        "psnr_db": statistics.mean(ours),
+        "naive_q90_psnr_db": statistics.mean(theirs),
+        "bytes_per_image": record_bytes / len(index),
+        "data_file_over_records": disk / record_bytes,
+    }
 
 
 def main() -> None:
@@ -200,14 +207,20 @@ def main() -> None:
     ap.add_argument("--format", default="jpeg", choices=["jpeg", "raw"])
     ap.add_argument("--skip-baselines", action="store_true", help="only packer (e.g. memory at scale)")
     ap.add_argument("--repeats-memory", type=int, default=1, help="builds run only to measure memory")
-    ap.add_argument("--replicate", type=int, default=1,
-                    help="list every image K times (symlinks): memory at K x the images without K x the disk")
+    ap.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="list every image K times (symlinks): memory at K x the images without K x the disk",
+    )
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench")
     args = ap.parse_args()
 
     size = tuple(int(v) for v in args.size.split("x"))
     raw = args.raw or args.work / f"raw-{args.images}-{args.size}"
-    files = [str(f) for f in (sorted(raw.rglob("*.jpg")) if args.raw else make_folder(raw, args.images, size, args.workers))]
+    files = [
+        str(f) for f in (sorted(raw.rglob("*.jpg")) if args.raw else make_folder(raw, args.images, size, args.workers))
+    ]
     if args.replicate > 1:
         raw = replicate(raw, files, args.replicate, args.work / f"replicated-{len(files)}x{args.replicate}")
         files = [str(f) for f in sorted(raw.rglob("*.jpg"))]
@@ -215,9 +228,11 @@ def main() -> None:
     import PIL
 
     simd = ".post" in PIL.__version__
-    print(f"{len(files)} images from {raw}; {args.workers} processes; Pillow {PIL.__version__}"
-          f"{' (pillow-simd)' if simd else ''}; turbojpeg {'yes' if turbojpeg() else 'no'}; "
-          f"{args.backend}/{args.format}; {args.repeats} repeats (medians)")
+    print(
+        f"{len(files)} images from {raw}; {args.workers} processes; Pillow {PIL.__version__}"
+        f"{' (pillow-simd)' if simd else ''}; turbojpeg {'yes' if turbojpeg() else 'no'}; "
+        f"{args.backend}/{args.format}; {args.repeats} repeats (medians)"
+    )
     walls: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
     peaks: list[float] = []
@@ -241,24 +256,36 @@ def main() -> None:
     cpu_rate = {k: n * args.workers / statistics.median(v) for k, v in cpus.items()}
     print(f"  {'':<32} {'wall img/s':>10} {'CPU-based':>10} {'CPU ms/img':>10}")
     for k in walls:
-        print(f"  {k:<32} {rate[k]:10.1f} {cpu_rate[k]:10.1f} {1000 * statistics.median(cpus[k]) / n:10.1f}"
-              f"   (wall runs: {', '.join(f'{t:.2f}s' for t in walls[k])})")
-    result = {"images": n, "workers": args.workers, "pillow": PIL.__version__, "rates": rate,
-              "cpu_rates": cpu_rate, "peak_pss_mib": max(peaks)}
+        print(
+            f"  {k:<32} {rate[k]:10.1f} {cpu_rate[k]:10.1f} {1000 * statistics.median(cpus[k]) / n:10.1f}"
+            f"   (wall runs: {', '.join(f'{t:.2f}s' for t in walls[k])})"
+        )
+    result = {
+        "images": n,
+        "workers": args.workers,
+        "pillow": PIL.__version__,
+        "rates": rate,
+        "cpu_rates": cpu_rate,
+        "peak_pss_mib": max(peaks),
+    }
     if not args.skip_baselines:
         for kind, r in (("wall", rate), ("cpu", cpu_rate)):
             floor = max(r["floor: turbojpeg scaled decode"], r["floor: Pillow draft decode"])
             result[f"{kind}_vs_floor"] = r["packer build"] / floor
             result[f"{kind}_vs_naive"] = r["packer build"] / r["naive Pillow loop"]
-            print(f"  {kind:>4}: packer / decode floor = {result[f'{kind}_vs_floor']:.2f}x   "
-                  f"packer / naive = {result[f'{kind}_vs_naive']:.2f}x")
+            print(
+                f"  {kind:>4}: packer / decode floor = {result[f'{kind}_vs_floor']:.2f}x   "
+                f"packer / naive = {result[f'{kind}_vs_naive']:.2f}x"
+            )
     print(f"  peak memory of the build (PSS, all processes): {max(peaks):.0f} MiB")
     if args.format == "jpeg":
         q = quality(out, raw, sample=min(20, len(files)))
         result.update(q)
-        print(f"  {q['bytes_per_image']:,.0f} bytes/image; data file / sum of records = "
-              f"{q['data_file_over_records']:.3f}; PSNR vs naive LANCZOS {q['psnr_db']:.2f} dB "
-              f"(naive's own q90 JPEG: {q['naive_q90_psnr_db']:.2f} dB)")
+        print(
+            f"  {q['bytes_per_image']:,.0f} bytes/image; data file / sum of records = "
+            f"{q['data_file_over_records']:.3f}; PSNR vs naive LANCZOS {q['psnr_db']:.2f} dB "
+            f"(naive's own q90 JPEG: {q['naive_q90_psnr_db']:.2f} dB)"
+        )
     print("JSON " + json.dumps(result))
 
 

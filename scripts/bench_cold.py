@@ -40,6 +40,7 @@ from pagecache import cached_fraction, evict  # noqa: E402
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-bench"
 
+
 def limit_memory(mib: int) -> str:
     """Move this process (and so its DataLoader workers) into a memory cgroup of ``mib`` MiB, so that
     the page cache left beside the processes' own memory is smaller than the dataset: every epoch then
@@ -63,8 +64,13 @@ def limit_memory(mib: int) -> str:
 def epoch(dataset: Path, workers: int, batch_size: int, seed: int, order: str) -> float:
     """Seconds for one epoch (every record once, in ShardSampler's ``order``) with fresh workers."""
     ds = ShardDataset(dataset, dtype=torch.uint8)
-    loader = DataLoader(ds, batch_size=batch_size, sampler=ShardSampler(ds, seed=seed, order=order),
-                        num_workers=workers, drop_last=False)
+    loader = DataLoader(
+        ds,
+        batch_size=batch_size,
+        sampler=ShardSampler(ds, seed=seed, order=order),
+        num_workers=workers,
+        drop_last=False,
+    )
     t0 = time.perf_counter()
     n = sum(len(labels) for _, labels in loader)
     assert n == len(ds)
@@ -78,9 +84,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--images", dest="images", type=int, default=2000)
-    ap.add_argument("--memory-limit", type=int, metavar="MIB",
-                    help="run in a memory cgroup this big (root): a dataset bigger than what it leaves for the "
-                         "page cache is read from disk every epoch")
+    ap.add_argument(
+        "--memory-limit",
+        type=int,
+        metavar="MIB",
+        help="run in a memory cgroup this big (root): a dataset bigger than what it leaves for the "
+        "page cache is read from disk every epoch",
+    )
     ap.add_argument("--formats", default="raw,jpeg", help="record formats to build and read")
     ap.add_argument("--orders", default="random", help="ShardSampler orders to compare: random, block")
     args = ap.parse_args()
@@ -97,8 +107,10 @@ def main() -> None:
         datasets[fmt] = out
     if args.memory_limit:  # after the builds: only the reads run in the cgroup
         print(f"in memory cgroup {limit_memory(args.memory_limit)} ({args.memory_limit} MiB)")
-    print(f"{args.images} records (427x320 stored), {args.backend}, {args.workers} workers, batch {args.batch_size}, "
-          f"RandomResizedCrop 224 + flip, uint8, {args.repeats} repeats; a cold epoch reads every record from disk")
+    print(
+        f"{args.images} records (427x320 stored), {args.backend}, {args.workers} workers, batch {args.batch_size}, "
+        f"RandomResizedCrop 224 + flip, uint8, {args.repeats} repeats; a cold epoch reads every record from disk"
+    )
     orders = args.orders.split(",")
     for fmt, path in datasets.items():
         size = disk_bytes(path)
@@ -112,9 +124,11 @@ def main() -> None:
                     rates[order, kind].append(args.images / epoch(path, args.workers, args.batch_size, r, order))
         for (order, kind), v in rates.items():
             med = statistics.median(v)
-            print(f"  {fmt:<5} {order:<6} {kind}: {med:>8,.0f} samples/s, {med * size / args.images / 1e6:>7,.0f} MB/s "
-                  f"of records (runs {', '.join(f'{x:,.0f}' for x in v)}; cached before: "
-                  f"{statistics.median(cached[order, kind]):.0%}); dataset {size / 1e6:,.0f} MB")
+            print(
+                f"  {fmt:<5} {order:<6} {kind}: {med:>8,.0f} samples/s, {med * size / args.images / 1e6:>7,.0f} MB/s "
+                f"of records (runs {', '.join(f'{x:,.0f}' for x in v)}; cached before: "
+                f"{statistics.median(cached[order, kind]):.0%}); dataset {size / 1e6:,.0f} MB"
+            )
         if len(orders) > 1 or orders != ["random"]:
             for order in orders:
                 print(f"  {fmt:<5} {order:<6} label mix: {label_mix(path, order, args.batch_size)}")
@@ -130,11 +144,13 @@ def label_mix(dataset: Path, order: str, batch_size: int) -> str:
     overall = np.bincount(labels, minlength=classes) / len(labels)
     tv, present = [], []
     for k in range(0, len(labels) - batch_size + 1, batch_size):
-        counts = np.bincount(labels[k:k + batch_size], minlength=classes)
+        counts = np.bincount(labels[k : k + batch_size], minlength=classes)
         tv.append(0.5 * np.abs(counts / batch_size - overall).sum())
         present.append((counts > 0).sum())
-    return (f"distance to the dataset's label mix {np.mean(tv):.3f} per batch, {np.mean(present):.1f} of "
-            f"{classes} classes per batch")
+    return (
+        f"distance to the dataset's label mix {np.mean(tv):.3f} per batch, {np.mean(present):.1f} of "
+        f"{classes} classes per batch"
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ def main() -> None:
     ap.add_argument("--task-size", type=int, default=25, help="files per Dask task (--shard-size)")
     ap.add_argument("--backend", choices=["lmdb", "memmap"], default="lmdb")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--raw", type=Path, default=ROOT / "data" / "bench-dask" / "raw",
-                    help="where the generated photos are cached")
+    ap.add_argument(
+        "--raw", type=Path, default=ROOT / "data" / "bench-dask" / "raw", help="where the generated photos are cached"
+    )
     args = ap.parse_args()
 
     import distributed
@@ -59,16 +60,19 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-dask-"))
     suffix = ".lmdb" if args.backend == "lmdb" else ""
     common = dict(backend=args.backend, quiet=True)
-    with distributed.LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", silence_logs=logging.ERROR) as cluster:
+    with distributed.LocalCluster(
+        n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
+    ) as cluster:
         runs: dict[str, Callable[[Path], str]] = {
             "local": lambda out: build(args.raw, out, workers=args.workers, **common).digest,
-            "dask local (with cluster start)": lambda out: build_dask(
-                args.raw, out, address="local", workers=args.workers, shard_size=args.task_size,
-                **common).digest,
-            "dask, running cluster": lambda out: build_dask(
-                args.raw, out, address=cluster.scheduler_address, shard_size=args.task_size,
-                **common).digest,
+            "dask local (with cluster start)": lambda out: (
+                build_dask(
+                    args.raw, out, address="local", workers=args.workers, shard_size=args.task_size, **common
+                ).digest
+            ),
+            "dask, running cluster": lambda out: (
+                build_dask(args.raw, out, address=cluster.scheduler_address, shard_size=args.task_size, **common).digest
+            ),
         }
         times: dict[str, list[float]] = {name: [] for name in runs}
         digests: set[str] = set()
@@ -81,12 +85,16 @@ def main() -> None:
     if len(digests) != 1:
         sys.exit(f"digests differ between builds: {sorted(digests)}")
     base, best = statistics.median(times["local"]), min(times["local"])
-    print(f"{expected} photos (12 MP), {args.workers} workers, {args.backend}, task size {args.task_size}, "
-          f"{args.repeats} repeats; digest {digests.pop()[:19]}...")
+    print(
+        f"{expected} photos (12 MP), {args.workers} workers, {args.backend}, task size {args.task_size}, "
+        f"{args.repeats} repeats; digest {digests.pop()[:19]}..."
+    )
     for name, ts in times.items():  # min too: a busy machine only ever adds time
         med = statistics.median(ts)
-        print(f"  {name:<32} median {med:6.2f} s ({expected / med:5.1f} images/s, ratio {med / base:.2f})"
-              f"   min {min(ts):6.2f} s (ratio {min(ts) / best:.2f})")
+        print(
+            f"  {name:<32} median {med:6.2f} s ({expected / med:5.1f} images/s, ratio {med / base:.2f})"
+            f"   min {min(ts):6.2f} s (ratio {min(ts) / best:.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -64,8 +64,10 @@ try:
     from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
     from ffcv.writer import DatasetWriter
 except ImportError as e:  # the project's own venv has no FFCV: say how to get one
-    sys.exit(f"FFCV is not importable here ({e}): run this script with the FFCV venv's python, "
-             "set up as the docstring says (/work/ffcv-venv/bin/python scripts/bench_ffcv.py)")
+    sys.exit(
+        f"FFCV is not importable here ({e}): run this script with the FFCV venv's python, "
+        "set up as the docstring says (/work/ffcv-venv/bin/python scripts/bench_ffcv.py)"
+    )
 
 #: Batches each measured run skips before timing, on both sides: what packer.bench.measure skips
 #: (each worker's first prefetch_factor + 1 batches, prefetch_factor 2).
@@ -77,6 +79,7 @@ def warm_batches(workers: int) -> int:
 
 
 # --- the .beton files ----------------------------------------------------------------------------
+
 
 class Pixels:
     """packer's raw records as FFCV's writer wants them: (H x W x 3 uint8, label)."""
@@ -116,7 +119,7 @@ def beton_records(path: Path) -> list[bytes]:
     size = dict(zip(reader.alloc_table["ptr"].tolist(), reader.alloc_table["size"].tolist()))
     data = np.memmap(path, dtype=np.uint8, mode="r")
     image = reader.metadata[reader.metadata.dtype.names[reader.field_names.index("image")]]  # fields are unnamed
-    return [bytes(data[p:p + size[p]]) for p in image["data_ptr"].tolist()]
+    return [bytes(data[p : p + size[p]]) for p in image["data_ptr"].tolist()]
 
 
 def check_stored(pixels: Pixels, jpeg: Path, raw_beton: Path, jpg_beton: Path) -> str:
@@ -132,19 +135,24 @@ def check_stored(pixels: Pixels, jpeg: Path, raw_beton: Path, jpg_beton: Path) -
     reader = open_reader(jpeg, manifest, index)
     packer_bytes = [len(reader.get(i)) for i in range(manifest.count)]
     decoded = ShardDataset(jpeg, crop_size=None, dtype=torch.uint8)
-    packer_err = [np.abs(decoded[i][0].permute(1, 2, 0).numpy().astype(np.int16) - ref).mean()
-                  for i, ref in enumerate(pixels.images)]
+    packer_err = [
+        np.abs(decoded[i][0].permute(1, 2, 0).numpy().astype(np.int16) - ref).mean()
+        for i, ref in enumerate(pixels.images)
+    ]
     recs = beton_records(jpg_beton)
     bgr = [cv2.imdecode(np.frombuffer(r, np.uint8), cv2.IMREAD_COLOR) for r in recs]
     ffcv_err = [np.abs(b[..., ::-1].astype(np.int16) - ref).mean() for b, ref in zip(bgr, pixels.images)]
     kib = 1024
     ffcv_bytes = [len(r) for r in recs]
-    return (f"stored per record: raw {pixels.images[0].nbytes / kib:.0f} KiB both (FFCV's = packer's pixels, "
-            f"checked); JPEG q90 packer {np.mean(packer_bytes) / kib:.1f} KiB, FFCV {np.mean(ffcv_bytes) / kib:.1f} "
-            f"KiB; mean |error| vs raw: packer {np.mean(packer_err):.2f}, FFCV {np.mean(ffcv_err):.2f}")
+    return (
+        f"stored per record: raw {pixels.images[0].nbytes / kib:.0f} KiB both (FFCV's = packer's pixels, "
+        f"checked); JPEG q90 packer {np.mean(packer_bytes) / kib:.1f} KiB, FFCV {np.mean(ffcv_bytes) / kib:.1f} "
+        f"KiB; mean |error| vs raw: packer {np.mean(packer_err):.2f}, FFCV {np.mean(ffcv_err):.2f}"
+    )
 
 
 # --- the measurements ----------------------------------------------------------------------------
+
 
 def packer_rate(path: Path, samples: int, batch_size: int, workers: int) -> tuple[float, float]:
     """(samples/s, CPU us per sample) of ShardDataset through a DataLoader, warm-up excluded."""
@@ -164,11 +172,25 @@ def ffcv_loader(path: Path, count: int, samples: int, batch_size: int, workers: 
         # An epoch visits the stored records in a random order, each about equally often, as many times as
         # the measurement needs: the same records packer's sampler draws from, no replicated file.
         indices = np.resize(np.arange(count), (warm + samples // batch_size) * batch_size)
-        loader = Loader(str(path), batch_size=batch_size, num_workers=workers, order=OrderOption.RANDOM, seed=0,
-                        os_cache=True, drop_last=True, indices=indices,
-                        pipelines={"image": [RandomResizedCropRGBImageDecoder((CROP, CROP)), RandomHorizontalFlip(),
-                                             ToTensor(), ToTorchImage()],
-                                   "label": [IntDecoder(), ToTensor()]})
+        loader = Loader(
+            str(path),
+            batch_size=batch_size,
+            num_workers=workers,
+            order=OrderOption.RANDOM,
+            seed=0,
+            os_cache=True,
+            drop_last=True,
+            indices=indices,
+            pipelines={
+                "image": [
+                    RandomResizedCropRGBImageDecoder((CROP, CROP)),
+                    RandomHorizontalFlip(),
+                    ToTensor(),
+                    ToTorchImage(),
+                ],
+                "label": [IntDecoder(), ToTensor()],
+            },
+        )
         for images, _ in loader:  # the compiling epoch
             assert images.dtype == torch.uint8 and images.shape[1:] == (3, CROP, CROP)
         _LOADERS[path] = loader
@@ -192,6 +214,7 @@ def ffcv_rate(path: Path, count: int, samples: int, batch_size: int, workers: in
 
 # --- main ----------------------------------------------------------------------------------------
 
+
 def linked(prefix: str) -> str:
     """The file name of a shared library this process has loaded (its version is in it)."""
     with open("/proc/self/maps") as f:
@@ -202,9 +225,13 @@ def linked(prefix: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=200, help="camera images (packed once, read in epochs)")
-    ap.add_argument("--samples", type=int, default=5120,
-                    help="samples timed per run, rounded up to whole batches; keep 20+ batches: the batches "
-                         "in progress when the clock starts skew a short run")
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=5120,
+        help="samples timed per run, rounded up to whole batches; keep 20+ batches: the batches "
+        "in progress when the clock starts skew a short run",
+    )
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=cores(), help="DataLoader processes / FFCV threads")
     ap.add_argument("--repeats", type=int, default=3)
@@ -235,28 +262,38 @@ def main() -> None:
     import numba
     import PIL
 
-    print(f"{count} images at short edge {se}, {w} workers, batch {bs}, RandomResizedCrop {CROP} + flip, uint8, "
-          f"{samples:,} samples timed a run after {warm_batches(w)} warm-up batches, {args.repeats} repeats; "
-          f"{cores()} cores usable ({os.cpu_count()} on the machine)")
-    print(f"packer {packer_version} (resize by {resize_backend()}, Pillow {PIL.__version__}); "
-          f"FFCV {importlib.metadata.version('ffcv')}, numba {numba.__version__}, numpy {np.__version__}, "
-          f"torch {torch.__version__}, opencv-python-headless {cv2.__version__} (writing the JPEG .beton only)")
+    print(
+        f"{count} images at short edge {se}, {w} workers, batch {bs}, RandomResizedCrop {CROP} + flip, uint8, "
+        f"{samples:,} samples timed a run after {warm_batches(w)} warm-up batches, {args.repeats} repeats; "
+        f"{cores()} cores usable ({os.cpu_count()} on the machine)"
+    )
+    print(
+        f"packer {packer_version} (resize by {resize_backend()}, Pillow {PIL.__version__}); "
+        f"FFCV {importlib.metadata.version('ffcv')}, numba {numba.__version__}, numpy {np.__version__}, "
+        f"torch {torch.__version__}, opencv-python-headless {cv2.__version__} (writing the JPEG .beton only)"
+    )
     print(stored, flush=True)
     wall, cpu = run_interleaved(runs, args.repeats, w, width=18)
-    print(f"FFCV's decoder links {linked('libturbojpeg')}, {linked('libopencv_imgproc')}; "
-          f"numba threading layer {numba.threading_layer()}")
+    print(
+        f"FFCV's decoder links {linked('libturbojpeg')}, {linked('libopencv_imgproc')}; "
+        f"numba threading layer {numba.threading_layer()}"
+    )
 
-    print(f"\nmedians of {args.repeats}; 'CPU-based' = {w} x 1e6 / (CPU us per sample, all processes and threads): "
-          f"the rate {w} idle cores would give")
+    print(
+        f"\nmedians of {args.repeats}; 'CPU-based' = {w} x 1e6 / (CPU us per sample, all processes and threads): "
+        f"the rate {w} idle cores would give"
+    )
     med, med_cpu = median_table(wall, cpu, width=18)
     print("\npacker / FFCV        wall-clock  CPU-based")
     for fmt in ("raw", "jpeg"):
         a, b = f"packer {fmt} uint8", f"FFCV {fmt} uint8"
         print(f"  {fmt:<18} {med[a] / med[b]:>10.2f}x {med_cpu[a] / med_cpu[b]:>9.2f}x")
-    print("  notes: FFCV decodes whole JPEGs with libjpeg-turbo's fast integer DCT (TJFLAG_FASTDCT) and resizes\n"
-          "  with OpenCV INTER_AREA; packer decodes only the crop's rows and columns with the accurate DCT and\n"
-          "  resizes with its antialiased bilinear kernel. Both read from the page cache (warm): cold reads from\n"
-          "  disk are not measured.")
+    print(
+        "  notes: FFCV decodes whole JPEGs with libjpeg-turbo's fast integer DCT (TJFLAG_FASTDCT) and resizes\n"
+        "  with OpenCV INTER_AREA; packer decodes only the crop's rows and columns with the accurate DCT and\n"
+        "  resizes with its antialiased bilinear kernel. Both read from the page cache (warm): cold reads from\n"
+        "  disk are not measured."
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,10 @@ def main(base: Path, n: int) -> None:
             reps.append((first, known, get))
         first, known, get = np.median(np.array(reps), axis=0)
         leaves = sum(1 for page in guard.pages.values() if page[0] == P_LEAF)
-        print(f"{fmt}: {n} records on {leaves} leaf pages: first check {first * 1e6:.2f} us/record, "
-              f"once known {known * 1e6:.3f} us/record; txn.get {get * 1e6:.2f} us/record")
+        print(
+            f"{fmt}: {n} records on {leaves} leaf pages: first check {first * 1e6:.2f} us/record, "
+            f"once known {known * 1e6:.3f} us/record; txn.get {get * 1e6:.2f} us/record"
+        )
 
 
 if __name__ == "__main__":

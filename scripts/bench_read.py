@@ -53,6 +53,7 @@ CACHE = Path("/tmp/packer-bench")
 
 # --- the "before": an ImageFolder-style Dataset decoding files with Pillow -----------------------
 
+
 class FolderDataset(Dataset):
     """What a typical training script does per sample: the torchvision ImageFolder + RandomResizedCrop
     + RandomHorizontalFlip + ToTensor + Normalize pipeline, written out with Pillow and torch."""
@@ -120,6 +121,7 @@ def decode_limit(path: Path, samples: int, workers: int, count: int) -> tuple[fl
 
 # --- data ----------------------------------------------------------------------------------------
 
+
 def camera_images(n: int, workers: int) -> Path:
     """``n`` generated 12 MP camera JPEGs, in the cache folder bench_build.py uses too."""
     raw = CACHE / f"raw-{n}-4000x3000"
@@ -150,11 +152,13 @@ def write_records_as_files(dataset: Path, dest: Path) -> list[Path]:
 
 # --- memory --------------------------------------------------------------------------------------
 
+
 def rss_growth(path: Path, epochs: int, workers: int, batch_size: int) -> dict[str, Any]:
     """Worker RSS after the first batch and after ``epochs`` full epochs (persistent workers)."""
     ds = ShardDataset(path, dtype=torch.uint8)
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                         persistent_workers=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=True, drop_last=True
+    )
     before: list[dict[str, int]] = []
     n = 0
     for epoch in range(epochs):
@@ -168,8 +172,12 @@ def rss_growth(path: Path, epochs: int, workers: int, batch_size: int) -> dict[s
     mib = 1 << 20
     keys = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
     growth = {k: max((a.get(k, 0) - b.get(k, 0)) / mib for a, b in zip(after, before)) for k in keys}
-    return {"records": len(ds), "samples": n, "max_growth_mib": growth,
-            "after_mib": {k: max(a.get(k, 0) for a in after) / mib for k in keys}}
+    return {
+        "records": len(ds),
+        "samples": n,
+        "max_growth_mib": growth,
+        "after_mib": {k: max(a.get(k, 0) for a in after) / mib for k in keys},
+    }
 
 
 def small_dataset(n: int, workers: int) -> Path:
@@ -184,8 +192,9 @@ def small_dataset(n: int, workers: int) -> Path:
 Rates = dict[str, list[float]]
 
 
-def run_interleaved(runs: dict[str, Callable[[], tuple[float, float]]], repeats: int, workers: int,
-                    width: int = 20) -> tuple[Rates, Rates]:
+def run_interleaved(
+    runs: dict[str, Callable[[], tuple[float, float]]], repeats: int, workers: int, width: int = 20
+) -> tuple[Rates, Rates]:
     """Each run once per repeat, in turn, so that drifting machine load hits all alike. Returns the
     wall-clock samples/s and the CPU-based rates (what ``workers`` fully available cores would give)."""
     wall: Rates = {k: [] for k in runs}
@@ -211,6 +220,7 @@ def median_table(wall: Rates, cpu: Rates, width: int = 20) -> tuple[dict[str, fl
 
 # --- main ----------------------------------------------------------------------------------------
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=200, help="camera images (packed once, read in epochs)")
@@ -222,8 +232,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=cores())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-rss", action="store_true", help="skip the worker-memory measurement")
-    ap.add_argument("--rss-records", type=int, default=2000,
-                    help="records in the memory test's dataset, read for 20,000 samples in all")
+    ap.add_argument(
+        "--rss-records",
+        type=int,
+        default=2000,
+        help="records in the memory test's dataset, read for 20,000 samples in all",
+    )
     args = ap.parse_args()
     w, bs = args.workers, args.batch_size
 
@@ -247,16 +261,20 @@ def main() -> None:
         "raw uint8 @320x240": lambda: loader_rate(ShardDataset(raw240, dtype=torch.uint8), args.samples, bs, w),
         "bare decode limit": lambda: decode_limit(jpeg, args.samples, w, count),
         "pre-resized files": lambda: loader_rate(FolderDataset(small_files), args.pre_resized_samples, bs, w),
-        "camera JPEGs": lambda: loader_rate(FolderDataset(camera_files), args.camera_samples,
-                                            args.camera_batch, w),
+        "camera JPEGs": lambda: loader_rate(FolderDataset(camera_files), args.camera_samples, args.camera_batch, w),
     }
     import PIL
 
-    print(f"{count} images, {w} workers, batch {bs} (camera: {args.camera_batch}), crop {CROP}, "
-          f"{args.repeats} repeats; resize by {resize_backend()} (Pillow {PIL.__version__})", flush=True)
+    print(
+        f"{count} images, {w} workers, batch {bs} (camera: {args.camera_batch}), crop {CROP}, "
+        f"{args.repeats} repeats; resize by {resize_backend()} (Pillow {PIL.__version__})",
+        flush=True,
+    )
     wall, cpu = run_interleaved(runs, args.repeats, w)
-    print(f"\nmedians of {args.repeats} ({w} workers, RandomResizedCrop {CROP} + flip); 'CPU-based' = "
-          f"{w} x 1e6 / (CPU us per sample, main process + workers): the rate {w} idle cores would give")
+    print(
+        f"\nmedians of {args.repeats} ({w} workers, RandomResizedCrop {CROP} + flip); 'CPU-based' = "
+        f"{w} x 1e6 / (CPU us per sample, main process + workers): the rate {w} idle cores would give"
+    )
     med, med_cpu = median_table(wall, cpu)
     goals = [
         ("jpeg uint8 / bare decode limit", "packer jpeg uint8", "bare decode limit", 0.8),
@@ -273,8 +291,10 @@ def main() -> None:
         vals = [m[a] / m[b] if b else m[a] for m in (med, med_cpu)]
         verdict = "/".join("met" if v >= goal else "NOT met" for v in vals)
         print(f"  {label:<34} {vals[0]:>10,.2f} {vals[1]:>10,.2f}  goal >= {goal:,}: {verdict}")
-    print("  * FFCV's figures as the issue quotes them (2 cores, 224 crops, images at a long side of 320); FFCV\n"
-          "    needs its own venv, so the side-by-side run is scripts/bench_ffcv.py (see docs/PERFORMANCE.md)")
+    print(
+        "  * FFCV's figures as the issue quotes them (2 cores, 224 crops, images at a long side of 320); FFCV\n"
+        "    needs its own venv, so the side-by-side run is scripts/bench_ffcv.py (see docs/PERFORMANCE.md)"
+    )
 
     if not args.no_rss:
         ds = small_dataset(args.rss_records, w)
@@ -282,15 +302,21 @@ def main() -> None:
         epochs = max(1, -(-20_000 // per_epoch))  # at least 20,000 samples
         mem = rss_growth(ds, epochs, w, bs)
         g = mem["max_growth_mib"]
-        print(f"\nworker RSS over {mem['samples']:,} samples ({mem['records']:,} records x {epochs} epochs), "
-              f"largest growth of {w} workers, MiB: " + ", ".join(f"{k} {v:+.1f}" for k, v in g.items()))
+        print(
+            f"\nworker RSS over {mem['samples']:,} samples ({mem['records']:,} records x {epochs} epochs), "
+            f"largest growth of {w} workers, MiB: " + ", ".join(f"{k} {v:+.1f}" for k, v in g.items())
+        )
         print("  after: " + ", ".join(f"{k} {v:.1f}" for k, v in mem["after_mib"].items()))
         batch_mib = bs * CROP * CROP * 3 / 2**20
-        print(f"  RssFile is the dataset's pages mapped as they are read (shared page cache, at most the dataset's "
-              f"{disk_bytes(ds) / 2**20:.0f} MiB); RssShmem the worker's reused batch segments (packer.batchpool, "
-              f"{batch_mib:.0f} MiB a batch, one per batch in flight, at most {POOL_MAX})")
-        print(f"  goal: growth < 50 MiB of private memory (RssAnon, where copy-on-access growth shows): "
-              f"{g['RssAnon']:+.1f} MiB, {'met' if g['RssAnon'] < 50 else 'NOT met'}; VmRSS {g['VmRSS']:+.1f} MiB")
+        print(
+            f"  RssFile is the dataset's pages mapped as they are read (shared page cache, at most the dataset's "
+            f"{disk_bytes(ds) / 2**20:.0f} MiB); RssShmem the worker's reused batch segments (packer.batchpool, "
+            f"{batch_mib:.0f} MiB a batch, one per batch in flight, at most {POOL_MAX})"
+        )
+        print(
+            f"  goal: growth < 50 MiB of private memory (RssAnon, where copy-on-access growth shows): "
+            f"{g['RssAnon']:+.1f} MiB, {'met' if g['RssAnon'] < 50 else 'NOT met'}; VmRSS {g['VmRSS']:+.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

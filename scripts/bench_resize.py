@@ -41,7 +41,7 @@ def kernels(img: np.ndarray, out: np.ndarray) -> dict[str, Callable[[tuple[int, 
 
     def pillow_resize(box: tuple[int, int, int, int, bool]) -> Image.Image:
         top, left, h, w, _ = box
-        src = Image.frombuffer("RGB", (w, h), img.reshape(-1)[(top * W + left) * 3:], "raw", "RGB", W * 3, 1)
+        src = Image.frombuffer("RGB", (w, h), img.reshape(-1)[(top * W + left) * 3 :], "raw", "RGB", W * 3, 1)
         return src.resize((SIZE, SIZE), Image.Resampling.BILINEAR)
 
     def pillow(box: tuple[int, int, int, int, bool]) -> None:
@@ -51,7 +51,7 @@ def kernels(img: np.ndarray, out: np.ndarray) -> dict[str, Callable[[tuple[int, 
 
     def torch_kernel(box: tuple[int, int, int, int, bool]) -> None:
         top, left, h, w, flip = box
-        region = torch.from_numpy(img[top:top + h, left:left + w]).permute(2, 0, 1)[None]
+        region = torch.from_numpy(img[top : top + h, left : left + w]).permute(2, 0, 1)[None]
         hwc = F.interpolate(region, size=(SIZE, SIZE), mode="bilinear", antialias=True)[0].permute(1, 2, 0)
         slot.copy_(hwc.flip(1) if flip else hwc)
 
@@ -72,14 +72,18 @@ def main() -> None:
     u = uniforms(0, 0, np.arange(args.boxes), DRAWS)
     crops = random_resized_crops(u, np.full(args.boxes, H), np.full(args.boxes, W))
     boxes = [(*map(int, c), bool(f < 0.5)) for c, f in zip(crops, u[:, 40])]
-    classes = {"all RandomResizedCrop boxes": boxes,
-               "crop taller than 224": [b for b in boxes if b[2] >= SIZE],
-               "crop shorter than 224": [b for b in boxes if b[2] < SIZE]}
+    classes = {
+        "all RandomResizedCrop boxes": boxes,
+        "crop taller than 224": [b for b in boxes if b[2] >= SIZE],
+        "crop shorter than 224": [b for b in boxes if b[2] < SIZE],
+    }
     fns = kernels(img, out)
     import PIL
 
-    print(f"{args.boxes} boxes of a {W}x{H} record -> {SIZE}x{SIZE}, median of {args.repeats}; "
-          f"Pillow {PIL.__version__}, torch {torch.__version__} (1 thread)")
+    print(
+        f"{args.boxes} boxes of a {W}x{H} record -> {SIZE}x{SIZE}, median of {args.repeats}; "
+        f"Pillow {PIL.__version__}, torch {torch.__version__} (1 thread)"
+    )
     print(f"  {'us per crop':<34}" + "".join(f"{name:>22}" for name in fns))
     for label, subset in classes.items():
         times = {name: [] for name in fns}

@@ -100,8 +100,9 @@ def run(args: list[str]) -> tuple[float, str]:
     of its whole process tree" in MB; the tree's PSS sampled every 0.1 s, as bench_build.py does)."""
     peak = WORK / "peak-rss"
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", _STEP, str(peak), *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STEP, str(peak), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     tree = 0
     while proc.poll() is None:
         tree = max(tree, sum(_pss_kib(p) for p in _descendants(proc.pid)))

@@ -146,8 +146,11 @@ def main() -> None:
         datasets[fmt] = CACHE / f"transform-2000-{fmt}.lmdb"
         build(raw, datasets[fmt], format=fmt, workers=args.workers, quiet=True, update=True)
     per_batch, per_sample = rng_cost()
-    print(f"seeding the global generators: {per_batch:.0f} us per batch (save + restore), {per_sample:.1f} us per "
-          "sample (torch + numpy + random)", flush=True)
+    print(
+        f"seeding the global generators: {per_batch:.0f} us per batch (save + restore), {per_sample:.1f} us per "
+        "sample (torch + numpy + random)",
+        flush=True,
+    )
     trees = {"this": ROOT, "baseline": baseline_tree(args.baseline) if args.baseline else None}
     runs = {k: v for k, v in RUNS.items() if trees[v[1]] is not None}
     rates: dict[str, list[float]] = {k: [] for k in runs}
@@ -155,30 +158,52 @@ def main() -> None:
     inproc: dict[str, list[float]] = {k: [] for k in runs}  # us per sample, __getitems__ in one process
     names = list(runs)
     for r in range(args.repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotated: no run is always first
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated: no run is always first
             fmt, tree, transform, sampler = runs[name]
             env = {**os.environ, "PYTHONPATH": str(trees[tree])}
-            out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_transform.py"), "--workers",
-                                  str(args.workers), "--samples", str(args.samples), "--one", str(datasets[fmt]),
-                                  transform or "-", "1" if sampler else "0"],
-                                 env=env, cwd=trees[tree], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "scripts" / "bench_transform.py"),
+                    "--workers",
+                    str(args.workers),
+                    "--samples",
+                    str(args.samples),
+                    "--one",
+                    str(datasets[fmt]),
+                    transform or "-",
+                    "1" if sampler else "0",
+                ],
+                env=env,
+                cwd=trees[tree],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             point = json.loads(out.stdout.strip().splitlines()[-1])
             rates[name].append(point["rate"])
             cpu[name].append(args.workers * 1e6 / point["us"])
             inproc[name].append(point["inproc"])
-            print(f"  repeat {r + 1}: {name:<26} {rates[name][-1]:>9,.0f} samples/s, CPU-based {cpu[name][-1]:>9,.0f}, "
-                  f"in-process {inproc[name][-1]:6.1f} us/sample", flush=True)
-    print(f"\nmedians of {args.repeats} ({args.workers} workers, uint8, RandomResizedCrop 224 + flip, batch 256); "
-          f"CPU-based = {args.workers} x 1e6 / (CPU us per sample, main process + workers); ratios to the same "
-          "format's no-transform run of this checkout:")
+            print(
+                f"  repeat {r + 1}: {name:<26} {rates[name][-1]:>9,.0f} samples/s, CPU-based {cpu[name][-1]:>9,.0f}, "
+                f"in-process {inproc[name][-1]:6.1f} us/sample",
+                flush=True,
+            )
+    print(
+        f"\nmedians of {args.repeats} ({args.workers} workers, uint8, RandomResizedCrop 224 + flip, batch 256); "
+        f"CPU-based = {args.workers} x 1e6 / (CPU us per sample, main process + workers); ratios to the same "
+        "format's no-transform run of this checkout:"
+    )
     med = {k: statistics.median(v) for k, v in rates.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     med_in = {k: statistics.median(v) for k, v in inproc.items()}
     for name, v in rates.items():
         ref = "jpeg" if name.startswith("jpeg") else "raw"
-        print(f"  {name:<26} {med[name]:>9,.0f} samples/s {med[name] / med[ref]:6.3f}x   CPU-based {med_cpu[name]:>9,.0f} "
-              f"{med_cpu[name] / med_cpu[ref]:6.3f}x   in-process {med_in[name]:6.1f} us/sample "
-              f"{med_in[ref] / med_in[name]:6.3f}x  (runs {', '.join(f'{x:,.0f}' for x in v)})")
+        print(
+            f"  {name:<26} {med[name]:>9,.0f} samples/s {med[name] / med[ref]:6.3f}x   CPU-based {med_cpu[name]:>9,.0f} "
+            f"{med_cpu[name] / med_cpu[ref]:6.3f}x   in-process {med_in[name]:6.1f} us/sample "
+            f"{med_in[ref] / med_in[name]:6.3f}x  (runs {', '.join(f'{x:,.0f}' for x in v)})"
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,13 @@ def make_jpeg(rng: np.random.Generator) -> bytes:
     if rng.random() < 0.2:
         im = im.convert("L")
     buf = io.BytesIO()
-    im.save(buf, "JPEG", quality=int(rng.integers(5, 100)), subsampling=int(rng.integers(0, 3)),
-            progressive=bool(rng.random() < 0.3))
+    im.save(
+        buf,
+        "JPEG",
+        quality=int(rng.integers(5, 100)),
+        subsampling=int(rng.integers(0, 3)),
+        progressive=bool(rng.random() < 0.3),
+    )
     return buf.getvalue()
 
 
@@ -85,17 +90,37 @@ def fuzz_decode(native: ModuleType, rng: np.random.Generator) -> None:
     need = max(height, 1) * (w + 16) * channels
     out = np.empty(need if rng.random() < 0.9 else int(rng.integers(0, need + 1)), np.uint8)
     try:
-        x_offset, band_width, image_width, image_height = native.decode_crop(data, top, left, height, width, num, 8, channels, out)
+        x_offset, band_width, image_width, image_height = native.decode_crop(
+            data, top, left, height, width, num, 8, channels, out
+        )
     except ValueError:
         return
     assert x_offset <= left and x_offset + band_width >= left + width and band_width * height * channels <= out.size
     if data is good:
-        same_as_whole_decode(native, data, num, channels, top, x_offset, out[: height * band_width * channels]
-                             .reshape(height, band_width, channels), image_width, image_height)
+        same_as_whole_decode(
+            native,
+            data,
+            num,
+            channels,
+            top,
+            x_offset,
+            out[: height * band_width * channels].reshape(height, band_width, channels),
+            image_width,
+            image_height,
+        )
 
 
-def same_as_whole_decode(native: ModuleType, data: bytes, num: int, channels: int, top: int, x_offset: int,
-                         band: np.ndarray, image_width: int, image_height: int) -> None:
+def same_as_whole_decode(
+    native: ModuleType,
+    data: bytes,
+    num: int,
+    channels: int,
+    top: int,
+    x_offset: int,
+    band: np.ndarray,
+    image_width: int,
+    image_height: int,
+) -> None:
     """A band equals the same pixels of a whole decode, except within 2 pixels of a cut edge (fancy
     upsampling sees no neighbours across it): packer.codec.decode_jpeg_region's documented promise."""
     whole = np.empty(image_height * image_width * channels, np.uint8)

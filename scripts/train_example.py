@@ -30,7 +30,12 @@ def small_cnn(num_classes: int) -> nn.Module:
         return [nn.Conv2d(cin, cout, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
 
     return nn.Sequential(
-        *block(3, 32), *block(32, 64), *block(64, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes)
+        *block(3, 32),
+        *block(32, 64),
+        *block(64, 128),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, num_classes),
     )
 
 

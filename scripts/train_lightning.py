@@ -51,9 +51,15 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.lr = lr
         self.net = nn.Sequential(
-            nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
-            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes),
+            nn.Conv2d(3, 32, 3, stride=2, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, num_classes),
         )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -62,8 +68,10 @@ class Classifier(L.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         sampler = self.trainer.train_dataloader.sampler
-        print(f"epoch {self.current_epoch}: sampler epoch {sampler.epoch}, dataset epoch {sampler.dataset.epoch}",
-              flush=True)
+        print(
+            f"epoch {self.current_epoch}: sampler epoch {sampler.epoch}, dataset epoch {sampler.dataset.epoch}",
+            flush=True,
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -88,10 +96,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = p.parse_args(argv)
 
     ds = ShardDataset(args.dataset, crop_size=args.crop_size, dtype=torch.uint8, transform=brightness)
-    loader = Loader(ds, batch_size=args.batch_size, sampler=ShardSampler(ds, drop_last=True), drop_last=True,
-                    num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=torch.cuda.is_available())
-    trainer = L.Trainer(max_epochs=args.epochs, use_distributed_sampler=False, default_root_dir=args.out,
-                        enable_progress_bar=False, log_every_n_steps=1, enable_model_summary=False)
+    loader = Loader(
+        ds,
+        batch_size=args.batch_size,
+        sampler=ShardSampler(ds, drop_last=True),
+        drop_last=True,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+        pin_memory=torch.cuda.is_available(),
+    )
+    trainer = L.Trainer(
+        max_epochs=args.epochs,
+        use_distributed_sampler=False,
+        default_root_dir=args.out,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+        enable_model_summary=False,
+    )
     trainer.fit(Classifier(len(ds.classes), args.lr), loader, ckpt_path=args.ckpt)
 
 

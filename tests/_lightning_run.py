@@ -29,8 +29,14 @@ def main(dataset: str, out: str, max_steps: str, ckpt: str = "") -> None:
     ds = ShardDataset(dataset, crop_size=32, dtype=torch.uint8, transform=example.brightness)
     loader = example.Loader(ds, batch_size=2, sampler=ShardSampler(ds, drop_last=True), num_workers=2)
     every = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=3, save_top_k=-1)
-    trainer = L.Trainer(max_steps=int(max_steps), use_distributed_sampler=False, enable_progress_bar=False,
-                        logger=False, enable_model_summary=False, callbacks=[every])
+    trainer = L.Trainer(
+        max_steps=int(max_steps),
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        callbacks=[every],
+    )
     trainer.fit(Recording(len(ds.classes), 0.01), loader, ckpt_path=ckpt or None)
     torch.save(seen, Path(out) / f"batches-{max_steps}{'-resumed' if ckpt else ''}.pt")
 

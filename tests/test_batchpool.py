@@ -28,8 +28,14 @@ class PoolSize(ShardDataset):
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
 def test_held_batches_are_never_overwritten_and_freed_ones_are_reused(built, dtype: torch.dtype) -> None:
     ds = PoolSize(built("lmdb", "jpeg"), crop_size=32, seed=2, dtype=dtype)
-    loader = DataLoader(ds, batch_size=3, num_workers=2, shuffle=True, persistent_workers=True,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        ds,
+        batch_size=3,
+        num_workers=2,
+        shuffle=True,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     held: list[tuple[torch.Tensor, torch.Tensor]] = []
     sizes = []
     for epoch in range(6):
@@ -60,8 +66,13 @@ def test_lend_reuses_a_segment_once_every_tensor_over_it_is_gone() -> None:
 def test_a_batch_pickled_twice_is_copied_for_the_second_receiver(built) -> None:
     """Only one receiver can own a segment's release; a second pickle of it sends a copy."""
     ds = ShardDataset(built("memmap", "jpeg"), crop_size=16, seed=4, dtype=torch.uint8)
-    twice = DataLoader(ds, batch_size=3, num_workers=1, multiprocessing_context="fork",
-                       collate_fn=lambda b: (collate_samples(b)[0], collate_samples(b)[0]))
+    twice = DataLoader(
+        ds,
+        batch_size=3,
+        num_workers=1,
+        multiprocessing_context="fork",
+        collate_fn=lambda b: (collate_samples(b)[0], collate_samples(b)[0]),
+    )
     for first, second in twice:
         assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()
     expected = torch.stack([ds[i][0] for i in range(3)])

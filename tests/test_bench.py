@@ -17,13 +17,36 @@ from packer.dataset import ShardDataset
 def test_bench_json(built, fmt: str, dtype: str) -> None:
     path = built("lmdb", fmt)
     result = CliRunner().invoke(
-        main, ["bench", str(path), "--workers", "0,1", "--json", "--batch-size", "4", "--crop-size", "64",
-               "--epochs", "2", "--dtype", dtype]
+        main,
+        [
+            "bench",
+            str(path),
+            "--workers",
+            "0,1",
+            "--json",
+            "--batch-size",
+            "4",
+            "--crop-size",
+            "64",
+            "--epochs",
+            "2",
+            "--dtype",
+            dtype,
+        ],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    for key in ("throughput", "knee", "profile", "recommendation", "fits_in_page_cache", "dataset_bytes",
-                "mem_available", "cold_read", "cores"):
+    for key in (
+        "throughput",
+        "knee",
+        "profile",
+        "recommendation",
+        "fits_in_page_cache",
+        "dataset_bytes",
+        "mem_available",
+        "cold_read",
+        "cores",
+    ):
         assert key in report
     assert [p["workers"] for p in report["throughput"]] == [0, 1]
     assert all(p["samples_per_s"] > 0 and p["samples"] == 36 for p in report["throughput"])
@@ -39,8 +62,9 @@ def test_bench_json(built, fmt: str, dtype: str) -> None:
 
 def test_bench_text_and_plot_without_matplotlib(built, monkeypatch) -> None:
     path = built("memmap", "jpeg")
-    result = CliRunner().invoke(main, ["bench", str(path), "--workers", "0", "--batch-size", "6",
-                                       "--crop-size", "48", "--eval"])
+    result = CliRunner().invoke(
+        main, ["bench", str(path), "--workers", "0", "--batch-size", "6", "--crop-size", "48", "--eval"]
+    )
     assert result.exit_code == 0, result.output
     assert "throughput stops growing at 0 workers" in result.output
     assert "drop_caches" in result.output and "page cache" in result.output
@@ -94,9 +118,15 @@ def test_advice_for_a_dataset_bigger_than_ram() -> None:
 
     points = [bench.Point(0, 100, 1.0, 100.0, 10.0)]
     stages = [{"stage": "read", "percent": 10.0}]
-    cases = [("raw", "memmap", False, "--format jpeg"), ("jpeg", "lmdb", False, "--backend memmap"),
-             ("raw", "lmdb", False, "--format jpeg"), ("raw", "lmdb", False, "--backend memmap"),
-             ("raw", "lmdb", True, None), ("jpeg", "memmap", False, None), ("raw", "lmdb", None, None)]
+    cases = [
+        ("raw", "memmap", False, "--format jpeg"),
+        ("jpeg", "lmdb", False, "--backend memmap"),
+        ("raw", "lmdb", False, "--format jpeg"),
+        ("raw", "lmdb", False, "--backend memmap"),
+        ("raw", "lmdb", True, None),
+        ("jpeg", "memmap", False, None),
+        ("raw", "lmdb", None, None),
+    ]
     for fmt, backend, fits, told in cases:
         notes = " ".join(bench.advice(points, stages, fmt, "uint8", "packer", fits, backend)["notes"])
         assert ("from disk" in notes) == (told is not None) and (told is None or told in notes), (fmt, backend, fits)

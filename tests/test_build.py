@@ -34,7 +34,7 @@ def stored_images(out: Path) -> tuple[Manifest, np.ndarray, np.ndarray, list[np.
         env.close()
     else:
         maps = [np.memmap(out / s["file"], dtype=np.uint8, mode="r") for s in manifest.shards]
-        blobs = [maps[r["shard"]][r["offset"]:r["offset"] + r["length"]].tobytes() for r in index]
+        blobs = [maps[r["shard"]][r["offset"] : r["offset"] + r["length"]].tobytes() for r in index]
     images = []
     for row, blob in zip(index, blobs):
         assert len(blob) == row["length"]
@@ -120,8 +120,10 @@ def test_plain_lmdb_reads_a_record_and_index_matches(built) -> None:
 
 def test_labels_csv_replaces_folder_labels(raw_photos: Path, tmp_path: Path) -> None:
     csv = tmp_path / "labels.csv"
-    rows = ["path,label"] + [f"{p.relative_to(raw_photos).as_posix()},{'odd' if int(p.stem[-1]) % 2 else 'even'}"
-                             for p in sorted(raw_photos.rglob("*.jpg"))]
+    rows = ["path,label"] + [
+        f"{p.relative_to(raw_photos).as_posix()},{'odd' if int(p.stem[-1]) % 2 else 'even'}"
+        for p in sorted(raw_photos.rglob("*.jpg"))
+    ]
     csv.write_text("\n".join(rows) + "\n")
     out = tmp_path / "csv.lmdb"
     build(raw_photos, out, labels=str(csv), workers=1, quiet=True)
@@ -131,20 +133,37 @@ def test_labels_csv_replaces_folder_labels(raw_photos: Path, tmp_path: Path) -> 
 
 def test_cli_build_and_info_json(raw_photos: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli.lmdb"
-    run = subprocess.run([sys.executable, "-m", "packer.cli", "build", str(raw_photos), str(out),
-                          "--workers", "2"], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "packer.cli", "build", str(raw_photos), str(out), "--workers", "2"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert "packed 18 of 18 scanned" in run.stderr
-    info = subprocess.run([sys.executable, "-m", "packer.cli", "info", str(out), "--json"],
-                          capture_output=True, text=True, check=True)
+    info = subprocess.run(
+        [sys.executable, "-m", "packer.cli", "info", str(out), "--json"], capture_output=True, text=True, check=True
+    )
     facts = json.loads(info.stdout)
-    for key in ("count", "classes", "class_counts", "format", "backend", "short_edge", "quality",
-                "bytes", "digest", "scanned", "skipped", "ignored"):
+    for key in (
+        "count",
+        "classes",
+        "class_counts",
+        "format",
+        "backend",
+        "short_edge",
+        "quality",
+        "bytes",
+        "digest",
+        "scanned",
+        "skipped",
+        "ignored",
+    ):
         assert key in facts
     assert facts["count"] == 18 and facts["class_counts"] == {"landscape": 9, "portrait": 9}
     assert facts["backend"] == "lmdb" and facts["format"] == "jpeg" and facts["quality"] == 90
-    again = subprocess.run([sys.executable, "-m", "packer.cli", "build", str(raw_photos), str(out)],
-                           capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "packer.cli", "build", str(raw_photos), str(out)], capture_output=True, text=True
+    )
     assert again.returncode == 1 and "already exists" in again.stderr and "Traceback" not in again.stderr
 
 
@@ -154,8 +173,9 @@ def test_import_packer_does_not_import_torch() -> None:
 
 
 @pytest.mark.parametrize("caller_threads", [False, True])
-def test_forkserver_workers_with_or_without_caller_threads(raw_photos: Path, built, tmp_path: Path,
-                                                           caller_threads: bool) -> None:
+def test_forkserver_workers_with_or_without_caller_threads(
+    raw_photos: Path, built, tmp_path: Path, caller_threads: bool
+) -> None:
     """Cron (no terminal, no thread) and interactive builds (tqdm's thread; a notebook) get the same pool:
     forkserver workers, which do not share the main process's growing scan list; same bytes."""
     import threading

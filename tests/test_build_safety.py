@@ -66,10 +66,14 @@ def raw(tmp_path: Path) -> Path:
 
 # ------------------------------------------------------------------------------ one build per OUT
 
-@pytest.mark.parametrize("extra", [[], ["--update"], ["--resume"], ["--force"], ["--split", "val=0.3"],
-                                   ["--dask", "local", "--workers", "1"]])
-def test_a_second_build_of_the_same_out_fails_at_once_naming_the_holder(raw: Path, tmp_path: Path,
-                                                                        extra: list[str]) -> None:
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--update"], ["--resume"], ["--force"], ["--split", "val=0.3"], ["--dask", "local", "--workers", "1"]],
+)
+def test_a_second_build_of_the_same_out_fails_at_once_naming_the_holder(
+    raw: Path, tmp_path: Path, extra: list[str]
+) -> None:
     out = tmp_path / "out.lmdb"
     with build_lock(out):  # this process is "the build already running"
         t0 = time.monotonic()
@@ -109,14 +113,16 @@ def test_wait_waits_for_the_holder_and_kill_9_leaves_no_stale_lock(raw: Path, tm
         assert refused.stderr.strip() == f"packer: error: {out} is being built by pid {holder.pid}"
 
         # --wait blocks on the lock; SIGTERM still stops it at once
-        waiting = subprocess.Popen([*PACKER, "build", str(raw), str(out), "--update", "--wait"],
-                                   stderr=subprocess.PIPE, text=True)
+        waiting = subprocess.Popen(
+            [*PACKER, "build", str(raw), str(out), "--update", "--wait"], stderr=subprocess.PIPE, text=True
+        )
         assert f"waiting for pid {holder.pid}" in waiting.stderr.readline()
         waiting.send_signal(signal.SIGTERM)
         assert waiting.wait(timeout=10) == 143
 
-        waiting = subprocess.Popen([*PACKER, "build", str(raw), str(out), "--update", "--wait", "--quiet"],
-                                   stderr=subprocess.PIPE, text=True)
+        waiting = subprocess.Popen(
+            [*PACKER, "build", str(raw), str(out), "--update", "--wait", "--quiet"], stderr=subprocess.PIPE, text=True
+        )
         time.sleep(1.0)
         assert waiting.poll() is None, "--wait must wait while the lock is held"
         holder.kill()  # kill -9: the kernel drops the lock with the process
@@ -131,6 +137,7 @@ def test_wait_waits_for_the_holder_and_kill_9_leaves_no_stale_lock(raw: Path, tm
 
 
 # ------------------------------------------------------------------------------ --resume idempotent
+
 
 def test_resume_of_a_finished_build_says_so_and_exits_0(raw: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.lmdb"
@@ -150,13 +157,16 @@ def test_resume_of_a_finished_build_says_so_and_exits_0(raw: Path, tmp_path: Pat
     other = make_raw(tmp_path / "other", classes=("x", "y"), seed=5)
     wrong = packer("build", other, out, "--resume")
     assert wrong.returncode == 1
-    assert wrong.stderr.strip() == (f"packer: error: {out} is a complete dataset built from other input or "
-                                    f"options than this --resume (use --update to refresh it, or --force to "
-                                    f"replace it)")
+    assert wrong.stderr.strip() == (
+        f"packer: error: {out} is a complete dataset built from other input or "
+        f"options than this --resume (use --update to refresh it, or --force to "
+        f"replace it)"
+    )
     assert verify(out).ok and Manifest.load(out).classes == ["a", "b", "c"]
 
 
 # ------------------------------------------------------------------------------ OUT is a symlink
+
 
 def test_a_symlinked_out_is_refreshed_behind_the_link_night_after_night(raw: Path, tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
@@ -184,6 +194,7 @@ def test_a_symlinked_out_is_refreshed_behind_the_link_night_after_night(raw: Pat
 
 # ------------------------------------------------------------------------------ special files, signals
 
+
 def test_special_files_behind_image_symlinks_are_ignored_never_opened(raw: Path, tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo")
     (raw / "a" / "fifo.jpg").symlink_to(tmp_path / "fifo")
@@ -194,12 +205,18 @@ def test_special_files_behind_image_symlinks_are_ignored_never_opened(raw: Path,
     run = packer("build", raw, out, "--update", "--checksum", "--quiet", timeout=60)
     assert run.returncode == 0, run.stderr
     report = report_lines(out)
-    assert report["a/fifo.jpg"] == {"path": "a/fifo.jpg", "status": "ignored",
-                                    "reason": "not a regular file (symlink to a FIFO)"}
+    assert report["a/fifo.jpg"] == {
+        "path": "a/fifo.jpg",
+        "status": "ignored",
+        "reason": "not a regular file (symlink to a FIFO)",
+    }
     assert report["a/zero.jpg"]["reason"] == "not a regular file (symlink to a character device)"
     assert report["b/pipe.png"]["reason"] == "not a regular file (FIFO)"
-    assert report["b/gone.jpg"] == {"path": "b/gone.jpg", "status": "skipped",
-                                    "reason": "unreadable: No such file or directory"}
+    assert report["b/gone.jpg"] == {
+        "path": "b/gone.jpg",
+        "status": "skipped",
+        "reason": "unreadable: No such file or directory",
+    }
     m = Manifest.load(out)
     assert (m.count, m.skipped, m.ignored) == (12, 1, 3) and m.scanned == m.count + m.skipped + m.ignored
 
@@ -226,8 +243,9 @@ def test_sigterm_while_checksum_hashes_large_files_stops_within_seconds(raw: Pat
         with open(raw / "c" / f"huge{i}.jpg", "wb") as f:
             f.truncate(16 << 30)
     out = tmp_path / "out.lmdb"
-    proc = subprocess.Popen([*PACKER, "build", str(raw), str(out), "--update", "--checksum", "--quiet"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*PACKER, "build", str(raw), str(out), "--update", "--checksum", "--quiet"], stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 60
     while not any("huge" in name for name in open_files(proc.pid)):
         assert proc.poll() is None and time.monotonic() < deadline, "the build never started hashing"
@@ -242,6 +260,7 @@ def test_sigterm_while_checksum_hashes_large_files_stops_within_seconds(raw: Pat
 
 
 # ------------------------------------------------------------------------------ unreadable folders
+
 
 def test_an_unreadable_class_folder_fails_the_refresh_and_never_renumbers_classes(tmp_path: Path) -> None:
     """Root reads any folder whatever its mode, so the folder is made unreadable by a path that is too
@@ -292,11 +311,14 @@ def test_class_names_equal_but_for_normalization_or_case_warn(tmp_path: Path, ca
     build(raw, tmp_path / "out", workers=1)
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     why = "differ only in Unicode normalization or case: they are two classes"
-    assert warned == [f"packer: warning: class names {nfd!r} and {nfc!r} {why}",  # in class order
-                      f"packer: warning: class names {'Cats'!r} and {'cats'!r} {why}"]
+    assert warned == [
+        f"packer: warning: class names {nfd!r} and {nfc!r} {why}",  # in class order
+        f"packer: warning: class names {'Cats'!r} and {'cats'!r} {why}",
+    ]
 
 
 # ------------------------------------------------------------------------------ CLI hygiene
+
 
 def test_info_into_a_closed_pipe_ends_quietly(raw: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.lmdb"
@@ -350,6 +372,7 @@ def test_clean_deletes_only_packer_datasets_and_their_build_folders(raw: Path, t
 
 # ------------------------------------------------------------------------------ decoding in threads
 
+
 def test_damaged_jpegs_are_skipped_by_every_thread_whatever_the_others_do(tmp_path: Path) -> None:
     """A Dask worker runs tasks in threads beside other code; warnings filters are process-wide. Damage
     must be detected per call: threads decode good and truncated files while another thread keeps
@@ -387,9 +410,16 @@ def test_damaged_jpegs_are_skipped_by_every_thread_whatever_the_others_do(tmp_pa
 def test_pillows_bomb_guard_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Importing and running packer's build leaves Pillow's process-wide limit as it was; packer's own
     --max-pixels governs its decodes."""
-    check = subprocess.run([sys.executable, "-c", "from PIL import Image; before = Image.MAX_IMAGE_PIXELS; "
-                            "import packer.pipeline, packer.distributed; print(Image.MAX_IMAGE_PIXELS == before)"],
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from PIL import Image; before = Image.MAX_IMAGE_PIXELS; "
+            "import packer.pipeline, packer.distributed; print(Image.MAX_IMAGE_PIXELS == before)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert check.stdout.strip() == "True", check.stderr
     path = tmp_path / "photo.jpg"
     jpeg(path, 1, size=(400, 300))

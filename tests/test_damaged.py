@@ -154,19 +154,21 @@ def set_index(root: Path, field: str, row: int, value: int) -> None:
     np.save(root / INDEX, index, allow_pickle=False)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("offset", 2**40, "points outside its shard"),
-    ("length", 2**40, "points outside its shard"),
-    ("offset", 2**64 - 1, "points outside its shard"),  # offset + length wraps around
-    ("shard", 99, "beyond the 3 listed"),
-    ("label", 7, "labels outside"),
-    ("label", -1, "labels outside"),
-    ("src_offset", 10**6, f"outside {SOURCES}"),
-    ("src_length", 2**32 - 1, f"outside {SOURCES}"),
-    ("height", 0, "zero size"),
-])
-def test_index_out_of_range_is_refused_on_open(pristine, tmp_path: Path, field: str, value: int,
-                                               message: str) -> None:
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("offset", 2**40, "points outside its shard"),
+        ("length", 2**40, "points outside its shard"),
+        ("offset", 2**64 - 1, "points outside its shard"),  # offset + length wraps around
+        ("shard", 99, "beyond the 3 listed"),
+        ("label", 7, "labels outside"),
+        ("label", -1, "labels outside"),
+        ("src_offset", 10**6, f"outside {SOURCES}"),
+        ("src_length", 2**32 - 1, f"outside {SOURCES}"),
+        ("height", 0, "zero size"),
+    ],
+)
+def test_index_out_of_range_is_refused_on_open(pristine, tmp_path: Path, field: str, value: int, message: str) -> None:
     root = copy(pristine("memmap", "jpeg"), tmp_path / "d")
     set_index(root, field, 5, value)
     with pytest.raises(DatasetError, match=message):
@@ -203,32 +205,35 @@ def tamper_manifest(root: Path, change: Callable[[dict], object]) -> None:
     (root / MANIFEST).write_text(result if isinstance(result, str) else json.dumps(data))
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda m: m.update(format_version=3), "format_version 3 is not supported"),
-    (lambda m: m.update(format_version=True), "format_version True is not supported"),
-    (lambda m: m.update(label_kind="regression"), "field label_kind is invalid"),
-    (lambda m: m.update(targets=["a", "a"]), "field targets is invalid"),
-    (lambda m: m.update(format_version=1, targets=["a"]), "field targets is invalid"),
-    (lambda m: m.pop("format_version"), "format_version None is not supported"),
-    (lambda m: '{"format_version": 1, "count": ', "unreadable manifest"),
-    (lambda m: "[1, 2, 3]", "not a JSON object"),
-    (lambda m: "\udcff".encode("utf-8", "surrogateescape").decode("latin-1"), "unreadable manifest"),
-    (lambda m: "[" * 100_000 + "]" * 100_000, "unreadable manifest"),  # nesting bomb: RecursionError
-    (lambda m: m.pop("classes"), "missing fields"),
-    (lambda m: m.update(count="18"), "field count is invalid"),
-    (lambda m: m.update(count=-1), "field count is invalid"),
-    (lambda m: m.update(count=10**30), "field count is invalid"),
-    (lambda m: m.update(count=True), "field count is invalid"),
-    (lambda m: m.update(count=21), "index has 20 rows, manifest says 21"),
-    (lambda m: m.update(backend="pickle"), "field backend is invalid"),
-    (lambda m: m.update(classes=["a", 1, "c"]), "field classes is invalid"),
-    (lambda m: m.update(class_counts=[20]), "field class_counts is invalid"),
-    (lambda m: m["shards"][0].update(file="../../../etc/passwd"), "field shards is invalid"),
-    (lambda m: m["shards"][0].update(file=".hidden"), "field shards is invalid"),
-    (lambda m: m["shards"][0].update(file="a\x00b"), "field shards is invalid"),
-    (lambda m: m["shards"][0].update(bytes=-5), "field shards is invalid"),
-    (lambda m: m["shards"][0].update(bytes=10), "points outside its shard"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda m: m.update(format_version=3), "format_version 3 is not supported"),
+        (lambda m: m.update(format_version=True), "format_version True is not supported"),
+        (lambda m: m.update(label_kind="regression"), "field label_kind is invalid"),
+        (lambda m: m.update(targets=["a", "a"]), "field targets is invalid"),
+        (lambda m: m.update(format_version=1, targets=["a"]), "field targets is invalid"),
+        (lambda m: m.pop("format_version"), "format_version None is not supported"),
+        (lambda m: '{"format_version": 1, "count": ', "unreadable manifest"),
+        (lambda m: "[1, 2, 3]", "not a JSON object"),
+        (lambda m: "\udcff".encode("utf-8", "surrogateescape").decode("latin-1"), "unreadable manifest"),
+        (lambda m: "[" * 100_000 + "]" * 100_000, "unreadable manifest"),  # nesting bomb: RecursionError
+        (lambda m: m.pop("classes"), "missing fields"),
+        (lambda m: m.update(count="18"), "field count is invalid"),
+        (lambda m: m.update(count=-1), "field count is invalid"),
+        (lambda m: m.update(count=10**30), "field count is invalid"),
+        (lambda m: m.update(count=True), "field count is invalid"),
+        (lambda m: m.update(count=21), "index has 20 rows, manifest says 21"),
+        (lambda m: m.update(backend="pickle"), "field backend is invalid"),
+        (lambda m: m.update(classes=["a", 1, "c"]), "field classes is invalid"),
+        (lambda m: m.update(class_counts=[20]), "field class_counts is invalid"),
+        (lambda m: m["shards"][0].update(file="../../../etc/passwd"), "field shards is invalid"),
+        (lambda m: m["shards"][0].update(file=".hidden"), "field shards is invalid"),
+        (lambda m: m["shards"][0].update(file="a\x00b"), "field shards is invalid"),
+        (lambda m: m["shards"][0].update(bytes=-5), "field shards is invalid"),
+        (lambda m: m["shards"][0].update(bytes=10), "points outside its shard"),
+    ],
+)
 def test_tampered_manifest_is_refused(pristine, tmp_path: Path, change, message: str) -> None:
     root = copy(pristine("memmap", "jpeg"), tmp_path / "d")
     tamper_manifest(root, change)
@@ -238,14 +243,18 @@ def test_tampered_manifest_is_refused(pristine, tmp_path: Path, change, message:
     assert run.returncode == 1 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("change,problem", [
-    (lambda m: m.update(digest="sha256:" + "0" * 64), "dataset digest"),
-    (lambda m: m.update(class_counts=[1, 2, 17]), "class_counts"),
-    (lambda m: m.update(scanned=99), "scanned 99"),
-    (lambda m: m["shards"][0].update(count=6), "shard record counts"),
-])
-def test_manifest_inconsistent_with_the_data_is_reported_by_verify(pristine, tmp_path: Path, change,
-                                                                   problem: str) -> None:
+@pytest.mark.parametrize(
+    "change,problem",
+    [
+        (lambda m: m.update(digest="sha256:" + "0" * 64), "dataset digest"),
+        (lambda m: m.update(class_counts=[1, 2, 17]), "class_counts"),
+        (lambda m: m.update(scanned=99), "scanned 99"),
+        (lambda m: m["shards"][0].update(count=6), "shard record counts"),
+    ],
+)
+def test_manifest_inconsistent_with_the_data_is_reported_by_verify(
+    pristine, tmp_path: Path, change, problem: str
+) -> None:
     root = copy(pristine("memmap", "jpeg"), tmp_path / "d")
     tamper_manifest(root, change)
     open_and_read_all(root)  # nothing a reader needs is wrong; verify is what catches it
@@ -450,11 +459,17 @@ def test_damaged_node_size_with_restored_mtime_is_an_error_not_sigbus(pristine, 
         assert run.returncode == 1, (args, run.returncode, run.stderr[-800:])
         assert re.search(r"record \d \(source .*\): damaged LMDB structure", run.stderr), run.stderr[-800:]
         assert "Traceback" not in run.stderr
-    script = ("import sys, torch\nfrom packer import ShardDataset, DatasetError\n"
-              "ds = ShardDataset(sys.argv[1], crop_size=None, dtype=torch.uint8)\n"
-              "try:\n    [ds[i] for i in range(len(ds))]\nexcept DatasetError as e:\n    print(e)\n")
+    script = (
+        "import sys, torch\nfrom packer import ShardDataset, DatasetError\n"
+        "ds = ShardDataset(sys.argv[1], crop_size=None, dtype=torch.uint8)\n"
+        "try:\n    [ds[i] for i in range(len(ds))]\nexcept DatasetError as e:\n    print(e)\n"
+    )
     run = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "damaged LMDB structure" in run.stdout, (run.returncode, run.stdout, run.stderr[-800:])
+    assert run.returncode == 0 and "damaged LMDB structure" in run.stdout, (
+        run.returncode,
+        run.stdout,
+        run.stderr[-800:],
+    )
 
 
 def test_update_over_a_damaged_lmdb_with_restored_mtime_decodes_again(pristine, tmp_path: Path) -> None:
@@ -470,10 +485,14 @@ def test_update_over_a_damaged_lmdb_with_restored_mtime_decodes_again(pristine, 
         f.write((0x7FFFFFF0).to_bytes(4, "little"))
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
     Image.fromarray(np.zeros((30, 30, 3), np.uint8)).save(raw / "c0" / "new.png")
-    script = ("import sys\nfrom packer import build\n"
-              "r = build(sys.argv[1], sys.argv[2], format='raw', workers=1, quiet=True, update=True)\n"
-              "print(r.count, r.reused)\n")
-    run = subprocess.run([sys.executable, "-c", script, str(raw), str(out)], capture_output=True, text=True, timeout=120)
+    script = (
+        "import sys\nfrom packer import build\n"
+        "r = build(sys.argv[1], sys.argv[2], format='raw', workers=1, quiet=True, update=True)\n"
+        "print(r.count, r.reused)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(raw), str(out)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, (run.returncode, run.stderr[-1500:])
     assert run.stdout.split() == ["21", "0"] and verify(out).ok
 
@@ -514,8 +533,12 @@ print("done", errors)
 def test_crop_on_decode_of_damaged_records_never_crashes(pristine) -> None:
     """400 byte-flipped JPEG records through the libjpeg binding (no CRC check in front), random
     bands and DCT scales, in a subprocess: a crash would fail the test; errors are ValueErrors."""
-    run = subprocess.run([sys.executable, "-c", CROP_DECODE_FUZZ, str(pristine("lmdb", "jpeg"))],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", CROP_DECODE_FUZZ, str(pristine("lmdb", "jpeg"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("done ") and int(run.stdout.split()[1]) > 0
 

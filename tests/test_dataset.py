@@ -31,9 +31,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def load(ds: ShardDataset, workers: int = 0, ctx: Optional[str] = None, **kw: Any) -> list[Batch]:
     """Every batch of one pass, in order (no shuffle: worker-count independence is about the fetch)."""
-    loader = DataLoader(
-        ds, batch_size=4, num_workers=workers, multiprocessing_context=ctx if workers else None, **kw
-    )
+    loader = DataLoader(ds, batch_size=4, num_workers=workers, multiprocessing_context=ctx if workers else None, **kw)
     return list(loader)
 
 
@@ -176,11 +174,17 @@ def test_memory_formats_and_resize_backends_agree(built, fmt: str, monkeypatch) 
             monkeypatch.delenv("PACKER_RESIZE")
             transform.resize_backend.cache_clear()
     for backend in BACKENDS:
-        u8, f32 = results[backend, torch.channels_last, torch.uint8], results[backend, torch.channels_last, torch.float32]
+        u8, f32 = (
+            results[backend, torch.channels_last, torch.uint8],
+            results[backend, torch.channels_last, torch.float32],
+        )
         assert torch.equal(u8, results[backend, torch.contiguous_format, torch.uint8])
         assert torch.equal(f32, results[backend, torch.contiguous_format, torch.float32])
         assert torch.allclose(to_device(u8, "cpu"), f32, atol=1e-6)
-    diff = (results["torch", torch.channels_last, torch.uint8].int() - results["pillow", torch.channels_last, torch.uint8].int()).abs()
+    diff = (
+        results["torch", torch.channels_last, torch.uint8].int()
+        - results["pillow", torch.channels_last, torch.uint8].int()
+    ).abs()
     # Pillow's box resize reads source pixels just outside the box; torch stops at its edge
     assert diff.float().mean() < 0.5 and diff[..., 2:-2, 2:-2].max() <= 3
     if "packer" in BACKENDS:  # torch's kernel ports Pillow's filter, as packer's does; both stop at the box
@@ -320,8 +324,9 @@ def test_pillow_fallback_reads_dct_scaled_crops(raw_photos, tmp_path: Path, resi
     monkeypatch.setenv("PACKER_RESIZE", resize)
     transform.resize_backend.cache_clear()
     try:
-        run = subprocess.run([sys.executable, "-c", FALLBACK_READ, str(out), str(fallback)],
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, "-c", FALLBACK_READ, str(out), str(fallback)], capture_output=True, text=True
+        )
         assert run.returncode == 0, run.stderr
         assert "using Pillow" in run.stderr
         ds = ShardDataset(out, crop_size=224, train=False, dtype=torch.uint8)
@@ -358,8 +363,11 @@ def test_threads_sharing_a_dataset_get_the_same_samples(built, fmt: str) -> None
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
-@pytest.mark.skipif(not codec.can_decode_region(), reason="packer._native not built (no C compiler or libjpeg "
-                    "headers when packer was installed): crops decode whole records")
+@pytest.mark.skipif(
+    not codec.can_decode_region(),
+    reason="packer._native not built (no C compiler or libjpeg "
+    "headers when packer was installed): crops decode whole records",
+)
 @pytest.mark.parametrize("short_edge", [320, 641])
 def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_edge: int, monkeypatch) -> None:
     """Decoding only a crop's band gives the crop a full decode gives: exactly with torch's resize
@@ -484,6 +492,7 @@ def test_native_resize_matches_pillows_filter() -> None:
             case = (top, left, h, w, oh, ow, flip)
             assert np.array_equal(got[True], got[False]), case
             assert np.abs(got[True].astype(int) - want).max() <= 2, case
+
     # Lanczos, on noise (negative lobes: clipped between the passes), against the exact separable
     # filter with Pillow's coefficients, horizontal pass first, each pass rounded and clipped as Pillow
     # does. (Pillow's own LANCZOS result drifts from it when one axis is upscaled and the other
@@ -508,7 +517,7 @@ def test_native_resize_matches_pillows_filter() -> None:
         h, w = int(rng.integers(1, 321)), int(rng.integers(1, 428))
         top, left = int(rng.integers(0, 321 - h)), int(rng.integers(0, 428 - w))
         oh, ow = (int(rng.choice([1, 5, 100, 240, 400])) for _ in range(2))
-        crop = img[top:top + h, left:left + w].astype(np.float64)
+        crop = img[top : top + h, left : left + w].astype(np.float64)
         mid = rounded(np.einsum("xw,hwc->hxc", lanczos_matrix(w, ow), crop))
         want = rounded(np.einsum("yh,hxc->yxc", lanczos_matrix(h, oh), mid))
         got = {}

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-distributed = pytest.importorskip("distributed",
-                                  reason="Dask distributed is not installed (pip install 'packer[dask]')")
+distributed = pytest.importorskip(
+    "distributed", reason="Dask distributed is not installed (pip install 'packer[dask]')"
+)
 
 from packer import BuildError, Labelling, build  # noqa: E402
 from packer.distributed import FRAGMENTS, build_dask, probe  # noqa: E402
@@ -30,8 +31,12 @@ from .test_build import stored_images  # noqa: E402
 @pytest.fixture(scope="module")
 def client():
     """One cluster for the module: 2 worker processes, 1 thread each, restarted by their nannies."""
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                                  silence_logs=logging.ERROR) as cluster, distributed.Client(cluster) as c:
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
+        ) as cluster,
+        distributed.Client(cluster) as c,
+    ):
         yield c
 
 
@@ -68,8 +73,9 @@ def test_digest_equals_local_build(client, mixed_raw: Path, tmp_path: Path, back
     local = tmp_path / f"local-{backend}"
     build(mixed_raw, local, backend=backend, format=fmt, workers=1, quiet=True)
     out = tmp_path / f"dask-{backend}"
-    report = build_dask(mixed_raw, out, address=client.scheduler.address, backend=backend, format=fmt,
-                        shard_size=4, quiet=True)
+    report = build_dask(
+        mixed_raw, out, address=client.scheduler.address, backend=backend, format=fmt, shard_size=4, quiet=True
+    )
     assert_same_dataset(out, local)
     assert (report.count, report.skipped, report.ignored) == (30, 1, 1)
     if backend == "memmap":  # each task's records are one shard (task size 4)
@@ -82,14 +88,24 @@ def test_labels_csv_kinds_equal_local_build(client, mixed_raw: Path, tmp_path: P
     """Multi-label rows and numeric targets from a CSV: the same label arrays and digest as locally."""
     rels = sorted(p.relative_to(mixed_raw).as_posix() for p in mixed_raw.rglob("*.jpg"))
     csv = tmp_path / "labels.csv"
-    csv.write_text("path,label,score\n" + "".join(f"{r},{'x;y' if k % 3 else 'y'},{k / 4}\n"
-                                                  for k, r in enumerate(rels)), encoding="utf-8")
+    csv.write_text(
+        "path,label,score\n" + "".join(f"{r},{'x;y' if k % 3 else 'y'},{k / 4}\n" for k, r in enumerate(rels)),
+        encoding="utf-8",
+    )
     labelling = Labelling(multi_label=True, targets=("score",))
     local = tmp_path / "local"
     build(mixed_raw, local, format="raw", labels=str(csv), labelling=labelling, workers=1, quiet=True)
     out = tmp_path / "dask"
-    build_dask(mixed_raw, out, address=client.scheduler.address, format="raw", labels=str(csv),
-               labelling=labelling, shard_size=4, quiet=True)
+    build_dask(
+        mixed_raw,
+        out,
+        address=client.scheduler.address,
+        format="raw",
+        labels=str(csv),
+        labelling=labelling,
+        shard_size=4,
+        quiet=True,
+    )
     assert_same_dataset(out, local)
     m = Manifest.load(out)
     assert (m.label_kind, m.targets, m.labels_digest) == ("multi", ["score"], Manifest.load(local).labels_digest)
@@ -99,8 +115,7 @@ def test_labels_csv_kinds_equal_local_build(client, mixed_raw: Path, tmp_path: P
 
 def test_local_cluster_from_address_local(built, raw_photos: Path, tmp_path: Path) -> None:
     """``--dask local`` starts its own LocalCluster; same digest as the session's local build."""
-    report = build_dask(raw_photos, tmp_path / "out.lmdb", address="local", workers=2, shard_size=5,
-                        quiet=True)
+    report = build_dask(raw_photos, tmp_path / "out.lmdb", address="local", workers=2, shard_size=5, quiet=True)
     assert report.digest == Manifest.load(built("lmdb", "jpeg")).digest
 
 
@@ -211,20 +226,29 @@ def test_probe_on_real_workers_checks_their_threads(client, tmp_path: Path) -> N
         assert "runs 4 threads" in four["error"] and "--nthreads 1" in four["error"]
 
 
-
 def test_cli_dask_option(client, built, raw_photos: Path, tmp_path: Path) -> None:
     """``packer build --dask ADDRESS``: same digest; a bad address is one line on stderr, exit 1."""
     cli = [sys.executable, "-m", "packer.cli", "build", str(raw_photos)]
-    done = subprocess.run([*cli, str(tmp_path / "out.lmdb"), "--dask", client.scheduler.address],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*cli, str(tmp_path / "out.lmdb"), "--dask", client.scheduler.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert Manifest.load(tmp_path / "out.lmdb").digest == Manifest.load(built("lmdb", "jpeg")).digest
     assert Manifest.load(tmp_path / "out.lmdb").options["shard_size"] == 1000  # the Dask default
-    retried = subprocess.run([*cli, str(tmp_path / "out.lmdb"), "--dask", client.scheduler.address, "--resume"],
-                             capture_output=True, text=True, timeout=120)
+    retried = subprocess.run(
+        [*cli, str(tmp_path / "out.lmdb"), "--dask", client.scheduler.address, "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert retried.returncode == 0 and "is up to date" in retried.stderr, retried.stderr
-    bad = subprocess.run([*cli, str(tmp_path / "bad.lmdb"), "--dask", "nonsense"], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [*cli, str(tmp_path / "bad.lmdb"), "--dask", "nonsense"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 1
-    assert bad.stderr.strip().splitlines() == ["packer: error: cannot use Dask scheduler address 'nonsense': "
-                                               "missing port number in address 'nonsense'"]
+    assert bad.stderr.strip().splitlines() == [
+        "packer: error: cannot use Dask scheduler address 'nonsense': missing port number in address 'nonsense'"
+    ]

@@ -21,7 +21,8 @@ def test_every_expected_error_is_a_packer_error() -> None:
 
 
 def test_cli_reports_a_packer_error_in_one_line(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "packer.cli", "info", str(tmp_path / "absent.lmdb")],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "packer.cli", "info", str(tmp_path / "absent.lmdb")], capture_output=True, text=True
+    )
     assert run.returncode == 1
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("packer: error: ") and "absent.lmdb" in run.stderr

@@ -50,8 +50,9 @@ def png_header_only(path: Path, width: int, height: int) -> None:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 def ycck_jpeg(cmyk: np.ndarray) -> Optional[bytes]:
@@ -78,6 +79,7 @@ def make_raw(root: Path) -> dict[str, Expect]:
         def check(img: np.ndarray) -> None:
             assert img.shape == ref.shape
             assert np.abs(img.astype(int) - ref.astype(int)).mean() <= tol
+
         return check
 
     save(g / "baseline.jpg", Image.fromarray(rgb), quality=95)
@@ -90,10 +92,10 @@ def make_raw(root: Path) -> dict[str, Expect]:
     expect["good/ñandú 写真 é.jpg"] = ("packed", near(rgb, 3))
 
     cmyk = np.zeros((H, W, 4), np.uint8)
-    cmyk[:, W // 2:, 0] = 255  # left half no ink (white), right half full cyan
+    cmyk[:, W // 2 :, 0] = 255  # left half no ink (white), right half full cyan
 
     def white_then_cyan(img: np.ndarray) -> None:
-        left, right = img[:, : W // 2 - 4].reshape(-1, 3).mean(0), img[:, W // 2 + 4:].reshape(-1, 3).mean(0)
+        left, right = img[:, : W // 2 - 4].reshape(-1, 3).mean(0), img[:, W // 2 + 4 :].reshape(-1, 3).mean(0)
         assert (left > 245).all(), left
         assert right[0] < 10 and (right[1:] > 245).all(), right
 
@@ -126,7 +128,7 @@ def make_raw(root: Path) -> dict[str, Expect]:
     save(g / "palette.png", pal, transparency=1)
 
     def green_then_white(img: np.ndarray) -> None:
-        assert (img[:, : W // 2] == (0, 200, 0)).all() and (img[:, W // 2:] == 255).all()
+        assert (img[:, : W // 2] == (0, 200, 0)).all() and (img[:, W // 2 :] == 255).all()
 
     expect["good/palette.png"] = ("packed", green_then_white)
 
@@ -200,8 +202,12 @@ def make_raw(root: Path) -> dict[str, Expect]:
     (b / "text.jpg").write_text("this is a text file with an image extension\n" * 20)
     expect["bad/text.jpg"] = ("skipped", "not a recognised image")
     big = gradient(200, 160)
-    for name, fmt, kw in (("truncated.jpg", "JPEG", {}), ("truncated-progressive.jpg", "JPEG", {"progressive": True}),
-                          ("truncated-cmyk.jpg", "JPEG", {}), ("truncated.png", "PNG", {})):
+    for name, fmt, kw in (
+        ("truncated.jpg", "JPEG", {}),
+        ("truncated-progressive.jpg", "JPEG", {"progressive": True}),
+        ("truncated-cmyk.jpg", "JPEG", {}),
+        ("truncated.png", "PNG", {}),
+    ):
         data = io.BytesIO()
         (Image.fromarray(big).convert("CMYK") if "cmyk" in name else Image.fromarray(big)).save(data, fmt, **kw)
         (b / name).write_bytes(data.getvalue()[: len(data.getvalue()) * 2 // 3])
@@ -223,9 +229,25 @@ def messy(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("messy")
     raw, out = base / "raw", base / "out"
     expect = make_raw(raw)
-    run = subprocess.run(PACKER + ["build", str(raw), str(out), "--format", "raw", "--workers", "2",
-                                   "--max-pixels", str(MAX_PIXELS), "--shard-size", "7"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        PACKER
+        + [
+            "build",
+            str(raw),
+            str(out),
+            "--format",
+            "raw",
+            "--workers",
+            "2",
+            "--max-pixels",
+            str(MAX_PIXELS),
+            "--shard-size",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     return raw, out, expect, run
 
@@ -234,8 +256,10 @@ def read_back(out: Path) -> dict[str, np.ndarray]:
     manifest = Manifest.load(out)
     index, sources = load_index(out, manifest)
     reader = open_reader(out, manifest, index)
-    return {source_path(sources, row): np.frombuffer(reader.get(i), np.uint8).reshape(row["height"], row["width"], 3)
-            for i, row in enumerate(index)}
+    return {
+        source_path(sources, row): np.frombuffer(reader.get(i), np.uint8).reshape(row["height"], row["width"], 3)
+        for i, row in enumerate(index)
+    }
 
 
 def report_lines(out: Path) -> list[dict]:
@@ -280,7 +304,8 @@ def test_counts_add_up_in_manifest_info_and_summary(messy) -> None:
     summary = [line for line in run.stderr.splitlines() if " packed " in line]
     assert len(summary) == 1 and summary[0].startswith(
         f"packer: {out}: packed {m.count} of {m.scanned} scanned ({m.skipped} skipped, {m.ignored} ignored; "
-        f"see report.jsonl)")
+        f"see report.jsonl)"
+    )
     assert "Traceback" not in run.stderr
     verify = subprocess.run(PACKER + ["verify", str(out)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
@@ -309,8 +334,12 @@ def test_on_error_fail_names_the_file_and_leaves_no_output(tmp_path: Path) -> No
     raw, out = tmp_path / "raw", tmp_path / "out.lmdb"
     save(raw / "c" / "a.jpg", Image.fromarray(gradient()))
     (raw / "c" / "b.jpg").write_text("not a jpeg")
-    run = subprocess.run(PACKER + ["build", str(raw), str(out), "--on-error", "fail", "--workers", "1"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        PACKER + ["build", str(raw), str(out), "--on-error", "fail", "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 1
     assert str(raw / "c" / "b.jpg") in run.stderr and "not a recognised image" in run.stderr
     assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
@@ -335,9 +364,13 @@ def test_unreadable_file_is_skipped(tmp_path: Path) -> None:
     save(raw / "c" / "secret.png", Image.fromarray(gradient()))
     (raw / "c" / "secret.png").chmod(0o000)
     try:
-        run = subprocess.run(PACKER + ["build", str(raw), str(tmp_path / "out"), "--workers", "1"],
-                             capture_output=True, text=True, timeout=60,
-                             preexec_fn=_drop_file_read_override if os.geteuid() == 0 else None)
+        run = subprocess.run(
+            PACKER + ["build", str(raw), str(tmp_path / "out"), "--workers", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=_drop_file_read_override if os.geteuid() == 0 else None,
+        )
     except subprocess.SubprocessError as e:  # no CAP_SETPCAP: cannot give up the override here
         pytest.skip(f"running as root and cannot drop CAP_DAC_OVERRIDE, so chmod 000 does not bite ({e})")
     assert run.returncode == 0, run.stderr
@@ -361,16 +394,19 @@ def test_labels_csv_naming_ignored_files_counts_each_file_once(tmp_path: Path) -
     assert report == {"c/.hidden.jpg": "ignored", "c/notes.txt": "ignored", "c/gone.jpg": "skipped"}
 
 
-@pytest.mark.parametrize("row,message", [
-    ("../outside.jpg,x", "escapes raw/"),
-    ("c/../../etc/passwd,x", "escapes raw/"),
-    ("/etc/passwd,x", "escapes raw/"),
-    ("C:\\\\Windows\\\\x.jpg,x", "escapes raw/"),
-    ("./,x", "names raw/ itself"),
-    ("c/a.jpg,", "empty label"),
-    ("c/a.jpg,x\nc/a.jpg,y", "duplicate path"),
-    ("c/a.jpg,x\n./c/a.jpg,y", "duplicate path"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ("../outside.jpg,x", "escapes raw/"),
+        ("c/../../etc/passwd,x", "escapes raw/"),
+        ("/etc/passwd,x", "escapes raw/"),
+        ("C:\\\\Windows\\\\x.jpg,x", "escapes raw/"),
+        ("./,x", "names raw/ itself"),
+        ("c/a.jpg,", "empty label"),
+        ("c/a.jpg,x\nc/a.jpg,y", "duplicate path"),
+        ("c/a.jpg,x\n./c/a.jpg,y", "duplicate path"),
+    ],
+)
 def test_labels_csv_refusals(tmp_path: Path, row: str, message: str) -> None:
     raw = tmp_path / "raw"
     save(raw / "c" / "a.jpg", Image.fromarray(gradient()))
@@ -378,8 +414,12 @@ def test_labels_csv_refusals(tmp_path: Path, row: str, message: str) -> None:
     labels.write_text("path,label\n" + row + "\n", encoding="utf-8")
     with pytest.raises(BuildError, match=message):
         build(raw, tmp_path / "out", labels=str(labels), workers=1, quiet=True)
-    run = subprocess.run(PACKER + ["build", str(raw), str(tmp_path / "out"), "--labels", str(labels)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        PACKER + ["build", str(raw), str(tmp_path / "out"), "--labels", str(labels)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr
     assert str(labels) in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

@@ -26,8 +26,8 @@ def test_preview_writes_grid_of_right_size(built, tmp_path: Path) -> None:
         assert im.format == "PNG" and im.size == (4 * CELL, 3 * (CELL + CAPTION))
         cells = np.asarray(im.convert("RGB"))
     # ten filled cells, two empty ones (background only) in the last row
-    last_row = cells[2 * (CELL + CAPTION):2 * (CELL + CAPTION) + CELL]
-    assert last_row[:, :2 * CELL].std() > 10 and last_row[:, 2 * CELL:].std() == 0
+    last_row = cells[2 * (CELL + CAPTION) : 2 * (CELL + CAPTION) + CELL]
+    assert last_row[:, : 2 * CELL].std() > 10 and last_row[:, 2 * CELL :].std() == 0
 
 
 def test_preview_augment_shows_the_training_crops(built, tmp_path: Path) -> None:

@@ -100,8 +100,9 @@ def test_csv_integer_labels_keep_their_value(tmp_path: Path) -> None:
     assert ds.classes == [str(i) for i in range(18)] and ds.class_counts()[5] == 0  # id 5: no image, kept
     assert len(ds) == 17 and labels == [ids[ds.source(i)] for i in range(len(ds))]
     unlisted = next(rel for rel in rels if ids[rel] == 5)
-    assert report(tmp_path / "out") == {unlisted: {"path": unlisted, "status": "ignored",
-                                                   "reason": "not listed in the labels file"}}
+    assert report(tmp_path / "out") == {
+        unlisted: {"path": unlisted, "status": "ignored", "reason": "not listed in the labels file"}
+    }
 
 
 def test_csv_string_labels_are_sorted_and_a_classes_file_maps_them(tmp_path: Path) -> None:
@@ -185,7 +186,9 @@ def test_targets_are_float32_rows(tmp_path: Path, unlabeled: bool) -> None:
     rels = [f"t/{k}.jpg" for k in range(9)]
     raw = make_raw(tmp_path / "raw", rels)
     values = {rel: (k * 0.1 - 0.35, 1e3 * k, -k) for k, rel in enumerate(rels)}
-    rows = [f'{rel},{"c" if k % 3 else "a"}," {v[0]!r} ",{v[1]:e},{v[2]},note' for k, (rel, v) in enumerate(values.items())]
+    rows = [
+        f'{rel},{"c" if k % 3 else "a"}," {v[0]!r} ",{v[1]:e},{v[2]},note' for k, (rel, v) in enumerate(values.items())
+    ]
     csv = write_csv(tmp_path / "l.csv", "path,label,x,y,z,comment", rows)
     args = ["--unlabeled"] if unlabeled else []
     run = cli("build", raw, tmp_path / "out", "--labels", csv, "--targets", "z,x,y", *args)
@@ -215,7 +218,9 @@ def test_multi_label_with_targets_and_a_split_share_one_mapping(tmp_path: Path) 
     rels = [f"s/{k:02d}.jpg" for k in range(16)]
     raw = make_raw(tmp_path / "raw", rels)
     sets = {rel: ["a", "b", "c"][: k % 4] for k, rel in enumerate(rels)}
-    csv = write_csv(tmp_path / "l.csv", "path,label,w", [f"{r},{';'.join(s)},{k}" for k, (r, s) in enumerate(sets.items())])
+    csv = write_csv(
+        tmp_path / "l.csv", "path,label,w", [f"{r},{';'.join(s)},{k}" for k, (r, s) in enumerate(sets.items())]
+    )
     classes = tmp_path / "c.txt"
     classes.write_text("c\nb\na\nd\n", encoding="utf-8")
     labelling = Labelling(classes=str(classes), multi_label=True, targets=("w",))
@@ -269,24 +274,46 @@ def test_resume_refuses_a_changed_labelling(tmp_path: Path) -> None:
 # --- errors name the CSV row ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("header,rows,args,message", [
-    ("path,label", "r/1.jpg,a|r/0.jpg,zebra", ["--classes", "CLASSES", "--on-error", "fail"],
-     "labels.csv:3: label 'zebra' is not in --classes"),
-    ("path,label,age", "r/1.jpg,a,1|r/0.jpg,a,12x", ["--targets", "age"],
-     "labels.csv:3: column 'age': '12x' is not a finite number"),
-    ("path,label,age", "r/1.jpg,a,1|r/0.jpg,a,nan", ["--targets", "age"], "labels.csv:3: column 'age': 'nan' is not"),
-    ("path,label,age", "r/1.jpg,a,1|r/0.jpg,a,1e39", ["--targets", "age"], "labels.csv:3: column 'age': '1e39' is not"),
-    ("path,label,age", "r/1.jpg,a,1|r/0.jpg,a,", ["--targets", "age"], "labels.csv:3: column 'age': '' is not"),
-    ("path,label", "r/1.jpg,a|r/0.jpg,a", ["--targets", "age"], "labels.csv:1: no column 'age' in the header"),
-    ("path,kind", "r/1.jpg,a|r/0.jpg,a", [], "labels.csv:1: no column 'label' in the header"),
-    ("r/1.jpg,a", "r/0.jpg,a", [], "labels.csv:1: no column 'path' in the header"),
-    ("path,label", "r/1.jpg,a|r/0.jpg,a;;b", ["--multi-label"], "labels.csv:3: empty label between ';'"),
-    ("path,label", "r/1.jpg,a|r/0.jpg,a,extra", [], "labels.csv:3: 3 fields, the header has 2"),
-    ("path,label", "r/1.jpg,1|r/0.jpg,9999999", [], "labels.csv:3: integer label 9999999 is above"),
-    ("path,label", "r/1.jpg,1|r/1.jpg,2", [], "labels.csv:3: duplicate path 'r/1.jpg'"),
-])
-def test_csv_problems_are_one_line_naming_the_row(tmp_path: Path, header: str, rows: str, args: list[str],
-                                                  message: str) -> None:
+@pytest.mark.parametrize(
+    "header,rows,args,message",
+    [
+        (
+            "path,label",
+            "r/1.jpg,a|r/0.jpg,zebra",
+            ["--classes", "CLASSES", "--on-error", "fail"],
+            "labels.csv:3: label 'zebra' is not in --classes",
+        ),
+        (
+            "path,label,age",
+            "r/1.jpg,a,1|r/0.jpg,a,12x",
+            ["--targets", "age"],
+            "labels.csv:3: column 'age': '12x' is not a finite number",
+        ),
+        (
+            "path,label,age",
+            "r/1.jpg,a,1|r/0.jpg,a,nan",
+            ["--targets", "age"],
+            "labels.csv:3: column 'age': 'nan' is not",
+        ),
+        (
+            "path,label,age",
+            "r/1.jpg,a,1|r/0.jpg,a,1e39",
+            ["--targets", "age"],
+            "labels.csv:3: column 'age': '1e39' is not",
+        ),
+        ("path,label,age", "r/1.jpg,a,1|r/0.jpg,a,", ["--targets", "age"], "labels.csv:3: column 'age': '' is not"),
+        ("path,label", "r/1.jpg,a|r/0.jpg,a", ["--targets", "age"], "labels.csv:1: no column 'age' in the header"),
+        ("path,kind", "r/1.jpg,a|r/0.jpg,a", [], "labels.csv:1: no column 'label' in the header"),
+        ("r/1.jpg,a", "r/0.jpg,a", [], "labels.csv:1: no column 'path' in the header"),
+        ("path,label", "r/1.jpg,a|r/0.jpg,a;;b", ["--multi-label"], "labels.csv:3: empty label between ';'"),
+        ("path,label", "r/1.jpg,a|r/0.jpg,a,extra", [], "labels.csv:3: 3 fields, the header has 2"),
+        ("path,label", "r/1.jpg,1|r/0.jpg,9999999", [], "labels.csv:3: integer label 9999999 is above"),
+        ("path,label", "r/1.jpg,1|r/1.jpg,2", [], "labels.csv:3: duplicate path 'r/1.jpg'"),
+    ],
+)
+def test_csv_problems_are_one_line_naming_the_row(
+    tmp_path: Path, header: str, rows: str, args: list[str], message: str
+) -> None:
     raw = make_raw(tmp_path / "raw", ["r/0.jpg", "r/1.jpg"])
     (tmp_path / "classes.txt").write_text("a\n", encoding="utf-8")
     csv = write_csv(tmp_path / "labels.csv", header, rows.split("|"))
@@ -301,19 +328,28 @@ def test_unknown_csv_label_is_skipped_and_reported_by_default(tmp_path: Path) ->
     raw = make_raw(tmp_path / "raw", ["r/0.jpg", "r/1.jpg"])
     (tmp_path / "classes.txt").write_text("a\n", encoding="utf-8")
     csv = write_csv(tmp_path / "labels.csv", "path,label", ["r/0.jpg,a", "r/1.jpg,zebra"])
-    got = build(raw, tmp_path / "out", labels=str(csv), workers=1, quiet=True,
-                labelling=Labelling(classes=str(tmp_path / "classes.txt")))
+    got = build(
+        raw,
+        tmp_path / "out",
+        labels=str(csv),
+        workers=1,
+        quiet=True,
+        labelling=Labelling(classes=str(tmp_path / "classes.txt")),
+    )
     assert (got.count, got.skipped) == (1, 1)
     reason = report(tmp_path / "out")["r/1.jpg"]["reason"]
     assert reason == f"label 'zebra' is not in --classes {tmp_path / 'classes.txt'} ({csv}:3)"
 
 
-@pytest.mark.parametrize("labelling,message", [
-    (Labelling(multi_label=True), "--multi-label needs --labels"),
-    (Labelling(targets=("x",)), "--targets needs --labels"),
-    (Labelling(unlabeled=True, multi_label=True), "cannot be combined"),
-    (Labelling(targets=("path",)), "cannot name the 'path' column"),
-])
+@pytest.mark.parametrize(
+    "labelling,message",
+    [
+        (Labelling(multi_label=True), "--multi-label needs --labels"),
+        (Labelling(targets=("x",)), "--targets needs --labels"),
+        (Labelling(unlabeled=True, multi_label=True), "cannot be combined"),
+        (Labelling(targets=("path",)), "cannot name the 'path' column"),
+    ],
+)
 def test_meaningless_option_combinations_are_refused(tmp_path: Path, labelling: Labelling, message: str) -> None:
     raw = make_raw(tmp_path / "raw", ["r/0.jpg"])
     with pytest.raises(BuildError, match=message):

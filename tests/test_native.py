@@ -12,8 +12,10 @@ import pytest
 
 from packer import codec
 
-pytestmark = pytest.mark.skipif(not codec.can_decode_region(), reason="packer._native not built (no C compiler "
-                                "or libjpeg headers when packer was installed)")
+pytestmark = pytest.mark.skipif(
+    not codec.can_decode_region(),
+    reason="packer._native not built (no C compiler or libjpeg headers when packer was installed)",
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,11 @@ def test_pack_rgb_writes_nothing_past_the_slot(width: int, flip: bool) -> None:
 def test_fuzz_installed_extension_briefly() -> None:
     """The fuzz driver itself runs clean against the installed build (``make test`` also runs it
     under the sanitizers, where an out-of-bounds access aborts instead of passing unnoticed)."""
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "fuzz_native.py"), "--seconds", "3", "--seed", "7"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "fuzz_native.py"), "--seconds", "3", "--seed", "7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith("clean")

@@ -78,8 +78,13 @@ def test_special_files_in_a_datasets_place_are_refused_without_blocking(small, t
     would block forever), data.mdb or a shard by a symlink to /dev/zero (endless): every entry point
     refuses by name, at once (``info`` reads no data file: it opens the last two)."""
     roots = []
-    for name, backend in ((INDEX, "lmdb"), (SOURCES, "memmap"), (MANIFEST, "memmap"), ("data.mdb", "lmdb"),
-                          ("shard-00001.bin", "memmap")):
+    for name, backend in (
+        (INDEX, "lmdb"),
+        (SOURCES, "memmap"),
+        (MANIFEST, "memmap"),
+        ("data.mdb", "lmdb"),
+        ("shard-00001.bin", "memmap"),
+    ):
         root = copy(small(backend), tmp_path / f"{name}-{backend}")
         (root / name).unlink()
         if name.endswith((".npy", ".json")):
@@ -89,8 +94,10 @@ def test_special_files_in_a_datasets_place_are_refused_without_blocking(small, t
         roots.append(str(root))
     run = subprocess.run([sys.executable, "-c", SPECIAL, *roots], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    expected = ["info opened" if k >= 15 and entry == "info" else f"{entry} DatasetError True"
-                for k, entry in enumerate(["ShardDataset", "info", "verify", "show", "preview"] * 5)]
+    expected = [
+        "info opened" if k >= 15 and entry == "info" else f"{entry} DatasetError True"
+        for k, entry in enumerate(["ShardDataset", "info", "verify", "show", "preview"] * 5)
+    ]
     assert run.stdout.splitlines() == expected, run.stdout
     cli = subprocess.run(PACKER + ["info", roots[0]], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 1 and "is a FIFO, not a regular file" in cli.stderr and "Traceback" not in cli.stderr
@@ -103,7 +110,9 @@ def test_verify_covers_class_names_options_and_source_paths(small, tmp_path: Pat
     manifest["classes"][0], manifest["classes"][1] = manifest["classes"][1], manifest["classes"][0]
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     result = verify(root)
-    assert not result.ok and any(p.startswith(f"{MANIFEST}: fields (class names") for p in result.problems), result.problems
+    assert not result.ok and any(p.startswith(f"{MANIFEST}: fields (class names") for p in result.problems), (
+        result.problems
+    )
     ShardDataset(root)  # still opens: only verify can tell
 
     root = copy(small("lmdb"), tmp_path / "paths.lmdb")
@@ -112,7 +121,8 @@ def test_verify_covers_class_names_options_and_source_paths(small, tmp_path: Pat
     (root / SOURCES).write_bytes(bytes(data))
     result = verify(root)
     assert [p for p in result.problems if p.startswith(SOURCES)] == [
-        f"{SOURCES}: source paths differ from those the build wrote (manifest sources_digest; damaged or edited)"]
+        f"{SOURCES}: source paths differ from those the build wrote (manifest sources_digest; damaged or edited)"
+    ]
 
     root = copy(small("memmap"), tmp_path / "options")
     text = json.loads((root / MANIFEST).read_text())
@@ -161,7 +171,9 @@ def test_more_memmap_shards_than_open_files_allowed(tmp_path: Path) -> None:
     raw = make_raw(tmp_path / "raw", 70)
     out = tmp_path / "many"
     build(raw, out, backend="memmap", workers=1, quiet=True, shard_size=1)
-    run = subprocess.run([sys.executable, "-c", MANY_SHARDS, str(out), "40"], capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [sys.executable, "-c", MANY_SHARDS, str(out), "40"], capture_output=True, text=True, timeout=180
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["70", "140"]
 

@@ -60,8 +60,17 @@ def add_five_first(raw: Path) -> None:
 
 def refresh(raw: Path, out: Path, how: str, backend: str, fmt: str) -> None:
     add_five_first(raw)
-    build(raw, out, backend=backend, format=fmt, workers=1, quiet=True, shard_size=10,
-          update=how == "update", force=how == "force")
+    build(
+        raw,
+        out,
+        backend=backend,
+        format=fmt,
+        workers=1,
+        quiet=True,
+        shard_size=10,
+        update=how == "update",
+        force=how == "force",
+    )
 
 
 def check(ds: ShardDataset, indices: list[int], images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -71,8 +80,9 @@ def check(ds: ShardDataset, indices: list[int], images: torch.Tensor, labels: to
     for i, mean, label in zip(indices, means.tolist(), labels.tolist()):
         cls, number = source_colour(ds.source(i))
         assert label == cls, f"record {i} ({ds.source(i)}): label {label}"
-        assert abs(mean[0] - colour(cls, number)[0]) < 6 and abs(mean[1] - colour(cls, number)[1]) < 3, \
+        assert abs(mean[0] - colour(cls, number)[0]) < 6 and abs(mean[1] - colour(cls, number)[1]) < 3, (
             f"record {i} ({ds.source(i)}): pixels {mean} are not {colour(cls, number)}"
+        )
 
 
 def epoch(ds: ShardDataset, loader: DataLoader, after_first=None) -> int:
@@ -97,8 +107,9 @@ KINDS = [("lmdb", "jpeg"), ("lmdb", "raw"), ("memmap", "jpeg"), ("memmap", "raw"
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
 @pytest.mark.parametrize("backend,fmt", KINDS)
-def test_fork_workers_keep_the_version_they_opened(raw: Path, tmp_path: Path, backend: str, fmt: str,
-                                                   persistent: bool) -> None:
+def test_fork_workers_keep_the_version_they_opened(
+    raw: Path, tmp_path: Path, backend: str, fmt: str, persistent: bool
+) -> None:
     """The refresh lands after the first batch (mid-epoch, memmap shards of 10 not all touched yet);
     that epoch and the next read the old version whole: 21 records, each matching its pixels."""
     out = tmp_path / ("d.lmdb" if backend == "lmdb" else "d")
@@ -113,7 +124,9 @@ def test_fork_workers_keep_the_version_they_opened(raw: Path, tmp_path: Path, ba
 
 
 @pytest.mark.parametrize("backend,fmt", [("lmdb", "jpeg"), ("memmap", "raw")])
-def test_spawn_workers_keep_the_version_or_say_it_was_replaced(raw: Path, tmp_path: Path, backend: str, fmt: str) -> None:
+def test_spawn_workers_keep_the_version_or_say_it_was_replaced(
+    raw: Path, tmp_path: Path, backend: str, fmt: str
+) -> None:
     """Spawned workers reopen by path (nothing else crosses exec). Persistent ones opened the old
     version before the refresh (an epoch ran: both are up) and keep it; workers started after it find
     other files there and refuse with one clear error. (A spawned worker still starting when the

@@ -58,9 +58,13 @@ def reference(raw: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_build(raw: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(PACKER + ["build", str(raw), str(out), "--workers", "2", "--quiet",
-                                      "--checkpoint-seconds", "0.2", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        PACKER + ["build", str(raw), str(out), "--workers", "2", "--quiet", "--checkpoint-seconds", "0.2", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 60) -> int:
@@ -69,8 +73,10 @@ def wait_for_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 60) 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the build ended (rc {proc.returncode}) before it could be interrupted: "
-                        f"make the test images bigger\n{proc.stderr.read()}")
+            pytest.fail(
+                f"the build ended (rc {proc.returncode}) before it could be interrupted: "
+                f"make the test images bigger\n{proc.stderr.read()}"
+            )
         with contextlib.suppress(OSError, ValueError):
             done = json.loads(progress.read_text())["sources_done"]
             if done > 0:
@@ -81,7 +87,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 60) 
 
 def parent(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
+    return int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm) state"
 
 
 def group_members(pgid: int) -> list[int]:
@@ -91,7 +97,7 @@ def group_members(pgid: int) -> list[int]:
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 stat = (entry / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+                fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
                 if int(fields[2]) == pgid and fields[0] != "Z":
                     pids.append(int(entry.name))
     return pids
@@ -124,8 +130,9 @@ def test_kill_9_then_resume_gives_the_same_digest(raw: Path, reference: Path, tm
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_interrupt_exits_cleanly_leaves_no_output_no_processes_and_resumes(raw: Path, reference: Path,
-                                                                          tmp_path: Path, how: str) -> None:
+def test_interrupt_exits_cleanly_leaves_no_output_no_processes_and_resumes(
+    raw: Path, reference: Path, tmp_path: Path, how: str
+) -> None:
     """Ctrl-C goes to the whole foreground job (exit 130); SIGTERM (kill, a scheduler) to the build
     process alone (exit 143), which must stop its workers itself."""
     out = tmp_path / "out.lmdb"
@@ -148,7 +155,8 @@ def test_interrupt_exits_cleanly_leaves_no_output_no_processes_and_resumes(raw: 
 
 
 def test_overlapping_builds_are_refused_and_kill_9_of_the_holder_leaves_no_stale_lock(
-        raw: Path, reference: Path, tmp_path: Path) -> None:
+    raw: Path, reference: Path, tmp_path: Path
+) -> None:
     """Cron overlapping itself: a second --update, or a --resume, beside a live build fails at once
     naming it and touches nothing of its staging; once the live build is killed (the build process
     alone: its workers may outlive it for a moment), --resume takes over its work at once."""
@@ -158,8 +166,7 @@ def test_overlapping_builds_are_refused_and_kill_9_of_the_holder_leaves_no_stale
     journal = staging_path(out) / "index.part"
     for extra in (["--update"], ["--resume"], ["--force"]):
         size = journal.stat().st_size
-        run = subprocess.run(PACKER + ["build", str(raw), str(out), *extra], capture_output=True, text=True,
-                             timeout=60)
+        run = subprocess.run(PACKER + ["build", str(raw), str(out), *extra], capture_output=True, text=True, timeout=60)
         assert run.returncode == 1 and run.stderr.strip() == f"packer: error: {out} is being built by pid {proc.pid}"
         assert journal.stat().st_size >= size, "the refused build touched the live build's journal"
     os.kill(proc.pid, signal.SIGKILL)
@@ -175,8 +182,12 @@ def test_resume_refuses_changed_options(raw: Path, tmp_path: Path) -> None:
     wait_for_checkpoint(proc, out)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    run = subprocess.run(PACKER + ["build", str(raw), str(out), "--resume", "--quality", "80"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        PACKER + ["build", str(raw), str(out), "--resume", "--quality", "80"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 1 and "cannot --resume" in run.stderr and "Traceback" not in run.stderr
 
 
@@ -203,8 +214,7 @@ def test_raw_missing_or_empty(tmp_path: Path) -> None:
 def tmpfs(where: Path, options: str) -> Iterator[Path]:
     """A real small or read-only filesystem (needs root and a mount-capable container, else skip)."""
     where.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                           capture_output=True, text=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
     if mount.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here to simulate it ({mount.stderr.strip()})")
     try:
@@ -215,17 +225,27 @@ def tmpfs(where: Path, options: str) -> Iterator[Path]:
 
 def test_output_on_a_read_only_filesystem(raw: Path, tmp_path: Path) -> None:
     with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
-        one_line_error(["build", str(raw), str(ro / "out.lmdb")], "cannot write beside the output",
-                       "Read-only file system")
+        one_line_error(
+            ["build", str(raw), str(ro / "out.lmdb")], "cannot write beside the output", "Read-only file system"
+        )
 
 
 @pytest.mark.parametrize("backend", ["lmdb", "memmap"])
-def test_disk_full_then_resume_after_freeing_space(raw: Path, reference: Path, tmp_path: Path,
-                                                   backend: str) -> None:
+def test_disk_full_then_resume_after_freeing_space(raw: Path, reference: Path, tmp_path: Path, backend: str) -> None:
     with tmpfs(tmp_path / "small", "size=2m") as small:
         out = small / "out"
-        args = ["build", str(raw), str(out), "--backend", backend, "--workers", "2", "--quiet",
-                "--checkpoint-seconds", "0"]
+        args = [
+            "build",
+            str(raw),
+            str(out),
+            "--backend",
+            backend,
+            "--workers",
+            "2",
+            "--quiet",
+            "--checkpoint-seconds",
+            "0",
+        ]
         one_line_error(args, "disk full?", "--resume")
         assert not out.exists()
         subprocess.run(["mount", "-o", "remount,size=256m", str(small)], check=True)  # "free some space"

@@ -94,8 +94,12 @@ def test_float_output_batch_transform_and_shape_errors(built) -> None:
 
     assert torch.equal(images, to_device(next(iter(DataLoader(u8, batch_size=4)))[0], "cpu"))  # float last
 
-    gray = ShardDataset(path, crop_size=None, dtype=torch.uint8,  # whole images, user crop: one batch
-                        transform=lambda x: x[:, :16, :20].float().mean(0, keepdim=True))
+    gray = ShardDataset(
+        path,
+        crop_size=None,
+        dtype=torch.uint8,  # whole images, user crop: one batch
+        transform=lambda x: x[:, :16, :20].float().mean(0, keepdim=True),
+    )
     images, labels = next(iter(DataLoader(gray, batch_size=4, num_workers=2)))
     assert images.shape == (4, 1, 16, 20) and images.dtype == torch.float32
 
@@ -130,7 +134,10 @@ def test_a_record_drawn_twice_gets_two_crops(built) -> None:
     assert torch.equal(plain[4][0], plain[4][0]) and torch.equal(plain[Draw(4, 0, 4)][0], plain[4][0])
 
 
-@pytest.mark.parametrize("args", [{}, {"repeats": 2}, {"balanced": True, "num_samples": 25}, {"order": "block", "block_size": 4, "window": 2}])
+@pytest.mark.parametrize(
+    "args",
+    [{}, {"repeats": 2}, {"balanced": True, "num_samples": 25}, {"order": "block", "block_size": 4, "window": 2}],
+)
 def test_elastic_determinism(built, args: dict) -> None:
     """World size 1, 2 and 4 (rank arguments): the same multiset of (record, crop) in an epoch."""
     path = built("memmap", "raw")
@@ -140,7 +147,9 @@ def test_elastic_determinism(built, args: dict) -> None:
         multisets.append(collections.Counter(drawn))
     assert multisets[0] == multisets[1] == multisets[2]
     if "balanced" not in args:  # unweighted: every record exactly once (repeats times) across the ranks
-        assert collections.Counter(r for r, _ in multisets[0].elements()) == {r: args.get("repeats", 1) for r in range(18)}
+        assert collections.Counter(r for r, _ in multisets[0].elements()) == {
+            r: args.get("repeats", 1) for r in range(18)
+        }
 
 
 def test_sampler_orders_weights_and_lengths(built) -> None:
@@ -154,11 +163,16 @@ def test_sampler_orders_weights_and_lengths(built) -> None:
     assert [int(d) for d in ShardSampler(ds, shuffle=False)] == list(range(18))
     block = ShardSampler(ds, order="block", block_size=3, window=2).sequence(0)
     assert sorted(block) == list(range(18))
-    assert all(len({r // 3 for r in block[k:k + 6]}) == 2 for k in range(0, 18, 6))  # each window: 2 blocks
+    assert all(len({r // 3 for r in block[k : k + 6]}) == 2 for k in range(0, 18, 6))  # each window: 2 blocks
     weights = np.r_[np.full(9, 1.0), np.zeros(9)]
     assert set(ShardSampler(ds, weights=weights, num_samples=50).sequence(0).tolist()) <= set(range(9))
     even = [ShardSampler(ds, num_replicas=4, rank=r, drop_last=True) for r in range(4)]
-    assert [len(s) for s in even] == [4] * 4 and [len(ShardSampler(ds, num_replicas=4, rank=r)) for r in range(4)] == [5, 5, 4, 4]
+    assert [len(s) for s in even] == [4] * 4 and [len(ShardSampler(ds, num_replicas=4, rank=r)) for r in range(4)] == [
+        5,
+        5,
+        4,
+        4,
+    ]
     ranks = [ShardSampler(ds, num_replicas=2, rank=r) for r in range(2)]  # elastic resume: 2 ranks -> 3
     for r in ranks:
         r.set_epoch(5)
@@ -193,6 +207,7 @@ def test_resume_in_a_new_process_is_bit_exact(built, tmp_path: Path, world: int)
     path, k = str(built("lmdb", "jpeg")), 2
     try:
         import torchdata.stateful_dataloader  # noqa: F401
+
         modes = ("0", "2", "stateful")
     except ImportError:  # an optional dependency: the plain-DataLoader modes still run
         modes = ("0", "2")
@@ -215,9 +230,17 @@ def test_resume_in_a_new_process_is_bit_exact(built, tmp_path: Path, world: int)
             del it
     torch.save(states, tmp_path / "states.pt")
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests._sampler_run", path, str(tmp_path / "states.pt"),
-                               str(tmp_path / "out")], cwd=ROOT, env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._sampler_run", path, str(tmp_path / "states.pt"), str(tmp_path / "out")],
+            cwd=ROOT,
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out

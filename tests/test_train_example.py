@@ -20,8 +20,20 @@ def run(*args: str) -> str:
 
 def test_train_example_loss_falls(built) -> None:
     out = run(
-        str(SCRIPTS / "train_example.py"), str(built("memmap", "jpeg")),
-        "--steps", "200", "--batch-size", "6", "--crop-size", "64", "--lr", "0.02", "--workers", "2", "--log-every", "20",
+        str(SCRIPTS / "train_example.py"),
+        str(built("memmap", "jpeg")),
+        "--steps",
+        "200",
+        "--batch-size",
+        "6",
+        "--crop-size",
+        "64",
+        "--lr",
+        "0.02",
+        "--workers",
+        "2",
+        "--log-every",
+        "20",
     )
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 10, out
@@ -46,16 +58,33 @@ def test_lightning_example_drives_the_sampler_and_resumes_mid_epoch(built, tmp_p
     pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install lightning)")
     pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (pip install torchdata)")
     dataset = str(built("memmap", "jpeg"))
-    out = run(str(SCRIPTS / "train_lightning.py"), dataset, "--batch-size", "6", "--crop-size", "32", "--workers", "2",
-              "--out", str(tmp_path), "--epochs", "3")
+    out = run(
+        str(SCRIPTS / "train_lightning.py"),
+        dataset,
+        "--batch-size",
+        "6",
+        "--crop-size",
+        "32",
+        "--workers",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--epochs",
+        "3",
+    )
     assert re.findall(r"epoch (\d+): sampler epoch (\d+), dataset epoch (\d+)", out) == [(e, e, e) for e in "012"], out
     helper = ["-m", "tests._lightning_run", dataset]
     cwd = Path(__file__).resolve().parents[1]
     for args in ([str(tmp_path / "full"), "18"], [str(tmp_path / "stop"), "3"]):
         subprocess.run([sys.executable, *helper, *args], cwd=cwd, check=True, capture_output=True, timeout=300)
     ckpt = next((tmp_path / "stop").glob("*step=3*.ckpt"))
-    subprocess.run([sys.executable, *helper, str(tmp_path / "stop"), "18", str(ckpt)], cwd=cwd, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, *helper, str(tmp_path / "stop"), "18", str(ckpt)],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     full = torch.load(tmp_path / "full" / "batches-18.pt")
     resumed = torch.load(tmp_path / "stop" / "batches-18-resumed.pt")
     assert len(full) == 18 and len(resumed) == 15

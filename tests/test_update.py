@@ -81,7 +81,8 @@ def change_tree(raw: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["lmdb", "memmap"])
 def test_update_decodes_only_changed_files_and_equals_a_full_rebuild(
-        raw: Path, tmp_path: Path, decoded: list[str], backend: str) -> None:
+    raw: Path, tmp_path: Path, decoded: list[str], backend: str
+) -> None:
     out = tmp_path / "out"
     first = build(raw, out, backend=backend, workers=1, quiet=True, shard_size=5, update=True)
     assert (first.processed, first.reused, first.count, first.skipped) == (20, 0, 19, 1)
@@ -89,8 +90,7 @@ def test_update_decodes_only_changed_files_and_equals_a_full_rebuild(
     decoded.clear()
     report = build(raw, out, backend=backend, workers=1, quiet=True, shard_size=5, update=True)
     # new files, the rewritten one, the moved one (new path) and the skipped one (tried again)
-    assert sorted(decoded) == ["cat/broken.jpg", "cat/new0.jpg", "dog/img2.jpg", "dog/img4-moved.jpg",
-                               "ship/new1.jpg"]
+    assert sorted(decoded) == ["cat/broken.jpg", "cat/new0.jpg", "dog/img2.jpg", "dog/img4-moved.jpg", "ship/new1.jpg"]
     assert (report.processed, report.reused, report.count) == (5, 16, 20)
     assert "), 5 processed, 16 reused, " in report.summary()
     full = tmp_path / "full"
@@ -206,7 +206,8 @@ def test_splits_are_deterministic_stratified_and_stable_when_files_are_added(raw
     assert all(m.scanned == m.count + m.skipped + m.ignored for m in manifests.values())
     before = splits_of(out)
     assert all(before.values()) and set.union(*before.values()) == {
-        p.relative_to(raw).as_posix() for p in raw.rglob("*.*") if p.suffix != ".txt" and p.name != "broken.jpg"}
+        p.relative_to(raw).as_posix() for p in raw.rglob("*.*") if p.suffix != ".txt" and p.name != "broken.jpg"
+    }
     for rels in before.values():
         for rel in rels:
             assert split_of(rel, splits, 3) in before and rel in before[split_of(rel, splits, 3)]
@@ -220,8 +221,7 @@ def test_splits_are_deterministic_stratified_and_stable_when_files_are_added(raw
     after = splits_of(out)
     assert all(before[name] <= after[name] for name in before)  # nobody moved
     assert update.reused == 19 and update.processed == 12 + 1  # the added files, the skipped one retried
-    assert "up to date" in build(raw, out, workers=1, quiet=True, split=splits, split_seed=3,
-                                 update=True).summary()
+    assert "up to date" in build(raw, out, workers=1, quiet=True, split=splits, split_seed=3, update=True).summary()
 
 
 def test_split_assignment_is_stratified_in_expectation() -> None:
@@ -233,16 +233,21 @@ def test_split_assignment_is_stratified_in_expectation() -> None:
 
 
 def test_split_options_are_checked(raw: Path, tmp_path: Path) -> None:
-    for bad, why in (({"train": 0.1}, "other than 'train'"), ({"val": 0.0}, "between 0 and 1"),
-                     ({"val": 0.6, "test": 0.5}, "leave some for train"), ({"a/b": 0.1}, "plain name")):
+    for bad, why in (
+        ({"train": 0.1}, "other than 'train'"),
+        ({"val": 0.0}, "between 0 and 1"),
+        ({"val": 0.6, "test": 0.5}, "leave some for train"),
+        ({"a/b": 0.1}, "plain name"),
+    ):
         with pytest.raises(BuildError, match=why):
             build(raw, tmp_path / "s", workers=1, quiet=True, split=bad)
     dataset = tmp_path / "d.lmdb"
     build(raw, dataset, workers=1, quiet=True)
     with pytest.raises(BuildError, match="is a dataset; --split writes a folder"):
         build(raw, dataset, workers=1, quiet=True, split={"val": 0.1}, update=True)
-    cli = subprocess.run([*PACKER, "build", str(raw), str(tmp_path / "c"), "--split", "val"],
-                         capture_output=True, text=True)
+    cli = subprocess.run(
+        [*PACKER, "build", str(raw), str(tmp_path / "c"), "--split", "val"], capture_output=True, text=True
+    )
     assert cli.returncode == 2 and "NAME=FRACTION" in cli.stderr
 
 
