@@ -9,15 +9,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = [
-    "build",
-    "BuildReport",
     "BuildError",
+    "BuildReport",
     "DatasetError",
     "Labelling",
     "PackerError",
     "ShardDataset",
     "ShardSampler",
     "__version__",
+    "build",
 ]
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from .format import disk_bytes
 
@@ -306,9 +307,11 @@ class BenchResult:
     def summary(self) -> str:
         """The human-readable report (the table and sentences `packer bench` prints)."""
         lines = [
-            f"{self.path}: {self.count} records, {self.format} in {self.backend}; "
-            f"{'train' if self.train else 'eval'} crop {self.crop_size}, {self.dtype}, batch {self.batch_size}, "
-            f"{self.cores} cores, resize by {self.resize}",
+            (
+                f"{self.path}: {self.count} records, {self.format} in {self.backend}; "
+                f"{'train' if self.train else 'eval'} crop {self.crop_size}, {self.dtype}, batch {self.batch_size}, "
+                f"{self.cores} cores, resize by {self.resize}"
+            ),
             "",
             "DataLoader throughput (no model, warm-up excluded):",
             "  workers   samples/s   cpu us/sample",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import sys
-from functools import lru_cache
+from functools import cache
 from typing import Optional
 
 import numpy as np
@@ -23,7 +23,7 @@ except ImportError:
     _native = None
 
 
-@lru_cache(maxsize=None)
+@cache
 def turbojpeg():
     """The process's TurboJPEG instance, or None (after a one-line warning) when unavailable."""
     try:

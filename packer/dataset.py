@@ -23,8 +23,9 @@ import math
 import operator
 import os
 import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch

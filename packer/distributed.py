@@ -35,6 +35,7 @@ from . import __version__
 from .codec import can_decode_region, codec_name
 from .errors import PackerError
 from .format import IDENTITY_FIELDS, INDEX_DTYPE, Digest, shard_name
+from .labels import Labelling
 from .pipeline import (
     PROGRESS,
     BuildError,
@@ -51,7 +52,6 @@ from .pipeline import (
     resume_finished,
     staging_path,
 )
-from .labels import Labelling
 from .preprocess import Options, Record, process_chunk
 from .scan import Scan
 from .write import LmdbWriter, fsync_path, write_atomic
@@ -359,7 +359,7 @@ def _assemble(
         for k, (start, stop) in enumerate(slices):
             stem, meta = fragments / fragment_stem(k), metas[k]
             rows = np.load(stem.with_suffix(".npy"), allow_pickle=False)
-            bad = {i: reason for i, reason in meta["skipped"]}
+            bad = dict(meta["skipped"])
             for i in sorted(bad):
                 journal.add_report(found.sources[start + i].rel, "skipped", bad[i])
             skipped += len(bad)

@@ -15,9 +15,10 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -120,7 +121,7 @@ class Manifest:
         return json.dumps(fields, indent=1, sort_keys=True)
 
     @classmethod
-    def load(cls, root: str | os.PathLike) -> "Manifest":
+    def load(cls, root: str | os.PathLike) -> Manifest:
         path = Path(root) / MANIFEST
         try:
             fd = open_regular(path)
@@ -132,7 +133,7 @@ class Manifest:
             os.close(fd)
 
     @classmethod
-    def read(cls, fd: int, path: str | os.PathLike) -> "Manifest":
+    def read(cls, fd: int, path: str | os.PathLike) -> Manifest:
         """The manifest in the open file ``fd`` (``path`` names it in errors), checked."""
         path = Path(path)
         try:

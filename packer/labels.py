@@ -20,9 +20,10 @@ import csv
 import hashlib
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 

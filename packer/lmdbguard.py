@@ -18,6 +18,7 @@ leaf page per process.
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import os
 import struct
@@ -64,7 +65,7 @@ class PageGuard:
             if at + HEADER + _META.size + 2 * _DB.size + 16 > self.size:
                 raise Damaged("data.mdb is too short for its meta pages")
             flags = _HEADER.unpack_from(self.mm, at)[2]
-            magic, version, _, _ = _META.unpack_from(self.mm, at + HEADER)
+            magic, _version, _, _ = _META.unpack_from(self.mm, at + HEADER)
             if not flags & P_META or magic != MAGIC:
                 raise Damaged(f"meta page {k} is not an LMDB meta page")
             free_db = _DB.unpack_from(self.mm, at + HEADER + _META.size)
@@ -176,7 +177,7 @@ class PageGuard:
             else:
                 targets.append(self._value(page, nflags, lo16 | hi16 << 16, end, at + ps))
         ordered = keys[1:] if kind == P_BRANCH else keys
-        if any(a >= b for a, b in zip(ordered, ordered[1:])):
+        if any(a >= b for a, b in itertools.pairwise(ordered)):
             raise Damaged(f"page {page} has keys out of order")
         return kind, keys, targets
 

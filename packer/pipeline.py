@@ -22,9 +22,10 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import lmdb
 import numpy as np
@@ -85,7 +86,7 @@ class BuildReport:
     processed: int = 0  # sources decoded by this run (skipped ones included)
     reused: int = 0  # records copied from the previous dataset by --update
     up_to_date: bool = False  # --update found nothing to do and left OUT untouched
-    splits: dict[str, "BuildReport"] = field(default_factory=dict)  # --split: one report per dataset
+    splits: dict[str, BuildReport] = field(default_factory=dict)  # --split: one report per dataset
 
     def summary(self) -> str:
         if self.splits:
@@ -96,11 +97,12 @@ class BuildReport:
         return (
             f"packer: {self.out}: packed {self.count} of {self.scanned} scanned "
             f"({self.skipped} skipped, {self.ignored} ignored; see {REPORT}), "
-            f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, {self.seconds:.1f} s, {rate:.1f} images/s"
+            f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, "
+            f"{self.seconds:.1f} s, {rate:.1f} images/s"
         )
 
     @classmethod
-    def combine(cls, out: str, splits: dict[str, "BuildReport"]) -> "BuildReport":
+    def combine(cls, out: str, splits: dict[str, BuildReport]) -> BuildReport:
         """The totals over the split datasets of one build (digest empty: there is one per split)."""
         total = {
             name: sum(getattr(r, name) for r in splits.values())

@@ -17,9 +17,10 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import lmdb
 import numpy as np
@@ -86,7 +87,8 @@ def check_lmdb_pages(path: str | os.PathLike, label: str | os.PathLike = "") -> 
     (py-lmdb >= 3.0): ``packer verify``'s whole-file check (~16 us per record). ``path`` is the
     environment directory, or the data file itself; ``label`` names it in errors."""
     try:
-        from lmdb.verify import VerifyError, verify as verify_pages
+        from lmdb.verify import VerifyError
+        from lmdb.verify import verify as verify_pages
     except ImportError:  # py-lmdb < 3.0: nothing to check with; the read path's PageGuard still applies
         return
     data = str(path) if not os.path.isdir(path) else os.path.join(path, "data.mdb")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Optional
 
 import numpy as np
 import torch

@@ -17,13 +17,13 @@ seeded, and EXIF timestamps are derived from the seed, so a given seed yields id
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageChops
 
-__all__ = ["make_sample", "render_photo", "INVERSE_ORIENTATION", "main"]
+__all__ = ["INVERSE_ORIENTATION", "main", "make_sample", "render_photo"]
 
 # Pillow's ImageOps.exif_transpose maps tag -> transpose that makes the stored pixels upright.
 # A camera stores the inverse of that transform applied to the upright scene; flips, 180 and the

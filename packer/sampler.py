@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -34,7 +35,7 @@ class Draw(int):
     epoch: int
     draw: int
 
-    def __new__(cls, record: int, epoch: int, draw: int) -> "Draw":
+    def __new__(cls, record: int, epoch: int, draw: int) -> Draw:
         self = int.__new__(cls, record)
         self.epoch, self.draw = epoch, draw
         return self
@@ -244,4 +245,4 @@ def _default_block(dataset: Any) -> int:
     """Records per block for order="block": about 4 MiB of records (at least 16)."""
     lengths = getattr(dataset, "index", None)
     mean = float(lengths["length"].mean()) if lengths is not None and len(lengths) else 65536.0
-    return max(16, int(math.ceil((4 << 20) / max(mean, 1.0))))
+    return max(16, math.ceil((4 << 20) / max(mean, 1.0)))

@@ -1,9 +1,10 @@
 """Walk raw/ into a sorted list of labelled sources, and account for every file it will not use.
 
 A depth-first walk with each folder's entries sorted by name makes the record order, and so the
-digest, independent of the filesystem and of the number of workers. Symlinked directories are followed once (by device and inode), so a
-link back up the tree cannot loop. Only regular files are ever opened (a symlink is judged by its
-target: one named ``x.jpg`` pointing at a FIFO or ``/dev/zero`` is ignored, never read).
+digest, independent of the filesystem and of the number of workers. Symlinked directories are followed
+once (by device and inode), so a link back up the tree cannot loop. Only regular files are ever opened
+(a symlink is judged by its target: one named ``x.jpg`` pointing at a FIFO or ``/dev/zero`` is ignored,
+never read).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import os
 import stat
 import threading
 import unicodedata
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Optional
 
 import numpy as np
 
@@ -26,7 +28,25 @@ from .errors import PackerError
 from .format import IDENTITY_DTYPE
 from .labels import Labelling, class_list, pack, read_classes, read_csv
 
-IMAGE_EXTENSIONS = frozenset(".jpg .jpeg .jpe .jfif .png .webp .tif .tiff .bmp .gif .heic .heif .ppm .pgm .pbm".split())
+IMAGE_EXTENSIONS = frozenset(
+    [
+        ".jpg",
+        ".jpeg",
+        ".jpe",
+        ".jfif",
+        ".png",
+        ".webp",
+        ".tif",
+        ".tiff",
+        ".bmp",
+        ".gif",
+        ".heic",
+        ".heif",
+        ".ppm",
+        ".pgm",
+        ".pbm",
+    ]
+)
 
 
 class ScanError(PackerError):
@@ -81,7 +101,7 @@ class Scan:
                 h.update(f"\n{rel}\0{reason}".encode("utf-8", "surrogateescape"))
         return h.hexdigest()
 
-    def subset(self, keep: Callable[[str], bool]) -> "Scan":
+    def subset(self, keep: Callable[[str], bool]) -> Scan:
         """The sources, ignored and missing entries whose path ``keep`` accepts, with the same classes."""
         mask = np.array([keep(s.rel) for s in self.sources], dtype=bool)
         return replace(

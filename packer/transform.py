@@ -21,8 +21,9 @@ import math
 import os
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -172,7 +173,7 @@ def dct_scale(crop: Crop, size: int) -> Optional[tuple[int, int]]:
 RESIZE_BACKENDS = ("packer", "pillow", "torch")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resize_backend() -> str:
     """The resize kernel, the fastest measured that this install has (per 224 crop here):
 
@@ -261,7 +262,7 @@ def decode_jpeg_band(
     factor = factor or (1, 1)
     want_w, want_h = codec.scaled_size(width, height, factor)
     top, left, bottom, right = box
-    t, l = max(0, top - margin), max(0, left - margin)
+    t, l = max(0, top - margin), max(0, left - margin)  # noqa: E741 - t, l, b, r: the box edges, as in `box`
     b, r = min(want_h, bottom + margin), min(want_w, right + margin)
     channels = 4 if rgbx else 3
     need = (b - t) * (r - l + 64) * channels  # the band widens to whole iMCUs (<= 32 px each side)

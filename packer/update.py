@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def inputs_digest(found: Scan, settings: dict[str, Any]) -> str:
     """What a dataset's bytes depend on: the scanned inputs with their identities, every setting, the
     packer version. Equal digests mean a rebuild would write the same dataset (manifest ``inputs``)."""
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
-    h.update(f"\0{__version__}\0{found.fingerprint(identity=True)}".encode("utf-8"))
+    h.update(f"\0{__version__}\0{found.fingerprint(identity=True)}".encode())
     return "sha256:" + h.hexdigest()
 
 

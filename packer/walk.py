@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Generator, Iterator, Optional
+from typing import Optional
 
 import lmdb
 import numpy as np

@@ -11,8 +11,8 @@ import multiprocessing as mp
 import os
 import signal
 from collections import deque
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
-from typing import Iterator
 
 from .preprocess import Options, Result, Skip, process_chunk
 

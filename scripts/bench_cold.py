@@ -32,11 +32,12 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from packer.bench import cores, disk_bytes  # noqa: E402
-from packer.dataset import ShardDataset  # noqa: E402
-from packer.sampler import ShardSampler  # noqa: E402
-from packer.sample import make_folder  # noqa: E402
-from pagecache import cached_fraction, evict  # noqa: E402
+from pagecache import cached_fraction, evict
+
+from packer.bench import cores, disk_bytes
+from packer.dataset import ShardDataset
+from packer.sample import make_folder
+from packer.sampler import ShardSampler
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-bench"
 

@@ -19,8 +19,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -59,7 +59,7 @@ def main() -> None:
         print(f"generated {expected} 12 MP photos in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="bench-dask-"))
     suffix = ".lmdb" if args.backend == "lmdb" else ""
-    common = dict(backend=args.backend, quiet=True)
+    common = {"backend": args.backend, "quiet": True}
     with distributed.LocalCluster(
         n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
     ) as cluster:

@@ -20,8 +20,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from packer.transform import DRAWS, _native, _pixels, random_resized_crops, uniforms  # noqa: E402
+from packer.transform import DRAWS, _native, _pixels, random_resized_crops, uniforms
 
 H, W, SIZE = 320, 427, 224
 

@@ -31,8 +31,8 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_build import _descendants, _pss_kib  # noqa: E402
-from pagecache import evict, files  # noqa: E402
+from bench_build import _descendants, _pss_kib
+from pagecache import evict, files
 
 WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-scale"
 CLASSES = 1000

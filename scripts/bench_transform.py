@@ -49,11 +49,11 @@ RUNS = {  # name -> (format, tree, transform, packer sampler)
 }
 
 
-def identity(x):  # noqa: ANN001, ANN201 - a user transform
+def identity(x):
     return x
 
 
-def jitter(x):  # noqa: ANN001, ANN201 - what a third-party augmentation does: global-RNG draws
+def jitter(x):
     import numpy as np
     import torch
 
@@ -74,7 +74,7 @@ def one(dataset: str, transform: str, packer_sampler: bool, workers: int, sample
     print(json.dumps({"rate": point.samples_per_s, "us": point.cpu_us_per_sample, "inproc": inprocess_us(ds)}))
 
 
-def inprocess_us(ds, batches: int = 12, passes: int = 3) -> float:  # noqa: ANN001
+def inprocess_us(ds, batches: int = 12, passes: int = 3) -> float:
     """CPU us per sample of ``ds.__getitems__`` in this process, one torch thread as in a DataLoader
     worker (the best of ``passes`` over the same random batches): the dataset's own cost, less exposed
     to the machine's other load than a DataLoader's timing."""
@@ -133,7 +133,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         dataset, transform, sampler = args.one
-        return one(dataset, "" if transform == "-" else transform, sampler == "1", args.workers, args.samples)
+        one(dataset, "" if transform == "-" else transform, sampler == "1", args.workers, args.samples)
+        return
 
     sys.path.insert(0, str(ROOT))
     from packer import build
@@ -200,7 +201,8 @@ def main() -> None:
     for name, v in rates.items():
         ref = "jpeg" if name.startswith("jpeg") else "raw"
         print(
-            f"  {name:<26} {med[name]:>9,.0f} samples/s {med[name] / med[ref]:6.3f}x   CPU-based {med_cpu[name]:>9,.0f} "
+            f"  {name:<26} {med[name]:>9,.0f} samples/s {med[name] / med[ref]:6.3f}x   "
+            f"CPU-based {med_cpu[name]:>9,.0f} "
             f"{med_cpu[name] / med_cpu[ref]:6.3f}x   in-process {med_in[name]:6.1f} us/sample "
             f"{med_in[ref] / med_in[name]:6.3f}x  (runs {', '.join(f'{x:,.0f}' for x in v)})"
         )

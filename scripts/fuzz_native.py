@@ -18,8 +18,8 @@ import importlib.util
 import io
 import sys
 import time
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 import numpy as np
 from PIL import Image

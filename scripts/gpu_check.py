@@ -12,16 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from packer.dataset import ShardDataset  # noqa: E402
-from packer.transform import IMAGENET_MEAN, IMAGENET_STD, norm_constants, normalize_into, to_device  # noqa: E402
+from packer.dataset import ShardDataset
+from packer.transform import IMAGENET_MEAN, IMAGENET_STD, norm_constants, normalize_into, to_device
 
 
 def cpu_reference(batch: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import nn
@@ -21,8 +22,8 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from packer.dataset import ShardDataset  # noqa: E402
-from packer.transform import to_device  # noqa: E402
+from packer.dataset import ShardDataset
+from packer.transform import to_device
 
 
 def small_cnn(num_classes: int) -> nn.Module:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -29,10 +30,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import lightning as L  # noqa: E402
+import lightning as L
 
-from packer import ShardDataset, ShardSampler  # noqa: E402
-from packer.transform import to_device  # noqa: E402
+from packer import ShardDataset, ShardSampler
+from packer.transform import to_device
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader as Loader

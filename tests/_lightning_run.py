@@ -12,9 +12,9 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import train_lightning as example  # noqa: E402
+import train_lightning as example
 
-from packer import ShardDataset, ShardSampler  # noqa: E402
+from packer import ShardDataset, ShardSampler
 
 seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 # 18 real photos covering every EXIF orientation flag, downscaled, with their licence (see its README.md).
 PHOTOS = Path(__file__).resolve().parent / "data" / "exif-orientation"
 

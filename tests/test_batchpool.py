@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch

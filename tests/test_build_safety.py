@@ -59,7 +59,7 @@ def report_lines(out: Path) -> dict[str, dict]:
     return {r["path"]: r for r in map(json.loads, lines)}
 
 
-@pytest.fixture()
+@pytest.fixture
 def raw(tmp_path: Path) -> Path:
     return make_raw(tmp_path / "raw")
 
@@ -414,8 +414,10 @@ def test_pillows_bomb_guard_is_left_alone(tmp_path: Path, monkeypatch: pytest.Mo
         [
             sys.executable,
             "-c",
-            "from PIL import Image; before = Image.MAX_IMAGE_PIXELS; "
-            "import packer.pipeline, packer.distributed; print(Image.MAX_IMAGE_PIXELS == before)",
+            (
+                "from PIL import Image; before = Image.MAX_IMAGE_PIXELS; "
+                "import packer.pipeline, packer.distributed; print(Image.MAX_IMAGE_PIXELS == before)"
+            ),
         ],
         capture_output=True,
         text=True,

@@ -180,7 +180,7 @@ def test_fail_then_resume_reuses_finished_shards(client, mixed_raw: Path, tmp_pa
     bad = raw / "portrait" / "zz_bad.jpg"  # sorts last: the last shard fails
     bad.write_bytes(b"garbage")
     out = tmp_path / "out.lmdb"
-    kwargs = dict(address=client.scheduler.address, shard_size=4, quiet=True, on_error="fail")
+    kwargs = {"address": client.scheduler.address, "shard_size": 4, "quiet": True, "on_error": "fail"}
     with pytest.raises(BuildError, match=r"zz_bad\.jpg: not a recognised image .*--on-error fail"):
         build_dask(raw, out, **kwargs)
     assert not out.exists() and staging_path(out).is_dir()

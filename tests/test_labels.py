@@ -244,7 +244,13 @@ def test_update_rewrites_labels_and_targets_and_reuses_records(tmp_path: Path) -
     raw = make_raw(tmp_path / "raw", rels)
     csv = tmp_path / "l.csv"
     write_csv(csv, "path,label,v", [f"{r},a,{k}" for k, r in enumerate(rels)])
-    kw: dict[str, Any] = dict(labels=str(csv), labelling=Labelling(targets=("v",)), workers=1, quiet=True, update=True)
+    kw: dict[str, Any] = {
+        "labels": str(csv),
+        "labelling": Labelling(targets=("v",)),
+        "workers": 1,
+        "quiet": True,
+        "update": True,
+    }
     first = build(raw, tmp_path / "out", **kw)
     assert build(raw, tmp_path / "out", **kw).up_to_date
     write_csv(csv, "path,label,v", [f"{r},a,{k * 2}" for k, r in enumerate(rels)])  # targets changed
@@ -260,7 +266,7 @@ def test_resume_refuses_a_changed_labelling(tmp_path: Path) -> None:
     """A build stopped by --on-error fail resumes with the same labelling only."""
     raw = make_raw(tmp_path / "raw", ["a/0.jpg", "b/1.jpg"])
     (raw / "b" / "1.jpg").write_bytes(b"not a jpeg")
-    kw: dict[str, Any] = dict(workers=1, quiet=True, on_error="fail", checkpoint_seconds=0)
+    kw: dict[str, Any] = {"workers": 1, "quiet": True, "on_error": "fail", "checkpoint_seconds": 0}
     with pytest.raises(BuildError, match="on-error fail"):
         build(raw, tmp_path / "out", **kw)
     assert (tmp_path / ".out.packer-tmp").is_dir()
@@ -426,7 +432,7 @@ def test_damaged_label_arrays_are_refused(tmp_path: Path) -> None:
     problems = verify(edited).problems
     assert any("labels_digest" in p for p in problems) and any("dataset digest" in p for p in problems)
     (edited / TARGETS).unlink()
-    with pytest.raises(DatasetError, match="targets.npy: missing"):
+    with pytest.raises(DatasetError, match=r"targets\.npy: missing"):
         ShardDataset(edited)
     data = json.loads((good / MANIFEST).read_text())
     assert data["format_version"] == 2 and data["label_kind"] == "multi" and data["targets"] == ["v"]

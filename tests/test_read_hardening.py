@@ -205,7 +205,7 @@ def test_odd_indices_and_options_get_clear_errors(small) -> None:
     with pytest.raises(TypeError):
         ds.set_epoch(1.5)
     for options in ({"eval_ratio": 0}, {"eval_ratio": 1.5}, {"ratio": (0, 0)}, {"ratio": (2, 1)}, {"scale": (0, 0)}):
-        with pytest.raises(ValueError, match="ratio|scale"):
+        with pytest.raises(ValueError, match=r"ratio|scale"):
             ShardDataset(small("lmdb"), **options)
 
 
@@ -236,7 +236,7 @@ def test_threads_reading_one_lmdb_reader_each_use_their_own_transaction(small) -
             for i in np.random.default_rng(seed).integers(0, len(ds), 60).tolist():
                 if not torch.equal(ds[i][0], expected[i]):
                     errors.append(i)
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]

@@ -138,7 +138,7 @@ def test_spawn_workers_keep_the_version_or_say_it_was_replaced(
     assert epoch(ds, persistent) == 21
     refresh(raw, out, "update", backend, fmt)
     assert epoch(ds, persistent) == 21
-    with pytest.raises(DatasetError, match="replaced since it was opened.*create a new ShardDataset"):
+    with pytest.raises(DatasetError, match=r"replaced since it was opened.*create a new ShardDataset"):
         next(iter(fresh))
     again = ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8)
     assert epoch(again, DataLoader(again, batch_size=4)) == 26

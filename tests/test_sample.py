@@ -67,7 +67,7 @@ def test_exif_transpose_recovers_scene(orientation: int) -> None:
     Compare at thumbnail scale so the (stored-coordinate) sensor noise averages out, and check
     that the scene is asymmetric enough that a wrong transform would have been caught.
     """
-    kw = dict(portrait=orientation % 2 == 0, size=(400, 300), seed=(3, orientation))
+    kw = {"portrait": orientation % 2 == 0, "size": (400, 300), "seed": (3, orientation)}
     ref = render_photo(1, orientation=1, **kw)
     buf = io.BytesIO()
     exif = Image.Exif()

@@ -149,7 +149,7 @@ def test_checksum_sees_a_content_change_that_keeps_size_and_mtime(raw: Path, tmp
     report = build(raw, out, workers=1, quiet=True, update=True, checksum=True)
     assert (report.processed, report.reused) == (2, 18)  # the BMP and the skipped file
     assert report.digest == blind.digest
-    index, sources = load_index(out, Manifest.load(out))
+    index, _sources = load_index(out, Manifest.load(out))
     assert (index["src_hash"] != 0).all()
     # without --checksum the same edit is invisible: identity is path, size and mtime
     plain = tmp_path / "plain.lmdb"
