@@ -106,8 +106,9 @@ def make_loader(
     """A DataLoader drawing ``samples`` indices at random (wrapping around small datasets), with
     torch's RandomSampler or, if ``packer_sampler``, a ShardSampler (draw-keyed augmentation)."""
     import torch
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import DataLoader, RandomSampler, Sampler
 
+    sampler: Sampler[Any]
     if packer_sampler:
         from .sampler import ShardSampler
 
@@ -338,7 +339,7 @@ class BenchResult:
         )
         lines.append("")
         gib = 1 << 30
-        if self.fits_in_page_cache is None:
+        if self.fits_in_page_cache is None or self.mem_available is None:
             lines.append(f"dataset {self.dataset_bytes / gib:.2f} GiB (available memory unknown)")
         else:
             lines.append(

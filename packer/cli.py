@@ -263,6 +263,7 @@ def build(
     )
     if options["shard_size"] is None:
         del options["shard_size"]  # local and Dask builds have their own defaults
+    run_build: Callable[..., Any]  # the local or the Dask build: same keywords, same report
     if dask_address is not None:
         from .distributed import build_dask as run_build
 

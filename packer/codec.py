@@ -9,16 +9,20 @@ there: neither PyTurboJPEG 1.x nor Pillow can, and it saves ~30% of a decode for
 
 from __future__ import annotations
 
+import importlib
 import io
 import sys
 from functools import cache
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from PIL import Image
 
-try:  # crop-on-decode through libjpeg (packer/_native.c); absent where it could not be compiled
-    from . import _native
+# Crop-on-decode through libjpeg (packer/_native.c), or None where it could not be compiled. Any: the
+# compiled module has no stub, and its callers check can_decode_region()/native_shrink() first.
+_native: Any
+try:
+    _native = importlib.import_module("._native", __package__)
 except ImportError:
     _native = None
 

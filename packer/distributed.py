@@ -352,7 +352,8 @@ def _assemble(
         if backend == "lmdb"
         else None
     )
-    digest, shards = Digest(), []
+    digest = Digest()
+    shards: list[dict[str, Any]] = []
     labels = np.array([s.label for s in found.sources], dtype=np.int64)
     skipped = len(found.missing)
     try:
@@ -366,7 +367,7 @@ def _assemble(
             members = [start + i for i in range(stop - start) if i not in bad]
             rows["label"] = labels[members]
             for name in IDENTITY_FIELDS:  # what a later local `build --update` compares
-                rows[name] = found.identity[name][members]
+                rows[name] = found.identities()[name][members]
             if backend == "memmap" and meta["count"]:
                 rows["shard"] = len(shards)
             _add_fragment(
@@ -510,8 +511,8 @@ def _build_dask_locked(
     )
     on_error = on_error or "skip"
     settings["engine"] = "dask"  # staging layouts differ: a local --resume must not pick this one up
-    if resume and not force and (finished := resume_finished(out, found, settings, quiet)) is not None:
-        return finished
+    if resume and not force and (report := resume_finished(out, found, settings, quiet)) is not None:
+        return report
     raw = os.path.abspath(raw_dir)  # workers have their own working directory
     staging = staging_path(Path(os.path.abspath(out)))
     fragments = staging / FRAGMENTS

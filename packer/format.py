@@ -18,7 +18,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -158,7 +158,9 @@ class Manifest:
         m.computed_digest = manifest_digest(data)
         return m
 
-    computed_digest: ClassVar[str] = ""  # manifest_digest() of the file as read (set by load)
+    # manifest_digest() of the file as read, set by load(). Not annotated, so not a dataclass field: it is
+    # per instance but never written to manifest.json.
+    computed_digest = ""
 
     def _check(self, path: Path) -> None:
         """Types and ranges, so that later arithmetic on tampered values cannot misbehave."""
@@ -210,12 +212,12 @@ class Manifest:
         if not isinstance(self.options, dict):
             raise bad("options")
         for s in self.shards:
+            file = s.get("file") if isinstance(s, dict) else None
             if not (
-                isinstance(s, dict)
-                and isinstance(s.get("file"), str)
-                and s["file"] == os.path.basename(s["file"])
-                and s["file"][:1] not in ("", ".")
-                and "\0" not in s["file"]
+                isinstance(file, str)
+                and file == os.path.basename(file)
+                and file[:1] not in ("", ".")
+                and "\0" not in file
                 and size(s.get("count"))
                 and size(s.get("bytes"))
             ):
@@ -253,7 +255,7 @@ def manifest_digest(fields: dict[str, Any]) -> str:
 def index_digest(rows: np.ndarray) -> str:
     """sha256 of an array's bytes: the index rows (whose ``src_*`` identity fields nothing else
     checks) or the source-path blob."""
-    return "sha256:" + hashlib.sha256(np.ascontiguousarray(rows).view(np.uint8)).hexdigest()
+    return "sha256:" + hashlib.sha256(np.ascontiguousarray(rows).view(np.uint8).data).hexdigest()
 
 
 def open_regular(path: str | os.PathLike, dir_fd: Optional[int] = None, label: str | os.PathLike = "") -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class Labelling:
     def kind(self) -> str:
         return "none" if self.unlabeled else "multi" if self.multi_label else "class"
 
-    def check(self, labels_csv: Optional[str]) -> None:
+    def check(self, labels_csv: str | os.PathLike | None) -> None:
         """Refuse combinations that mean nothing, in one line naming the options."""
         if self.unlabeled and (self.multi_label or self.classes):
             raise LabelError("--unlabeled cannot be combined with --multi-label or --classes")
@@ -122,7 +123,7 @@ def _number(text: str, column: str, where: str) -> float:
     return value
 
 
-def read_csv(path: str | Path, labelling: Labelling) -> tuple[dict[str, Row], list[str]]:
+def read_csv(path: str | os.PathLike, labelling: Labelling) -> tuple[dict[str, Row], list[str]]:
     """The labels CSV: rows by path relative to raw/, and the names of columns it does not use.
 
     The first line names the columns (``path``, ``label`` unless --unlabeled, the --targets ones);
@@ -215,6 +216,7 @@ def class_counts(kind: str, labels: np.ndarray, multi: Optional[np.ndarray], n_c
     """Records per class ("class"), per label ("multi": an image counts once for each of its labels),
     none ("none")."""
     if kind == "multi":
+        assert multi is not None, "multi-label datasets carry their label rows"
         counts = np.zeros(n_classes, dtype=np.int64)
         for start in range(0, len(multi), 1 << 16):  # bounded memory for big datasets
             counts += unpack(multi[start : start + (1 << 16)], n_classes).sum(axis=0, dtype=np.int64)
@@ -236,6 +238,7 @@ def sample_weights(kind: str, labels: np.ndarray, multi: Optional[np.ndarray], n
     counts = class_counts(kind, labels, multi, n_classes).astype(np.float64)
     if kind == "class":
         return 1.0 / counts[labels]
+    assert multi is not None, "multi-label datasets carry their label rows"
     weights = np.empty(len(multi), dtype=np.float64)
     for start in range(0, len(multi), 1 << 16):
         hot = unpack(multi[start : start + (1 << 16)], n_classes)
@@ -254,5 +257,5 @@ def arrays_digest(multi: Optional[np.ndarray], targets: Optional[np.ndarray]) ->
     h = hashlib.sha256()
     for a in (multi, targets):
         if a is not None:
-            h.update(np.ascontiguousarray(a).view(np.uint8))
+            h.update(np.ascontiguousarray(a).view(np.uint8).data)
     return "sha256:" + h.hexdigest()

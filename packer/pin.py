@@ -23,6 +23,7 @@ import errno
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -66,7 +67,7 @@ class Pinned:
         self,
         root: str,
         manifest: Manifest,
-        arrays: tuple[np.ndarray, ...],
+        arrays: tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]],
         files: dict[str, FileKey],
         data_fd: Optional[int],
         shards: list[Shard],
@@ -148,16 +149,9 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
             manifest = Manifest.read(fd, os.path.join(root, MANIFEST))
         finally:
             os.close(fd)
-        arrays = []
-        for name in (INDEX, SOURCES):
-            fd = open_file(name)
-            try:
-                arrays.append(map_npy(fd, os.path.join(root, name)))
-            finally:
-                os.close(fd)
-        index, sources = arrays
+        index, sources = (_map_npy_file(root, name, open_file) for name in (INDEX, SOURCES))
         check_index(Path(root), index, sources, manifest)
-        arrays += load_label_arrays(root, manifest, open_file)
+        multi, targets = load_label_arrays(root, manifest, open_file)
         shards: list[Shard] = []
         if manifest.backend == "lmdb":
             data_fd = open_file("data.mdb")
@@ -169,7 +163,15 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
         raise
     finally:
         os.close(dir_fd)
-    return Pinned(root, manifest, tuple(arrays), files, data_fd, shards)
+    return Pinned(root, manifest, (index, sources, multi, targets), files, data_fd, shards)
+
+
+def _map_npy_file(root: str, name: str, open_file: Callable[[str], int]) -> np.ndarray:
+    fd = open_file(name)
+    try:
+        return map_npy(fd, os.path.join(root, name))
+    finally:
+        os.close(fd)
 
 
 def _map_shard(root: str, info: dict, open_file) -> Shard:

@@ -583,7 +583,7 @@ def prepare(
     shard_size: int,
     labels: Optional[str],
     force: bool,
-    on_error: str,
+    on_error: Optional[str],
     max_pixels: int,
     min_size: int,
     max_aspect: float,
@@ -736,7 +736,7 @@ def _run(
     results = ordered_results(raw, todo, old_of, cache, job.opts, job.workers)
     reused = 0
     try:
-        for source, identity, (result, was_reused) in zip(todo, found.identity[done:], results):
+        for source, identity, (result, was_reused) in zip(todo, found.identities()[done:], results):
             reused += was_reused
             if isinstance(result, Record):
                 shard, offset = writer.append(result.data)
@@ -795,8 +795,7 @@ def _record_labels(found: Scan, rows: np.ndarray, blob: np.ndarray) -> dict[str,
     Records are the packed sources in scan order, so a merge walk over their source paths (the
     journal's) finds each one's source without a lookup table.
     """
-    per_source = {LABELS: found.multi, TARGETS: found.targets}
-    per_source = {name: a for name, a in per_source.items() if a is not None}
+    per_source = {name: a for name, a in ((LABELS, found.multi), (TARGETS, found.targets)) if a is not None}
     if not per_source:
         return {}
     at = np.empty(len(rows), dtype=np.int64)

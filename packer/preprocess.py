@@ -104,9 +104,9 @@ def to_rgb(im: Image.Image) -> Image.Image:
         a = np.asarray(im.convert("I") if im.mode != "I" else im, dtype=np.int64)
         return Image.fromarray(np.clip((a + 128) // 257, 0, 255).astype(np.uint8), "L").convert("RGB")
     if im.mode == "F":
-        a = np.asarray(im, dtype=np.float64)
-        a = a * 255.0 if np.nanmax(a) <= 1.0 else a
-        return Image.fromarray(np.clip(np.nan_to_num(a), 0, 255).astype(np.uint8), "L").convert("RGB")
+        f = np.asarray(im, dtype=np.float64)
+        f = f * 255.0 if np.nanmax(f) <= 1.0 else f
+        return Image.fromarray(np.clip(np.nan_to_num(f), 0, 255).astype(np.uint8), "L").convert("RGB")
     has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
     if has_alpha:
         rgba = im.convert("RGBA")

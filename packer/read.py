@@ -45,6 +45,7 @@ class _Env:
             )
         except lmdb.Error as e:
             raise DatasetError(f"{pinned.root}: cannot open LMDB environment ({e})") from None
+        assert pinned.data_fd is not None, "an LMDB dataset is pinned with data.mdb open"
         try:
             self.guard = PageGuard(pinned.data_fd, pinned.manifest.count)
         except Damaged as e:
@@ -136,9 +137,11 @@ def _fetch_pool() -> ThreadPoolExecutor:
     """This process's fetch threads (a forked child starts its own: threads do not survive fork)."""
     global _POOL
     with _LMDB_LOCK:
-        if _POOL[0] != os.getpid() or _POOL[1] is None:
-            _POOL = (os.getpid(), ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="packer-fetch"))
-        return _POOL[1]
+        pid, pool = _POOL
+        if pid != os.getpid() or pool is None:
+            pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="packer-fetch")
+            _POOL = (os.getpid(), pool)
+        return pool
 
 
 def _lmdb_env(pinned: Pinned) -> _Env:
@@ -235,7 +238,7 @@ class LmdbReader(Reader):
     def _fetch(self, indices: Sequence[int]) -> list[Buffer]:
         self._check_pages(indices)
         _, txn = _thread_txn(self.pinned)
-        values = []
+        values: list[Buffer] = []
         for i in indices:
             try:
                 value = txn.get(lmdb_key(i))
@@ -244,7 +247,7 @@ class LmdbReader(Reader):
                 raise self._bad(i, f"unreadable in data.mdb ({e})") from None
             if value is None:  # the guard found it: only a file changed under a running reader gets here
                 raise self._bad(i, "missing from data.mdb")
-            values.append(value)
+            values.append(value)  # type: ignore[arg-type]  # lmdb's stub: a buffers=True txn returns memoryview
         return values
 
     def txn(self) -> lmdb.Transaction:
@@ -292,7 +295,7 @@ class MemmapReader(Reader):
         array, mapping = self.pinned.shards[int(row["shard"])]
         if mapping is not None and length and 0 <= start < len(mapping):
             mapping.madvise(mmap.MADV_WILLNEED, start, min(length, len(mapping) - start))
-        return memoryview(array[start : start + length])
+        return array[start : start + length].data
 
 
 def open_reader(

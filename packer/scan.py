@@ -76,6 +76,11 @@ class Scan:
     targets: Optional[np.ndarray] = None  # float32 row per source, with --targets
     notes: list[str] = field(default_factory=list)  # things the user should hear (unused CSV columns)
 
+    def identities(self) -> np.ndarray:
+        """``identity``, which the build fills in (identify) before anything reads it."""
+        assert self.identity is not None, "identify() the sources first"
+        return self.identity
+
     @property
     def scanned(self) -> int:
         return len(self.sources) + len(self.ignored) + len(self.missing)
@@ -239,9 +244,9 @@ def _walk(root: Path) -> tuple[list[str], list[tuple[str, str]], list[tuple[str,
         except OSError as e:  # no permission, an I/O error, removed during the scan, a path too long
             if not rel:
                 raise ScanError(f"{directory}: cannot read the raw folder ({e.strerror or e})") from None
-            entry = (rel, f"unreadable directory ({e.strerror or e})")
-            ignored.append(entry)
-            unreadable.append(entry)
+            why = (rel, f"unreadable directory ({e.strerror or e})")
+            ignored.append(why)
+            unreadable.append(why)
             return
         for entry in entries:
             child = rel + entry.name

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from .scan import Scan
@@ -52,7 +53,11 @@ def split_scan(found: Scan, splits: dict[str, float], seed: int) -> dict[str, Sc
     """One sub-scan per split, ``train`` first; all share ``found.classes`` (the same label ids)."""
     rels = [s.rel for s in found.sources] + [rel for rel, _ in found.ignored + found.missing]
     where = {rel: split_of(rel.rstrip("/"), splits, seed) for rel in rels}  # hashed once per file
-    return {name: found.subset(lambda rel, name=name: where[rel] == name) for name in (TRAIN, *splits)}
+
+    def member(name: str) -> Callable[[str], bool]:
+        return lambda rel: where[rel] == name
+
+    return {name: found.subset(member(name)) for name in (TRAIN, *splits)}
 
 
 def split_path(out: str | os.PathLike, name: str, backend: str) -> Path:

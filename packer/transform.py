@@ -152,12 +152,13 @@ class Augment:
         """The crop of each of ``indices`` (stored sizes ``heights`` x ``widths``) in ``epoch`` (one
         value, or one per sample)."""
         if not self.train:
-            boxes, flips = center_crops(heights, widths, self.crop_size, self.eval_ratio), [False] * len(indices)
+            boxes = center_crops(heights, widths, self.crop_size, self.eval_ratio)
+            flips = np.zeros(len(indices), dtype=bool)
         else:
             u = uniforms(seed, epoch, np.asarray(indices), DRAWS)
             boxes = random_resized_crops(u, heights, widths, self.scale, self.ratio)
             flips = (u[:, 40] < 0.5) & self.flip
-        return [Crop(*box, bool(f)) for box, f in zip(boxes.tolist(), flips)]
+        return [Crop(top, left, h, w, bool(f)) for (top, left, h, w), f in zip(boxes.tolist(), flips)]
 
 
 def dct_scale(crop: Crop, size: int) -> Optional[tuple[int, int]]:
@@ -228,7 +229,9 @@ def decode_jpeg(
     factor = factor or (1, 1)
     want_w, want_h = codec.scaled_size(width, height, factor)
     shape = (want_h, want_w, 4 if rgbx else 3)
-    buffers = _decode_buffers.__dict__
+    buffers: Optional[dict[tuple[int, int, int], np.ndarray]] = getattr(_decode_buffers, "by_shape", None)
+    if buffers is None:
+        buffers = _decode_buffers.by_shape = {}
     dst = buffers.get(shape)
     if dst is None:
         if len(buffers) >= 8:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -69,7 +69,7 @@ class _OldRecords:
 
     def __init__(self, cache: Cache) -> None:
         self._cache = cache
-        self._walk: Optional[Iterator[tuple[int, Optional[bytes], int]]] = None
+        self._walk: Optional[Generator[tuple[int, Optional[bytes], int], None, None]] = None
         self._at = -1  # the record the walk read last
         self._broken = False
 
@@ -97,7 +97,7 @@ class _OldRecords:
 
     def close(self) -> None:
         if self._walk is not None:
-            self._walk.close()  # type: ignore[attr-defined]
+            self._walk.close()
             self._walk = None
 
 
@@ -139,7 +139,7 @@ def reuse_plan(
     known = np.flatnonzero(candidate >= 0)
     same = np.ones(len(known), dtype=bool)
     for name in ("src_size", "src_hash") if settings["checksum"] else ("src_size", "src_mtime_ns"):
-        same &= index[name][candidate[known]] == found.identity[name][known]
+        same &= index[name][candidate[known]] == found.identities()[name][known]
     old_of = np.full(len(found.sources), -1, dtype=np.int64)
     old_of[known[same]] = candidate[known[same]]
     return Cache(out, manifest, index, old_of)
@@ -147,7 +147,7 @@ def reuse_plan(
 
 def ordered_results(
     raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[Cache], opts: Options, workers: int
-) -> Iterator[tuple[Result, bool]]:
+) -> Generator[tuple[Result, bool], None, None]:
     """Each source's result in scan order, and whether it was reused: copied from the old dataset when
     ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
     rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies
@@ -155,7 +155,7 @@ def ordered_results(
     old = _OldRecords(cache) if cache is not None else None
     try:
         for source, j in zip(todo, old_of.tolist()):
-            if j < 0 or old is None:
+            if j < 0 or old is None or cache is None:
                 yield next(fresh), False
                 continue
             row = cache.index[j]

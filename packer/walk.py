@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -41,7 +41,7 @@ def walk(
     *,
     shard_files: Optional[list[str]] = None,
     extra_keys: Optional[Callable[[int], None]] = None,
-) -> Iterator[Record]:
+) -> Generator[Record, None, None]:
     """Every record of the dataset (or staging folder) at ``root`` in index order, ``(i, bytes,
     crc32)``; bytes ``None`` (and CRC 0) for a record whose bytes are missing. Memmap shards are
     ``shard_files`` (a manifest's list) or the standard names; for LMDB, ``extra_keys(n)`` is told of
@@ -52,7 +52,7 @@ def walk(
     return _ahead(_memmap(Path(root), index, shard_files))
 
 
-def _ahead(records: Generator[Raw, None, None]) -> Iterator[Record]:
+def _ahead(records: Generator[Raw, None, None]) -> Generator[Record, None, None]:
     """``records`` with their CRC-32s, read in a thread (always the same one: an LMDB transaction
     belongs to its thread) a chunk ahead of the caller, who works on the chunk before. Chunks of
     ~CHUNK_BYTES (at most CHUNK_RECORDS): a hand-over per record would cost more than a small record."""

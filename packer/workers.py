@@ -11,10 +11,13 @@ import multiprocessing as mp
 import os
 import signal
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 
 from .preprocess import Options, Result, Skip, process_chunk
+
+Context = ForkServerContext | SpawnContext  # the start methods packer's build workers use
 
 
 def _worker_signals() -> None:
@@ -24,7 +27,7 @@ def _worker_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _worker_context() -> mp.context.BaseContext:
+def _worker_context() -> Context:
     """forkserver, whether or not this process runs threads (a terminal's progress bar does), so that
     cron and interactive builds behave alike: its workers are forked from a small server process, not
     from this one, so they do not share (and then un-share, as this process keeps writing) the pages
@@ -54,7 +57,7 @@ class _Worker:
     (a multiprocessing.Pool worker killed while holding the task queue's lock hangs the whole pool), and
     the chunk it took down with it is known exactly."""
 
-    def __init__(self, ctx: mp.context.BaseContext, opts: Options) -> None:
+    def __init__(self, ctx: Context, opts: Options) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, opts), daemon=True)
         self.proc.start()
@@ -80,7 +83,7 @@ class _Worker:
         self.conn.close()
 
 
-def _isolated(path: str, opts: Options, ctx: mp.context.BaseContext) -> Result:
+def _isolated(path: str, opts: Options, ctx: Context) -> Result:
     """``path`` alone in a fresh process: did this file kill the worker, or was it a bystander?"""
     worker = _Worker(ctx, opts)
     try:
@@ -93,7 +96,7 @@ def _isolated(path: str, opts: Options, ctx: mp.context.BaseContext) -> Result:
         worker.stop(now=False)
 
 
-def results(root: str, rels: list[str], opts: Options, workers: int, chunk: int) -> Iterator[Result]:
+def results(root: str, rels: list[str], opts: Options, workers: int, chunk: int) -> Generator[Result, None, None]:
     """Preprocess the files ``rels`` (relative to ``root``) in order with a bounded window of in-flight
     chunks (flat memory: a chunk's full paths are made when it is handed over, not a million at once).
 

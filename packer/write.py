@@ -11,7 +11,7 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Optional
 
 import lmdb
 
@@ -27,15 +27,19 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def _sync(f: BinaryIO) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through a name unique to this attempt, fsync, rename: a reader sees the old file or the whole
     new one, and concurrent attempts (a retried Dask task) never mix bytes."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
+            _sync(f)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -127,7 +131,7 @@ class MemmapWriter:
         self.shards: list[dict[str, Any]] = [dict(s) for s in state["shards"]] if state else []
         for extra in sorted(self.root.glob("shard-*.bin"))[len(self.shards) :]:
             extra.unlink()  # written after the last checkpoint
-        self._file = None
+        self._file: Optional[BinaryIO] = None
         if self.shards:
             last = self.shards[-1]
             self._file = open(self.root / last["file"], "r+b")
@@ -135,30 +139,28 @@ class MemmapWriter:
             self._file.seek(last["bytes"])
 
     def append(self, data: bytes) -> tuple[int, int]:
-        if self._file is None or self.shards[-1]["count"] >= self.shard_size:
-            self._next_shard()
+        f = self._file
+        if f is None or self.shards[-1]["count"] >= self.shard_size:
+            f = self._next_shard()
         shard = self.shards[-1]
         offset = shard["bytes"]
-        self._file.write(data)
+        f.write(data)
         shard["bytes"] += len(data)
         shard["count"] += 1
         return len(self.shards) - 1, offset
 
-    def _next_shard(self) -> None:
+    def _next_shard(self) -> BinaryIO:
         if self._file is not None:
-            self._sync()
+            _sync(self._file)
             self._file.close()
         name = shard_name(len(self.shards))
-        self._file = open(self.root / name, "wb", buffering=8 << 20)
+        self._file = f = open(self.root / name, "wb", buffering=8 << 20)
         self.shards.append({"file": name, "count": 0, "bytes": 0})
-
-    def _sync(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        return f
 
     def checkpoint(self) -> dict[str, Any]:
         if self._file is not None:
-            self._sync()
+            _sync(self._file)
         return {"shards": [dict(s) for s in self.shards]}
 
     def close(self) -> list[dict[str, Any]]:
