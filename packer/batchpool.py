@@ -28,7 +28,7 @@ import os
 import threading
 import weakref
 from multiprocessing.reduction import DupFd
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, SupportsIndex
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ def lend(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
     weakref.finalize(array, _local_done, seg, os.getpid()).atexit = False
     storage = torch.from_numpy(array).untyped_storage()  # keeps ``array`` alive while used
     _by_storage[seg.address] = seg
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch's stub wants a stride; set_(storage, offset, size) is contiguous
 
 
 def _local_done(seg: _Segment, pid: int) -> None:
@@ -113,10 +113,13 @@ def _local_done(seg: _Segment, pid: int) -> None:
 class PooledBatch(torch.Tensor):
     """A batch tensor in a pool segment: pickles as the segment's file descriptor (see module doc)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's documented way to opt a subclass out of __torch_function__; its stub types the slot as a
+    # method, so assigning the C function is flagged
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    _packer_segment: _Segment  # set by pooled()
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
-        seg: _Segment = self._packer_segment
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        seg = self._packer_segment
         plain = self.as_subclass(torch.Tensor)
         if seg.sent:  # pickled twice: only one receiver can own the release, so copy for the others
             return plain.clone().__reduce_ex__(protocol)
@@ -147,8 +150,14 @@ def pooled(batch: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _Detachable(Protocol):
+    """What ``DupFd(fd)`` unpickles to in the receiver (typeshed types DupFd as a bare function)."""
+
+    def detach(self) -> int: ...
+
+
 def _receive(
-    fd: DupFd, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], offset: int
+    fd: _Detachable, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], offset: int
 ) -> torch.Tensor:
     """Unpickling side: map the segment; when the last tensor over the mapping dies, free it."""
     handle = fd.detach()

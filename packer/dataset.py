@@ -76,7 +76,7 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> to
     for n in shape:
         numel *= n
     storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch's stub wants a stride; set_(storage, offset, size) is contiguous
 
 
 def collate_samples(
@@ -107,8 +107,8 @@ def collate_samples(
             for k, im in enumerate(images)
         )
     ):
-        batch = root.as_strided((len(images), *first.shape), (step, *first.stride()), first.storage_offset())
-        return [batchpool.pooled(batch), *rest]
+        stacked = root.as_strided((len(images), *first.shape), (step, *first.stride()), first.storage_offset())
+        return [batchpool.pooled(stacked), *rest]
     return [default_collate(images), *rest]
 
 
@@ -186,7 +186,9 @@ class ShardDataset(Dataset):
         self.memory_format = memory_format
         self.mean, self.std = tuple(mean), tuple(std)
         self.augment = (
-            Augment(crop_size, train, tuple(scale), tuple(ratio), eval_ratio, flip) if crop_size is not None else None
+            Augment(crop_size, train, (scale[0], scale[1]), (ratio[0], ratio[1]), eval_ratio, flip)
+            if crop_size is not None
+            else None
         )
         self.transform, self.batch_transform = transform, batch_transform
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -280,7 +282,7 @@ class ShardDataset(Dataset):
         """Record ``i``'s label as text: its class, its classes joined by ';', or "unlabeled"."""
         i = self._check(i)
         if self.label_kind == "multi":
-            hot = labelling.unpack(self._multi[i : i + 1], len(self.manifest.classes))[0]
+            hot = labelling.unpack(self._multi_rows()[i : i + 1], len(self.manifest.classes))[0]
             return labelling.SEPARATOR.join(self.manifest.classes[c] for c in np.flatnonzero(hot)) or "(none)"
         return self.manifest.classes[self._labels[i]] if self.label_kind == "class" else "unlabeled"
 
@@ -301,10 +303,10 @@ class ShardDataset(Dataset):
 
     # --- samples --------------------------------------------------------------------------------
 
-    def __getitem__(self, i: int) -> Sample:
+    def __getitem__(self, i: int) -> Sample | TargetSample:
         return self._batch(*self._keyed([i]))[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample | TargetSample]:
         """A batch for DataLoader's fetcher, which passes the result to ``collate_fn``.
 
         All samples are read under one epoch value, through the process's one long-lived read
@@ -332,7 +334,7 @@ class ShardDataset(Dataset):
         keys: Optional[Sequence[int]] = None,
         shared: bool = False,
         clock: transform.Clock = None,
-    ) -> list[Sample]:
+    ) -> list[Sample | TargetSample]:
         """Samples for in-range ``indices``, written into one output tensor when crops have one size.
         Augmentation is keyed by ``keys`` (default: the indices) in ``epoch`` (one, or one per sample)."""
         at = np.asarray(indices, dtype=np.int64)
@@ -376,12 +378,17 @@ class ShardDataset(Dataset):
                 gc.enable()
         return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
 
+    def _multi_rows(self) -> np.ndarray:
+        """labels.npy's bit-packed rows, which every "multi" dataset has (packer.pin loads them)."""
+        assert self._multi is not None, "a multi-label dataset has labels.npy"
+        return self._multi
+
     def _label_parts(self, at: np.ndarray) -> list[tuple[Any, ...]]:
         """What follows the image in each sample of a batch: (label,) or (label, targets), the label an
         int or a row of one multi-hot tensor, the targets rows of one float32 tensor (see the class doc)."""
         kind = self.label_kind
         if kind == "multi":
-            hot = labelling.unpack(self._multi[at], len(self.manifest.classes)).astype(np.float32)
+            hot = labelling.unpack(self._multi_rows()[at], len(self.manifest.classes)).astype(np.float32)
             parts: list[Any] = [torch.from_numpy(hot).unbind(0)]
         elif kind == "class" or self._targets is None:
             parts = [self._labels[at].tolist()]
@@ -427,7 +434,7 @@ class ShardDataset(Dataset):
                 h, w = heights[k], widths[k]
                 try:
                     self._verify(datas[k], crcs[k])
-                    if crops is None:
+                    if crops is None or scratch is None:
                         hwc = transform.whole_record(datas[k], fmt, h, w)
                     else:
                         transform.crop_into(datas[k], fmt, h, w, crops[k], scratch)
@@ -456,6 +463,8 @@ class ShardDataset(Dataset):
                     np.copyto(slot.numpy(), x.numpy())  # torch's would start its intra-op threads (150 KB)
                 else:
                     slot.copy_(x)
+            if images is None:  # no indices: nothing to transform
+                return []
             if self.batch_transform is not None:  # seeded by the first draw's key complemented: no sample's
                 seed(rng.sample_seeds(self.seed, epoch, ~np.asarray(keys[:1], dtype=np.int64))[0])
                 images, extras = self._batch_transformed(images, extras)
@@ -469,6 +478,7 @@ class ShardDataset(Dataset):
         beside labels pass through)."""
         column = [parts[0] for parts in extras]
         labels = torch.tensor(column, dtype=torch.int64) if isinstance(column[0], int) else torch.stack(column)
+        assert self.batch_transform is not None, "called only with a batch_transform"
         images, labels = self.batch_transform(images, labels)
         split = labels.tolist() if labels.dtype == torch.int64 and labels.dim() == 1 else labels.unbind(0)
         return images, [(label, *parts[1:]) for label, parts in zip(split, extras)]
