@@ -22,12 +22,13 @@ SANITIZE_SECONDS ?= 60
 SANITIZE_SEED ?= 0
 SANITIZE_DIR := build/sanitize
 
-.PHONY: help system-deps setup demo test test-sanitize dataset dataset-verify dataset-clean bench clean
+.PHONY: help system-deps setup demo lint test test-sanitize dataset dataset-verify dataset-clean bench clean
 
 help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
 	@echo "make demo       generate 12 MP sample photos, pack them, show info, read them back"
-	@echo "make test       run the test suite and a short fuzz of the C extension under ASan/UBSan"
+	@echo "make lint       ruff (lint + format check) over packer/ tests/ scripts/, mypy over packer/"
+	@echo "make test       lint, the test suite, and a short fuzz of the C extension under ASan/UBSan"
 	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
 	@echo "make dataset-verify OUT=out.lmdb   re-read and check OUT (each split dataset inside it, with --split)"
@@ -61,7 +62,13 @@ demo: setup
 	$(VENV)/bin/packer info $(DEMO_DIR)/demo.lmdb
 	$(PY) scripts/train_example.py $(DEMO_DIR)/demo.lmdb --steps 30 --batch-size 16
 
-test: setup
+# ruff and mypy settings: pyproject.toml ([tool.ruff], [tool.mypy]).
+lint: setup
+	$(PY) -m ruff check packer tests scripts
+	$(PY) -m ruff format --check packer tests scripts
+	$(PY) -m mypy
+
+test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-sanitize SANITIZE_SECONDS=20
 
