@@ -96,7 +96,8 @@ def lend(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
     weakref.finalize(array, _local_done, seg, os.getpid()).atexit = False
     storage = torch.from_numpy(array).untyped_storage()  # keeps ``array`` alive while used
     _by_storage[seg.address] = seg
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch's stub wants a stride; set_(storage, offset, size) is contiguous
+    # torch's stub wants a stride too; set_(storage, offset, size) (contiguous strides) is valid torch
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
 
 
 def _local_done(seg: _Segment, pid: int) -> None:

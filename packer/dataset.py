@@ -76,7 +76,8 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> to
     for n in shape:
         numel *= n
     storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch's stub wants a stride; set_(storage, offset, size) is contiguous
+    # torch's stub wants a stride too; set_(storage, offset, size) (contiguous strides) is valid torch
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
 
 
 def collate_samples(

@@ -167,6 +167,7 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
 
 
 def _map_npy_file(root: str, name: str, open_file: Callable[[str], int]) -> np.ndarray:
+    """The pinned ``.npy`` file ``name``, mapped (its descriptor is closed: the mapping keeps it)."""
     fd = open_file(name)
     try:
         return map_npy(fd, os.path.join(root, name))

@@ -247,7 +247,8 @@ class LmdbReader(Reader):
                 raise self._bad(i, f"unreadable in data.mdb ({e})") from None
             if value is None:  # the guard found it: only a file changed under a running reader gets here
                 raise self._bad(i, "missing from data.mdb")
-            values.append(value)  # type: ignore[arg-type]  # lmdb's stub: a buffers=True txn returns memoryview
+            # lmdb's stub says bytes | memoryview; a buffers=True transaction returns a memoryview
+            values.append(value)  # type: ignore[arg-type]
         return values
 
     def txn(self) -> lmdb.Transaction:
