@@ -97,7 +97,7 @@ class Manifest:
     class_counts: list[int]
     bytes: int
     digest: str
-    shards: list[dict[str, int | str]] = field(default_factory=list)
+    shards: list[dict[str, Any]] = field(default_factory=list)  # JSON: {"file", "count", "bytes"}, see _check
     scanned: int = 0
     skipped: int = 0
     ignored: int = 0

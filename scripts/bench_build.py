@@ -62,7 +62,8 @@ def floor_turbojpeg(path: str) -> int:
 
 def floor_pillow_draft(path: str) -> int:
     with Image.open(path) as im:
-        im.draft("RGB", target_size(*im.size, SHORT))
+        width, height = im.size
+        im.draft("RGB", target_size(width, height, SHORT))
         im.load()
         return im.size[0]
 
@@ -216,7 +217,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench")
     args = ap.parse_args()
 
-    size = tuple(int(v) for v in args.size.split("x"))
+    width, height = (int(v) for v in args.size.split("x"))
+    size = (width, height)
     raw = args.raw or args.work / f"raw-{args.images}-{args.size}"
     files = [
         str(f) for f in (sorted(raw.rglob("*.jpg")) if args.raw else make_folder(raw, args.images, size, args.workers))

@@ -115,8 +115,8 @@ def main() -> None:
     orders = args.orders.split(",")
     for fmt, path in datasets.items():
         size = disk_bytes(path)
-        rates = {(o, kind): [] for o in orders for kind in ("cold", "warm")}
-        cached = {key: [] for key in rates}
+        rates: dict[tuple[str, str], list[float]] = {(o, kind): [] for o in orders for kind in ("cold", "warm")}
+        cached: dict[tuple[str, str], list[float]] = {key: [] for key in rates}
         for r in range(args.repeats):
             for order in orders:  # interleaved
                 evict(path)

@@ -72,10 +72,10 @@ class FolderDataset(Dataset):
         with Image.open(self.files[i]) as im:
             im = ImageOps.exif_transpose(im).convert("RGB")
         u = rng.random((1, DRAWS))
-        top, left, h, w = random_resized_crops(u, [im.height], [im.width])[0].tolist()
-        im = im.resize((CROP, CROP), Image.BILINEAR, box=(left, top, left + w, top + h))
+        top, left, h, w = random_resized_crops(u, np.array([im.height]), np.array([im.width]))[0].tolist()
+        im = im.resize((CROP, CROP), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
         if u[0, -1] < 0.5:
-            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = torch.from_numpy(np.array(im)).permute(2, 0, 1).float().div(255)
         return x.sub_(self.mean).div_(self.std), 0
 
@@ -94,6 +94,7 @@ _LIMIT_PATH: Optional[str] = None
 def _decode_share(args: tuple[list[int], float]) -> tuple[int, float]:
     """Decode records (full scale, as ShardDataset does for 224 crops of 320 px images) in a worker."""
     indices, start_at = args
+    assert _LIMIT_PATH is not None, "set by the parent before the pool starts"
     manifest = Manifest.load(_LIMIT_PATH)
     index, _ = load_index(_LIMIT_PATH, manifest)
     reader = open_reader(_LIMIT_PATH, manifest, index)

@@ -71,7 +71,7 @@ def main() -> None:
     out = np.empty((SIZE, SIZE, 3), np.uint8)
     u = uniforms(0, 0, np.arange(args.boxes), DRAWS)
     crops = random_resized_crops(u, np.full(args.boxes, H), np.full(args.boxes, W))
-    boxes = [(*map(int, c), bool(f < 0.5)) for c, f in zip(crops, u[:, 40])]
+    boxes = [(top, left, h, w, bool(f < 0.5)) for (top, left, h, w), f in zip(crops.tolist(), u[:, 40])]
     classes = {
         "all RandomResizedCrop boxes": boxes,
         "crop taller than 224": [b for b in boxes if b[2] >= SIZE],
@@ -86,7 +86,7 @@ def main() -> None:
     )
     print(f"  {'us per crop':<34}" + "".join(f"{name:>22}" for name in fns))
     for label, subset in classes.items():
-        times = {name: [] for name in fns}
+        times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(args.repeats):
             for name, fn in fns.items():  # interleaved, so drifting machine load hits all alike
                 t = time.perf_counter()

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def one(dataset: str, transform: str, packer_sampler: bool, workers: int, sample
     from packer.bench import measure
     from packer.dataset import ShardDataset
 
-    extra = {"transform": {"identity": identity, "jitter": jitter}[transform]} if transform else {}
+    extra: dict[str, Any] = {"transform": {"identity": identity, "jitter": jitter}[transform]} if transform else {}
     ds = ShardDataset(dataset, dtype=torch.uint8, **extra)
     point = measure(ds, workers, 256, samples, **({"packer_sampler": True} if packer_sampler else {}))
     print(json.dumps({"rate": point.samples_per_s, "us": point.cpu_us_per_sample, "inproc": inprocess_us(ds)}))

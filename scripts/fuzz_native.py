@@ -28,7 +28,7 @@ from PIL import Image
 def load(path: str | None) -> ModuleType:
     """The extension at ``path`` (a sanitized build), else the installed packer._native."""
     if path is None:
-        from packer import _native  # type: ignore[attr-defined]
+        from packer import _native
 
         return _native
     spec = importlib.util.spec_from_file_location("_native", path)
@@ -173,7 +173,7 @@ def fuzz_normalize(native: ModuleType, rng: np.random.Generator) -> None:
     except ValueError:
         assert out.size != n
         return
-    want = (src.reshape(-1, 3) - np.float32(mean)) * np.float32(inv)
+    want = (src.reshape(-1, 3) - np.asarray(mean, np.float32)) * np.asarray(inv, np.float32)
     assert np.allclose(out.reshape(-1, 3), want, rtol=1e-6, atol=1e-5), "normalize differs from numpy"
 
 

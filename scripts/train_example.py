@@ -74,7 +74,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[float]:
     if len(ds) < args.batch_size:
         p.error(f"the dataset has {len(ds)} records, fewer than --batch-size {args.batch_size}")
     loader = make_loader(ds, args.batch_size, args.workers, device, args.seed)
-    model = small_cnn(len(ds.classes)).to(device).to(memory_format=torch.channels_last)
+    # torch's stub for Module.to lacks the memory_format keyword that Module.to accepts
+    model = small_cnn(len(ds.classes)).to(device).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     loss_fn = nn.CrossEntropyLoss()
     print(f"{ds}, {len(loader)} batches/epoch, device {device}")

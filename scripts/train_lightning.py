@@ -68,7 +68,9 @@ class Classifier(L.LightningModule):
         return to_device(images, self.device), labels  # float + normalize where the model runs
 
     def on_train_epoch_start(self) -> None:
-        sampler = self.trainer.train_dataloader.sampler
+        loader = self.trainer.train_dataloader
+        assert loader is not None, "called during fit"
+        sampler = loader.sampler
         print(
             f"epoch {self.current_epoch}: sampler epoch {sampler.epoch}, dataset epoch {sampler.dataset.epoch}",
             flush=True,

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from packer import batchpool
-from packer.dataset import Sample, ShardDataset, collate_samples
+from packer.dataset import Sample, ShardDataset, TargetSample, collate_samples
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create is Linux-only: no pool")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_c
 class PoolSize(ShardDataset):
     """Labels replaced by the worker's pool size when the batch was made (to watch reuse)."""
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample | TargetSample]:
         samples = super().__getitems__(indices)
         return [Sample(s.image, len(batchpool._own_pool())) for s in samples]
 
@@ -53,14 +53,15 @@ def test_held_batches_are_never_overwritten_and_freed_ones_are_reused(built, dty
 def test_lend_reuses_a_segment_once_every_tensor_over_it_is_gone() -> None:
     shape = (3, 5, 7, 3)  # a size no other test lends
     a = batchpool.lend(shape, torch.uint8)
+    assert a is not None
     address = a.data_ptr()
     view = a[1:]
     del a
     b = batchpool.lend(shape, torch.uint8)
-    assert b.data_ptr() != address  # a view still uses the first segment
+    assert b is not None and b.data_ptr() != address  # a view still uses the first segment
     del view
     c = batchpool.lend(shape, torch.uint8)
-    assert c.data_ptr() == address  # every tensor over it gone: lent again
+    assert c is not None and c.data_ptr() == address  # every tensor over it gone: lent again
 
 
 def test_a_batch_pickled_twice_is_copied_for_the_second_receiver(built) -> None:

@@ -30,7 +30,10 @@ def stored_images(out: Path) -> tuple[Manifest, np.ndarray, np.ndarray, list[np.
         close_lmdb(out)  # packer's shared handle, if an earlier test read this dataset through packer
         env = lmdb.open(str(out), readonly=True, lock=False)
         with env.begin() as txn:
-            blobs = [txn.get(lmdb_key(i)) for i in range(manifest.count)]
+            for i in range(manifest.count):
+                value = txn.get(lmdb_key(i))
+                assert value is not None, f"record {i} is missing"
+                blobs.append(value)
         env.close()
     else:
         maps = [np.memmap(out / s["file"], dtype=np.uint8, mode="r") for s in manifest.shards]
@@ -111,6 +114,7 @@ def test_plain_lmdb_reads_a_record_and_index_matches(built) -> None:
     env = lmdb.open(str(out), readonly=True, lock=False)
     with env.begin() as txn:
         blob = txn.get(b"0000000000")
+        assert blob is not None
         assert txn.stat()["entries"] == 18
     env.close()
     index = np.load(out / "index.npy", allow_pickle=False)

@@ -107,7 +107,7 @@ def test_wait_waits_for_the_holder_and_kill_9_leaves_no_stale_lock(raw: Path, tm
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         refused = packer("build", raw, out, "--update", "--quiet")
         assert refused.returncode == 1
         assert refused.stderr.strip() == f"packer: error: {out} is being built by pid {holder.pid}"
@@ -116,7 +116,7 @@ def test_wait_waits_for_the_holder_and_kill_9_leaves_no_stale_lock(raw: Path, tm
         waiting = subprocess.Popen(
             [*PACKER, "build", str(raw), str(out), "--update", "--wait"], stderr=subprocess.PIPE, text=True
         )
-        assert f"waiting for pid {holder.pid}" in waiting.stderr.readline()
+        assert waiting.stderr is not None and f"waiting for pid {holder.pid}" in waiting.stderr.readline()
         waiting.send_signal(signal.SIGTERM)
         assert waiting.wait(timeout=10) == 143
 
@@ -324,6 +324,7 @@ def test_info_into_a_closed_pipe_ends_quietly(raw: Path, tmp_path: Path) -> None
     out = tmp_path / "out.lmdb"
     build(raw, out, workers=1, quiet=True)
     proc = subprocess.Popen([*PACKER, "info", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before the first line is written
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and stderr == ""
@@ -427,7 +428,8 @@ def test_pillows_bomb_guard_is_left_alone(tmp_path: Path, monkeypatch: pytest.Mo
     jpeg(path, 1, size=(400, 300))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # someone else's strict limit, in this process
     assert isinstance(process(str(path), Options()), Record)
-    assert process(str(path), Options(max_pixels=100_000)).reason.startswith("decompression bomb guard")
+    result = process(str(path), Options(max_pixels=100_000))
+    assert isinstance(result, Skip) and result.reason.startswith("decompression bomb guard")
     with pytest.raises(Image.DecompressionBombError):
         Image.open(path)  # still in force for everyone else
     assert Image.MAX_IMAGE_PIXELS == 1000

@@ -49,10 +49,10 @@ def test_batches_shapes_ranges_labels(built, backend: str, fmt: str) -> None:
         assert images.shape[1:] == (3, CROP, CROP) and images.dtype == torch.float32
         assert lo - 1e-5 <= images.min() and images.max() <= hi + 1e-5
         assert labels.dtype == torch.int64
-    labels = torch.cat([b[1] for b in batches]).numpy()
-    assert (labels == ds.labels).all()
+    label_ids = torch.cat([b[1] for b in batches]).numpy()
+    assert (label_ids == ds.labels).all()
     assert ds.classes == ["landscape", "portrait"]
-    assert [ds.classes[y] for y in labels] == [ds.source(i).split("/")[0] for i in range(len(ds))]
+    assert [ds.classes[y] for y in label_ids] == [ds.source(i).split("/")[0] for i in range(len(ds))]
 
     u8 = load(ShardDataset(ds.root, crop_size=CROP, seed=1, dtype=torch.uint8))
     assert all(b[0].dtype == torch.uint8 and b[0].shape[1:] == (3, CROP, CROP) for b in u8)
@@ -61,7 +61,7 @@ def test_batches_shapes_ranges_labels(built, backend: str, fmt: str) -> None:
     assert torch.equal(to_device(u8[0][0], "cpu"), batches[0][0])
 
     whole = ShardDataset(ds.root, crop_size=None, dtype=torch.uint8)
-    img, _ = whole[0]
+    img = whole[0].image
     row = whole.index[0]
     assert img.shape == (3, row["height"], row["width"]) and min(img.shape[1:]) == 320
     with pytest.MonkeyPatch.context() as m:  # packer's binding decodes as PyTurboJPEG does, pixel for pixel
@@ -220,7 +220,7 @@ def test_samplers(built) -> None:
     assert counts.tolist() == [9, 9] and counts.sum() == len(ds)
     weights = ds.sample_weights()
     assert np.allclose(np.bincount(ds.labels, weights), 1.0)
-    sampler = WeightedRandomSampler(weights, num_samples=8, generator=torch.Generator().manual_seed(0))
+    sampler = WeightedRandomSampler(weights.tolist(), num_samples=8, generator=torch.Generator().manual_seed(0))
     images, labels = next(iter(DataLoader(ds, batch_size=8, sampler=sampler)))
     assert images.shape == (8, 3, CROP, CROP) and labels.shape == (8,)
 
@@ -263,6 +263,7 @@ def test_corrupt_raw_records(built, tmp_path: Path) -> None:
     env.close()
     data = path / "data.mdb"
     blob = data.read_bytes()
+    assert value is not None
     at = blob.index(value[:4096]) + 100
     data.write_bytes(blob[:at] + bytes(64) + blob[at + 64 :])
     with pytest.raises(DatasetError, match=r"record 3 \(source 'landscape/Landscape_3.jpg'\): CRC-32"):
@@ -523,9 +524,9 @@ def test_native_resize_matches_pillows_filter() -> None:
         for vector in (True, False):
             got[vector] = np.zeros((oh, ow, 3), np.uint8)
             transform._native.resize_crop(img, 320, 427, top, left, h, w, got[vector], oh, ow, False, vector, True)
-        case = (top, left, h, w, oh, ow)
-        assert np.array_equal(got[True], got[False]), case
-        assert np.abs(got[True] - want).max() <= 2, case  # 14-bit coefficients: a level per pass
+        where = (top, left, h, w, oh, ow)
+        assert np.array_equal(got[True], got[False]), where
+        assert np.abs(got[True] - want).max() <= 2, where  # 14-bit coefficients: a level per pass
     out = np.zeros((4, 4, 3), np.uint8)
     for bad in ((0, 0, 321, 10), (-1, 0, 5, 5), (0, 420, 5, 8), (0, 0, 0, 5)):
         with pytest.raises(ValueError, match="outside"):

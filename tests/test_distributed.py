@@ -128,7 +128,7 @@ def test_worker_killed_mid_build(client, mixed_raw: Path, tmp_path: Path) -> Non
         import packer.distributed as d
         import packer.preprocess as p
 
-        def slow(paths: list[str], opts: object) -> list:
+        def slow(paths: list[str], opts: p.Options) -> list:
             t.sleep(seconds)
             return p.process_chunk(paths, opts)
 

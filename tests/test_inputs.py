@@ -23,7 +23,7 @@ from PIL import Image
 
 from packer import BuildError, build
 from packer.format import Manifest, load_index, source_path
-from packer.preprocess import HEIF_AVAILABLE, HEIF_MISSING, Options, Skip, process
+from packer.preprocess import HEIF_AVAILABLE, HEIF_MISSING, Options, Record, Skip, process
 from packer.read import open_reader
 
 PACKER = [sys.executable, "-m", "packer.cli"]
@@ -160,7 +160,8 @@ def make_raw(root: Path) -> dict[str, Expect]:
 
     frames = [Image.new("RGB", (W, H), c) for c in ((255, 0, 0), (0, 0, 255))]
     save(g / "anim.gif", frames[0], save_all=True, append_images=frames[1:], duration=100, loop=0)
-    assert Image.open(g / "anim.gif").n_frames == 2
+    # n_frames is the GIF plugin's; Pillow's stub types Image.open's result as the base ImageFile
+    assert Image.open(g / "anim.gif").n_frames == 2  # type: ignore[attr-defined]
     expect["good/anim.gif"] = ("packed", lambda img: np.testing.assert_array_equal(img[0, 0], (255, 0, 0)))
 
     outside = root.parent / f"{root.name}-outside"
@@ -447,6 +448,7 @@ def test_builds_shrink_like_pillows_lanczos(tmp_path: Path, monkeypatch) -> None
             theirs = process(str(path), Options(format="raw"))
             m.setattr(codec, "native_shrink", lambda: False)
             assert codec.codec_name().startswith("turbojpeg, resize pillow-")
+        assert isinstance(ours, Record) and isinstance(theirs, Record)
         assert (ours.height, ours.width) == (theirs.height, theirs.width) and min(ours.height, ours.width) == 320
         diff = np.abs(np.frombuffer(ours.data, np.uint8).astype(int) - np.frombuffer(theirs.data, np.uint8))
         assert diff.max() <= 2 and diff.mean() < 0.1, (size, orientation)

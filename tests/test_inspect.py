@@ -13,7 +13,7 @@ from PIL import Image
 from packer.preview import CAPTION, CELL, contact_sheet, pick
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "packer.cli", *map(str, args)], capture_output=True, text=True)
 
 

@@ -75,7 +75,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 60) 
         if proc.poll() is not None:
             pytest.fail(
                 f"the build ended (rc {proc.returncode}) before it could be interrupted: "
-                f"make the test images bigger\n{proc.stderr.read()}"
+                f"make the test images bigger\n{proc.stderr.read() if proc.stderr else ''}"
             )
         with contextlib.suppress(OSError, ValueError):
             done = json.loads(progress.read_text())["sources_done"]

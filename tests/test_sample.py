@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def test_exif_transpose_recovers_scene(orientation: int) -> None:
     Compare at thumbnail scale so the (stored-coordinate) sensor noise averages out, and check
     that the scene is asymmetric enough that a wrong transform would have been caught.
     """
-    kw = {"portrait": orientation % 2 == 0, "size": (400, 300), "seed": (3, orientation)}
+    kw: dict[str, Any] = {"portrait": orientation % 2 == 0, "size": (400, 300), "seed": (3, orientation)}
     ref = render_photo(1, orientation=1, **kw)
     buf = io.BytesIO()
     exif = Image.Exif()

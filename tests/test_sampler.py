@@ -45,6 +45,13 @@ def draws_seen(path: Path, **sampler_args: Any) -> list[tuple[int, bytes]]:
     return [(int(d), images[k].numpy().tobytes()) for k, d in enumerate(drawn)]
 
 
+def _numpy_key() -> np.ndarray:
+    """numpy's global Mersenne Twister key (get_state()'s legacy tuple, its default)."""
+    state = np.random.get_state()
+    assert isinstance(state, tuple)
+    return state[1]
+
+
 def test_global_rng_transform_is_worker_independent_and_restores_state(built) -> None:
     path = built("memmap", "jpeg")
     results = {}
@@ -58,9 +65,9 @@ def test_global_rng_transform_is_worker_independent_and_restores_state(built) ->
     ds = ShardDataset(path, crop_size=CROP, seed=run.SEED, dtype=torch.uint8, transform=jitter)
     plain = ShardDataset(path, crop_size=CROP, seed=run.SEED, dtype=torch.uint8)
     torch.manual_seed(1), np.random.seed(1), random.seed(1)
-    before = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    before = torch.get_rng_state(), _numpy_key().copy(), random.getstate()
     a = ds[3][0]
-    assert torch.equal(torch.get_rng_state(), before[0]) and np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[0]) and np.array_equal(_numpy_key(), before[1])
     assert random.getstate() == before[2]  # the process's own streams are untouched
     assert torch.equal(a, ds[3][0]) and not torch.equal(a, plain[3][0])
     with pytest.raises(RuntimeError, match="only defined inside"):
@@ -208,10 +215,11 @@ def test_resume_in_a_new_process_is_bit_exact(built, tmp_path: Path, world: int)
     try:
         import torchdata.stateful_dataloader  # noqa: F401
 
-        modes = ("0", "2", "stateful")
+        modes: tuple[str, ...] = ("0", "2", "stateful")
     except ImportError:  # an optional dependency: the plain-DataLoader modes still run
         modes = ("0", "2")
-    states, expected = {}, {}
+    states: dict[int, Any] = {}
+    expected: dict[int, Any] = {}
     for rank in range(world):
         loader, sampler = run.make(path, 0, num_replicas=world, rank=rank)
         expected[rank] = run.batches(loader, sampler, 1)

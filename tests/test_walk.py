@@ -43,7 +43,7 @@ def test_a_caller_that_stops_early_releases_the_lmdb_environment(built, tmp_path
     index, _ = load_index(out, manifest)
     records = walk(out, manifest.backend, index)
     next(records)
-    records.close()  # type: ignore[attr-defined]
+    records.close()
     env = lmdb.open(str(out), readonly=True, lock=False)  # raises "already open" if the walk's env leaked
     env.close()
     assert ShardDataset(out, crop_size=None)[0][0].shape[0] == 3
