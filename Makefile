@@ -27,7 +27,7 @@ SANITIZE_DIR := build/sanitize
 help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
 	@echo "make demo       generate 12 MP sample photos, pack them, show info, read them back"
-	@echo "make lint       ruff (lint + format check) over packer/ tests/ scripts/, mypy over packer/"
+	@echo "make lint       ruff (lint + format check) and mypy over packer/ tests/ scripts/"
 	@echo "make test       lint, the test suite, and a short fuzz of the C extension under ASan/UBSan"
 	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
