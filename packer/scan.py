@@ -373,7 +373,9 @@ def _class_ids(
         bad = next((n for n in names if n not in ids), None)
         if bad is None:
             keep.append(f)
-            sets.append(shared.get(names) or shared.setdefault(names, [ids[n] for n in names]))
+            if (class_ids := shared.get(names)) is None:
+                class_ids = shared[names] = [ids[n] for n in names]
+            sets.append(class_ids)
         elif strict:
             raise ScanError(f"{at}: {unknown(bad)} (--on-error fail)")
         else:

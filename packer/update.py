@@ -73,7 +73,16 @@ class _OldRecords:
         self._at = -1  # the record the walk read last
         self._broken = False
 
-    def get(self, j: int) -> tuple[Optional[bytes], int]:
+    def record(self, j: int) -> Optional[Record]:
+        """Old record ``j`` as its index row describes it, or None when its bytes are missing or differ
+        from the row (damaged since they were written: the file is decoded again)."""
+        row = self._cache.index[j]
+        data, crc = self._get(j)
+        if data is None or len(data) != int(row["length"]) or crc != int(row["crc32"]):
+            return None
+        return Record(data, int(row["height"]), int(row["width"]), crc)
+
+    def _get(self, j: int) -> tuple[Optional[bytes], int]:
         """Record ``j``'s bytes and their CRC-32; None when missing or unreadable (a damaged old
         dataset: then every later record is decoded again too)."""
         if self._broken:
@@ -155,15 +164,12 @@ def ordered_results(
     old = _OldRecords(cache) if cache is not None else None
     try:
         for source, j in zip(todo, old_of.tolist()):
-            if j < 0 or old is None or cache is None:
+            if j < 0 or old is None:
                 yield next(fresh), False
-                continue
-            row = cache.index[j]
-            data, crc = old.get(j)
-            if data is None or len(data) != int(row["length"]) or crc != int(row["crc32"]):
+            elif (record := old.record(j)) is not None:
+                yield record, True
+            else:
                 yield process_chunk([str(raw / source.rel)], opts)[0], False  # damaged since: decode again
-                continue
-            yield Record(data, int(row["height"]), int(row["width"]), crc), True
     finally:
         fresh.close()
         if old is not None:
