@@ -15,6 +15,7 @@ import click
 import numpy as np
 
 from .errors import PackerError
+from .options import BuildOptions, cli_fields, flag
 
 
 class Terminated(KeyboardInterrupt):
@@ -75,56 +76,57 @@ def main(debug: bool) -> None:
     """Preprocess an image folder once; pack it into LMDB or memmap shards for fast training."""
 
 
-def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, float] | None:
-    """('val=0.05', 'test=0.1') -> {'val': 0.05, 'test': 0.1}, in the order given (it orders the cuts)."""
-    splits: dict[str, float] = {}
-    for spec in value:
-        name, _, fraction = spec.partition("=")
+def _click_type(kind: Any) -> Any:
+    """A BuildOptions field's ``type`` metadata as click's: a tuple is a choice, "file" an existing file."""
+    if isinstance(kind, tuple):
+        return click.Choice(kind)
+    if kind == "file":
+        return click.Path(exists=True, dir_okay=False)
+    return kind
+
+
+def _converted(convert: Callable[[Any], Any]) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback from a BuildOptions field's ``convert`` (its ValueError: a usage error)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
         try:
-            share: float | None = float(fraction)
-        except ValueError:
-            share = None
-        if share is None or name.strip() in splits:
-            raise click.BadParameter(f"expected NAME=FRACTION once per name, like val=0.05, not {spec!r}")
-        splits[name.strip()] = share
-    return splits or None
+            return convert(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return callback
+
+
+def build_option_decorators() -> list[Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """``packer build``'s click options, one per BuildOptions field that has a ``help``: flag, type,
+    default and --help text all come from the field, so an option is written once (in BuildOptions)."""
+    decorators: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
+    for f in cli_fields():
+        meta = f.metadata
+        kwargs: dict[str, Any] = {"help": meta["help"]}
+        if meta["type"] is bool:
+            kwargs["is_flag"] = True
+        else:
+            kwargs["type"] = _click_type(meta["type"])
+            if f.default is not None:
+                kwargs |= {"default": f.default, "show_default": True}
+        if "convert" in meta:
+            kwargs["callback"] = _converted(meta["convert"])
+        kwargs |= {k: meta[k] for k in ("metavar", "multiple") if k in meta}
+        decorators.append(click.option(flag(f.name), f.name, **kwargs))
+    return decorators
+
+
+def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for decorate in reversed(build_option_decorators()):
+        fn = decorate(fn)
+    return fn
 
 
 @main.command()
 @click.argument("raw_dir", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option(
-    "--backend",
-    type=click.Choice(["lmdb", "memmap"]),
-    default=None,
-    help="Default: lmdb when OUT ends in .lmdb, else memmap.",
-)
-@click.option(
-    "--format",
-    "format_",
-    type=click.Choice(["jpeg", "raw"]),
-    default="jpeg",
-    show_default=True,
-    help="jpeg: re-encoded JPEG; raw: decoded uint8 H x W x 3 pixels (bigger, no decode at read).",
-)
-@click.option("--short-edge", type=int, default=320, show_default=True, help="Target short edge; never upscales.")
-@click.option("--quality", type=int, default=90, show_default=True, help="JPEG quality.")
-@click.option("--workers", type=int, default=None, help="Worker processes [default: all cores].")
-@click.option(
-    "--shard-size",
-    type=int,
-    default=None,
-    help="Records per memmap shard [default: 10000]. With --dask: files per task, and each "
-    "task's records form one memmap shard [default: 1000].",
-)
-@click.option(
-    "--labels",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="CSV whose header names the columns path,label (path relative to RAW_DIR) instead of "
-    "folder labels. Integer labels (0, 1, 2, ...) keep their value as the class id; other "
-    "labels are numbered in sorted order.",
-)
+@_with_build_options
 @click.option(
     "--classes",
     "classes_file",
@@ -154,78 +156,6 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
     help="With --labels: store these numeric CSV columns per image (float32). ShardDataset returns "
     "(image, label, targets), or (image, targets) with --unlabeled.",
 )
-@click.option(
-    "--on-error",
-    type=click.Choice(["skip", "fail"]),
-    default=None,
-    help="skip: report bad files and folders and go on; fail: stop at the first one. Default: "
-    "skip bad files, but fail on a folder that cannot be read (its files and perhaps a "
-    "whole class would be missing); a class folder skipped with --on-error skip keeps "
-    "its class id.",
-)
-@click.option(
-    "--max-pixels",
-    type=int,
-    default=256_000_000,
-    show_default=True,
-    help="Refuse images with more pixels (decompression bombs).",
-)
-@click.option("--min-size", type=int, default=16, show_default=True, help="Skip images with a shorter edge.")
-@click.option(
-    "--max-aspect",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Skip images whose long/short edge ratio exceeds this.",
-)
-@click.option(
-    "--force",
-    is_flag=True,
-    help="Replace an existing OUT (only once the new one is complete). "
-    "When OUT is a symlink, the dataset it points to is replaced and the link kept.",
-)
-@click.option(
-    "--update",
-    is_flag=True,
-    help="Refresh OUT: decode only files added or changed since it was built (same path, size and "
-    "mtime = unchanged), drop deleted ones, copy the other records. Unchanged input: says so, "
-    "writes nothing. Changed build options: rebuilds everything. Builds OUT if absent.",
-)
-@click.option(
-    "--checksum",
-    is_flag=True,
-    help="With --update: compare file contents (a hash; reads every file) instead of mtimes.",
-)
-@click.option(
-    "--split",
-    "split",
-    multiple=True,
-    callback=_split_specs,
-    metavar="NAME=FRACTION",
-    help="Also write split NAME (e.g. val=0.05; repeatable): OUT becomes a folder with one dataset "
-    "per split (OUT/train.lmdb, OUT/val.lmdb, or OUT/train/, ... for memmap); train gets the "
-    "rest. By hashed path, per class, stable when files are added.",
-)
-@click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the --split assignment.")
-@click.option(
-    "--resume",
-    is_flag=True,
-    help="Continue an interrupted build of the same inputs and options. OUT already built from "
-    "them: says so, exit 0; OUT built from other input or options: an error.",
-)
-@click.option(
-    "--wait",
-    is_flag=True,
-    help="If another build of OUT is running, wait for it to finish instead of failing with "
-    "'OUT is being built by pid N'.",
-)
-@click.option(
-    "--checkpoint-seconds",
-    type=float,
-    default=2.0,
-    show_default=True,
-    help="Make the work so far resumable at least this often (also every 2000 images).",
-)
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option(
     "--dask",
@@ -239,13 +169,13 @@ def _split_specs(ctx: click.Context, param: click.Parameter, value: tuple[str, .
 def build(
     raw_dir: Path,
     out: Path,
-    format_: str,
     dask_address: str | None,
     classes_file: str | None,
     unlabeled: bool,
     multi_label: bool,
     targets: str | None,
-    **options: Any,
+    quiet: bool,
+    **fields: Any,
 ) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
@@ -258,34 +188,19 @@ def build(
     """
     from .labels import Labelling
 
-    options["labelling"] = Labelling(
+    labelling = Labelling(
         classes_file, unlabeled, multi_label, tuple(t.strip() for t in targets.split(",")) if targets else ()
     )
-    if options["shard_size"] is None:
-        del options["shard_size"]  # local and Dask builds have their own defaults
-    run_build: Callable[..., Any]  # the local or the Dask build: same keywords, same report
-    if dask_address is not None:
-        from .distributed import build_dask as run_build
-
-        used = [
-            flag
-            for flag, on in (
-                ("--update", options.pop("update")),
-                ("--checksum", options.pop("checksum")),
-                ("--split", options.pop("split")),
-            )
-            if on
-        ]
-        if used:
-            raise click.UsageError(f"{', '.join(used)} cannot be combined with --dask yet")
-        options.pop("split_seed")
-        options["address"] = dask_address
-        options.pop("checkpoint_seconds", None)  # each finished task is a checkpoint there
-    else:
-        from .pipeline import build as run_build
-
+    options = BuildOptions(labelling=labelling, **fields)
     signal.signal(signal.SIGTERM, _raise_terminated)
-    report = run_build(raw_dir, out, format=format_, **options)
+    if dask_address is not None:
+        from .distributed import build_dask
+
+        report = build_dask(raw_dir, out, options, address=dask_address, quiet=quiet)
+    else:
+        from .pipeline import build as build_here
+
+        report = build_here(raw_dir, out, options, quiet=quiet)
     click.echo(report.summary(), err=True)
 
 

@@ -16,6 +16,7 @@ The journal, manifest and final rename are the local pipeline's own (:mod:`packe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import mmap
@@ -23,9 +24,10 @@ import os
 import shutil
 import socket
 import sys
-import time
 import uuid
+from collections.abc import Generator
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
@@ -34,30 +36,16 @@ import numpy as np
 from . import __version__
 from .codec import can_decode_region, codec_name
 from .errors import PackerError
-from .format import IDENTITY_FIELDS, INDEX_DTYPE, Digest, shard_name
-from .labels import Labelling
-from .pipeline import (
-    PROGRESS,
-    BuildError,
-    BuildReport,
-    _Journal,
-    _open_staging,
-    _Progress,
-    _write_json_atomic,
-    complete,
-    dataset_path,
-    default_backend,
-    lock_outputs,
-    prepare,
-    resume_finished,
-    staging_path,
-)
-from .preprocess import Options, Record, process_chunk
+from .format import INDEX_DTYPE, shard_name
+from .options import DASK_TASK_SIZE, BuildError, BuildOptions
+from .pipeline import run_build
+from .preprocess import Options, Record, Result, Skip, process_chunk
 from .scan import Scan
-from .write import LmdbWriter, fsync_path, write_atomic
+from .staging import PROGRESS, BuildReport, Progress, RecordSink, Writer, fill, write_json_atomic
+from .update import Cache, ordered_results
+from .write import LmdbWriter, fsync_path, open_writer, write_atomic
 
 FRAGMENTS = "fragments"
-DEFAULT_TASK_SIZE = 1000
 CONNECT_TIMEOUT = 10  # seconds; an unreachable scheduler should fail fast, not hang
 WORKER_WAIT = 300  # seconds to wait for a first worker (a batch-queued cluster may still be starting)
 RETRIES = 2  # re-runs of a task that raised (e.g. a transient NFS error); lost workers are separate
@@ -69,6 +57,12 @@ class ShardError(PackerError):
 
 def fragment_stem(k: int) -> str:
     return f"part-{k:05d}"
+
+
+def paths_digest(rels: list[str]) -> str:
+    """Which files a fragment holds: --resume reuses it only for the same files (an --update whose
+    reuse plan changed meanwhile cuts its tasks differently)."""
+    return hashlib.sha256("\0".join(rels).encode("utf-8", "surrogateescape")).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------- worker side
@@ -113,7 +107,14 @@ def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options)
     try:
         write_atomic(stem.with_suffix(".bin"), write_records)
         write_atomic(stem.with_suffix(".npy"), lambda f: np.save(f, rows[:count], allow_pickle=False))
-        meta = {"shard": k, "files": len(rels), "count": count, "bytes": size, "skipped": skipped}
+        meta = {
+            "shard": k,
+            "files": len(rels),
+            "paths": paths_digest(rels),
+            "count": count,
+            "bytes": size,
+            "skipped": skipped,
+        }
         write_atomic(stem.with_suffix(".json"), lambda f: f.write(json.dumps(meta).encode("utf-8")))
         fsync_path(fragments)
     except OSError as e:
@@ -167,13 +168,15 @@ def _slices(n: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
-def _finished(fragments: Path, k: int, files: int) -> Optional[dict[str, Any]]:
-    """Fragment ``k``'s metadata if it is complete and consistent (reusable by --resume), else None."""
+def _finished(fragments: Path, k: int, rels: list[str]) -> Optional[dict[str, Any]]:
+    """Fragment ``k``'s metadata if it holds ``rels`` and is complete (reusable by --resume), else None."""
+    files = len(rels)
     stem = fragments / fragment_stem(k)
     try:
         meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
         ok = (
             meta["files"] == files
+            and meta.get("paths") == paths_digest(rels)
             and meta["count"] + len(meta["skipped"]) == files
             and stem.with_suffix(".bin").stat().st_size == meta["bytes"]
             and stem.with_suffix(".npy").is_file()
@@ -267,26 +270,22 @@ def _run_tasks(
     client: Any,
     raw: str,
     fragments: Path,
-    found: Scan,
-    slices: list[tuple[int, int]],
+    tasks: list[list[str]],
     todo: list[int],
     opts: Options,
-    on_error: str,
-    progress: _Progress,
+    on_error: Optional[str],
+    progress: Progress,
     retries: int,
 ) -> dict[int, dict[str, Any]]:
-    """Run the missing fragments with a bounded window of in-flight tasks (the scheduler holds few paths).
-
-    Returns each new fragment's metadata by shard number.
-    """
+    """Run the missing fragments ``todo`` (task k packs the files ``tasks[k]``) with a bounded window of
+    in-flight tasks (the scheduler holds few paths). Returns each new fragment's metadata by number."""
     from distributed import as_completed
 
     token = uuid.uuid4().hex[:8]
-    rels = {k: [s.rel for s in found.sources[slices[k][0] : slices[k][1]]] for k in todo}
     queue, running = list(reversed(todo)), as_completed()
     shard_of: dict[Any, int] = {}
     metas: dict[int, dict[str, Any]] = {}
-    done_shards = len(slices) - len(todo)
+    done_shards = len(tasks) - len(todo)
 
     def refill() -> None:
         window = max(4, 2 * sum(client.nthreads().values()))  # follows workers joining or leaving
@@ -297,7 +296,7 @@ def _run_tasks(
                 raw,
                 str(fragments),
                 k,
-                rels[k],
+                tasks[k],
                 opts,
                 retries=retries,
                 key=f"packer-shard-{k:05d}-{token}",
@@ -313,14 +312,14 @@ def _run_tasks(
             try:
                 meta = future.result()
             except Exception as e:
-                raise BuildError(_describe_failure(k, rels[k], raw, e)) from None
+                raise BuildError(_describe_failure(k, tasks[k], raw, e)) from None
             if on_error == "fail" and meta["skipped"]:
                 (fragments / fragment_stem(k)).with_suffix(".json").unlink()  # --resume redoes this shard
                 i, reason = meta["skipped"][0]
-                raise BuildError(f"{os.path.join(raw, rels[k][i])}: {reason} (--on-error fail)")
+                raise BuildError(f"{os.path.join(raw, tasks[k][i])}: {reason} (--on-error fail)")
             metas[k] = meta
             done_shards += 1
-            progress.update(meta["files"], note=f"shards {done_shards}/{len(slices)}")
+            progress.update(meta["files"], note=f"shards {done_shards}/{len(tasks)}")
             refill()
     finally:
         if shard_of:
@@ -328,216 +327,181 @@ def _run_tasks(
     return metas
 
 
-def _assemble(
-    out: Path,
-    staging: Path,
-    fragments: Path,
-    found: Scan,
-    settings: dict[str, Any],
-    slices: list[tuple[int, int]],
-    metas: dict[int, dict[str, Any]],
-    quiet: bool,
-) -> BuildReport:
-    """Fragments -> dataset in shard order: journal rows, digest, LMDB pass or shard renames; finalize."""
-    backend = settings["backend"]
-    for stale in [*staging.glob("shard-*.bin"), staging / "data.mdb", staging / "lock.mdb"]:
-        stale.unlink(missing_ok=True)  # left by an interrupted assembly; rebuilt below
-    expected_bytes = sum(int(m["bytes"]) for m in metas.values())
-    if not quiet:
-        print(f"packer: assembling {len(slices)} shards ({expected_bytes / 1e6:.1f} MB)", file=sys.stderr, flush=True)
-    journal = _Journal(staging, None)
-    journal.add_scan_report(found)
-    writer = (
-        LmdbWriter(staging, map_size=max(1 << 30, int(expected_bytes * 1.25) + (64 << 20)))
-        if backend == "lmdb"
-        else None
-    )
-    digest = Digest()
-    shards: list[dict[str, Any]] = []
-    labels = np.array([s.label for s in found.sources], dtype=np.int64)
-    skipped = len(found.missing)
-    try:
-        for k, (start, stop) in enumerate(slices):
-            stem, meta = fragments / fragment_stem(k), metas[k]
-            rows = np.load(stem.with_suffix(".npy"), allow_pickle=False)
-            bad = dict(meta["skipped"])
-            for i in sorted(bad):
-                journal.add_report(found.sources[start + i].rel, "skipped", bad[i])
-            skipped += len(bad)
-            members = [start + i for i in range(stop - start) if i not in bad]
-            rows["label"] = labels[members]
-            for name in IDENTITY_FIELDS:  # what a later local `build --update` compares
-                rows[name] = found.identities()[name][members]
-            if backend == "memmap" and meta["count"]:
-                rows["shard"] = len(shards)
-            _add_fragment(
-                stem.with_suffix(".bin"), rows, [found.sources[j].rel for j in members], journal, digest, writer
-            )
-            if backend == "memmap" and meta["count"]:
-                name = shard_name(len(shards))
-                os.replace(stem.with_suffix(".bin"), staging / name)
-                shards.append({"file": name, "count": int(meta["count"]), "bytes": int(meta["bytes"])})
-    finally:
-        journal.close()
-        if writer is not None:
-            writer.close()
-    shutil.rmtree(fragments)
-    total = writer.total_bytes() if writer is not None else sum(int(s["bytes"]) for s in shards)
-    return complete(
-        staging, out, found, settings, skipped=skipped, total=total, digest=digest, shards=shards, resumed_from=0
-    )
+def _fragment_results(fragments: Path, metas: list[dict[str, Any]]) -> Generator[Result, None, None]:
+    """The decoded files' results, fragment after fragment, in task order (records read from the
+    fragments' data files, skips from their metadata)."""
+    for k, meta in enumerate(metas):
+        stem = fragments / fragment_stem(k)
+        bad = dict(meta["skipped"])
+        rows = np.load(stem.with_suffix(".npy"), allow_pickle=False) if meta["count"] else np.zeros(0, INDEX_DTYPE)
+        with ExitStack() as stack:
+            if meta["count"]:
+                f = stack.enter_context(open(stem.with_suffix(".bin"), "rb"))
+                m = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            records = zip(*(rows[name].tolist() for name in ("offset", "length", "height", "width", "crc32")))
+            for i in range(meta["files"]):
+                if i in bad:
+                    yield Skip(bad[i])
+                    continue
+                offset, length, height, width, crc = next(records)
+                yield Record(m[offset : offset + length], height, width, crc)
 
 
-def _add_fragment(
-    data_file: Path, rows: np.ndarray, rels: list[str], journal: _Journal, digest: Digest, writer: Optional[LmdbWriter]
-) -> None:
-    """Journal one fragment's rows (source offsets filled in here), hash its records, copy them to LMDB."""
-    if len(rows) == 0:
-        return
-    with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        for row, rel in zip(rows, rels):
-            data = m[int(row["offset"]) : int(row["offset"]) + int(row["length"])]
-            digest.update(int(row["label"]), data)
-            if writer is not None:
-                writer.append(data)
-                row["offset"] = 0
-            encoded = rel.encode("utf-8", "surrogateescape")
-            row["src_offset"], row["src_length"] = journal.sources_size(), len(encoded)
-            journal.add_record(row, encoded)
+class _AdoptedShards:
+    """The memmap writer of a --dask build without reused records: each non-empty fragment's data file
+    becomes a shard whole (a rename, no copy); ``append`` only says where each record already is."""
+
+    def __init__(self, staging: Path, fragments: Path, metas: list[dict[str, Any]]) -> None:
+        self.staging, self.fragments = staging, fragments
+        self.pending = [(k, int(m["count"]), int(m["bytes"])) for k, m in enumerate(metas) if m["count"]]
+        self.pending.reverse()
+        self.shards: list[dict[str, Any]] = []
+        self.left = self.offset = 0
+
+    def append(self, data: bytes) -> tuple[int, int]:
+        if self.left == 0:  # the first record of the next fragment: adopt its file
+            k, count, size = self.pending.pop()
+            name = shard_name(len(self.shards))
+            os.replace((self.fragments / fragment_stem(k)).with_suffix(".bin"), self.staging / name)
+            self.shards.append({"file": name, "count": count, "bytes": size})
+            self.left, self.offset = count, 0
+        self.left -= 1
+        self.offset += len(data)
+        return len(self.shards) - 1, self.offset - len(data)
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> list[dict[str, Any]]:
+        fsync_path(self.staging)
+        return self.shards
+
+    def total_bytes(self) -> int:
+        return sum(int(s["bytes"]) for s in self.shards)
+
+
+@dataclass
+class DaskEngine:
+    """Decode on a Dask cluster (see the module docstring); connects once, on the first dataset that
+    has files to decode, and stays connected for the other datasets of a --split build."""
+
+    raw: str
+    address: str
+    quiet: bool
+    retries: int
+    stack: ExitStack
+    marker: dict[str, str] = field(default_factory=lambda: {"engine": "dask"})
+    shard_size: int = DASK_TASK_SIZE
+    client: Any = None
+
+    def pack(
+        self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
+    ) -> tuple[RecordSink, int]:
+        assert options.backend is not None and options.shard_size is not None
+        staging = Path(os.path.abspath(staging))  # workers have their own working directory
+        fragments = staging / FRAGMENTS
+        if state is None:
+            write_json_atomic(staging / PROGRESS, {"engine": "dask"})  # marks the folder resumable
+        fragments.mkdir(exist_ok=True)
+        for tmp in fragments.glob(".*.tmp-*"):
+            tmp.unlink()  # from attempts killed mid-write
+        old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)
+        rels = [s.rel for s, j in zip(found.sources, old_of.tolist()) if j < 0]  # only the files to decode
+        tasks = [rels[start : start + options.shard_size] for start in range(0, len(rels), options.shard_size)]
+        finished = {k: _finished(fragments, k, files) for k, files in enumerate(tasks)}
+        if options.on_error == "fail":  # a fragment with skipped files is redone: the files may have been fixed
+            finished = {k: m if m is None or not m["skipped"] else None for k, m in finished.items()}
+        todo = [k for k, meta in finished.items() if meta is None]
+        resumed = sum(meta["files"] for meta in finished.values() if meta is not None)
+        metas = {k: m for k, m in finished.items() if m is not None}
+        progress = Progress(len(rels), resumed, self.quiet)
+        try:
+            if todo:
+                client = self._connect(fragments, tasks[todo[0]][0], max(1, options.processes))
+                metas |= _run_tasks(
+                    client,
+                    self.raw,
+                    fragments,
+                    tasks,
+                    todo,
+                    options.preprocess,
+                    options.on_error,
+                    progress,
+                    self.retries,
+                )
+        finally:
+            progress.close()
+        return self._assemble(staging, fragments, found, options, [metas[k] for k in range(len(tasks))], cache), resumed
+
+    def _connect(self, fragments: Path, first: str, workers: int) -> Any:
+        if self.client is None:
+            self.client = _connect(self.address, workers, self.stack)
+        _check_workers(self.client, self.raw, fragments, first, codec_name())
+        return self.client
+
+    def _assemble(
+        self,
+        staging: Path,
+        fragments: Path,
+        found: Scan,
+        options: BuildOptions,
+        metas: list[dict[str, Any]],
+        cache: Optional[Cache],
+    ) -> RecordSink:
+        """Fragments (and, with --update, the old dataset's records) into the sink in scan order."""
+        backend, shard_size = options.backend, options.shard_size
+        assert backend is not None and shard_size is not None
+        for stale in [*staging.glob("shard-*.bin"), staging / "data.mdb", staging / "lock.mdb"]:
+            stale.unlink(missing_ok=True)  # left by an interrupted assembly; rebuilt below
+        fresh_bytes = sum(int(m["bytes"]) for m in metas)
+        if not self.quiet:
+            print(f"packer: assembling {len(metas)} shards ({fresh_bytes / 1e6:.1f} MB)", file=sys.stderr, flush=True)
+        expected = fresh_bytes + (int(cache.manifest.bytes) if cache is not None else 0)
+
+        def writer(state: Optional[dict[str, Any]]) -> Writer:
+            if backend == "lmdb":
+                return LmdbWriter(staging, map_size=max(1 << 30, int(expected * 1.25) + (64 << 20)))
+            if cache is None:
+                return _AdoptedShards(staging, fragments, metas)
+            return open_writer(backend, staging, None, shard_size)  # reused records interleave: copy
+
+        sink = RecordSink(staging, found, backend, None, writer)
+        old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)
+        results = ordered_results(
+            Path(self.raw), found.sources, old_of, cache, options.preprocess, 1, _fragment_results(fragments, metas)
+        )
+        try:
+            fill(sink, found, 0, results, options, Path(self.raw), Progress(len(found.sources), 0, quiet=True))
+        except BaseException:
+            results.close()
+            sink.close()
+            raise
+        results.close()
+        shutil.rmtree(fragments)
+        return sink
 
 
 def build_dask(
     raw_dir: str | os.PathLike,
     out: str | os.PathLike,
+    options: Optional[BuildOptions] = None,
     *,
     address: str = "local",
-    workers: Optional[int] = None,
-    shard_size: int = DEFAULT_TASK_SIZE,
-    backend: Optional[str] = None,
-    format: str = "jpeg",
-    short_edge: int = 320,
-    quality: int = 90,
-    labels: Optional[str] = None,
-    force: bool = False,
-    resume: bool = False,
-    on_error: Optional[str] = None,
-    max_pixels: int = 256_000_000,
-    min_size: int = 16,
-    max_aspect: float = 10.0,
     quiet: bool = False,
     retries: int = RETRIES,
-    wait: bool = False,
-    labelling: Optional[Labelling] = None,
+    **changes: Any,
 ) -> BuildReport:
     """Like :func:`packer.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
 
     ``address`` is ``"local"`` (a LocalCluster of ``workers`` processes on this machine) or a scheduler
     address such as ``tcp://host:8786``. For memmap, each task's records become one shard, so a shard
-    holds up to ``shard_size`` records. raw/ and OUT's parent must be visible to every worker.
+    holds up to ``shard_size`` records (with --update, whose reused records are copied: ``shard_size``
+    records a shard). raw/ and OUT's parent must be visible to every worker.
     """
-    t0 = time.monotonic()
-    if address != "local" and workers is not None:
+    options = (options or BuildOptions()).but(**changes)
+    if address != "local" and options.workers is not None:
         raise BuildError("--workers sets the size of --dask local only; an existing cluster has its own workers")
-    backend = backend or default_backend(out)  # from the name given: a symlink's target may differ
-    given, out = Path(out), dataset_path(out)
-    with ExitStack() as locks:
-        lock_outputs(locks, out, backend, None, wait, quiet)
-        report = _build_dask_locked(
-            raw_dir,
-            out,
-            address=address,
-            workers=workers,
-            shard_size=shard_size,
-            backend=backend,
-            format=format,
-            short_edge=short_edge,
-            quality=quality,
-            labels=labels,
-            force=force,
-            resume=resume,
-            on_error=on_error,
-            max_pixels=max_pixels,
-            min_size=min_size,
-            max_aspect=max_aspect,
-            quiet=quiet,
-            retries=retries,
-            labelling=labelling,
-        )
-    report.out = str(given)
-    report.seconds = time.monotonic() - t0
-    return report
-
-
-def _build_dask_locked(
-    raw_dir: str | os.PathLike,
-    out: Path,
-    *,
-    address: str,
-    workers: Optional[int],
-    shard_size: int,
-    backend: str,
-    format: str,
-    short_edge: int,
-    quality: int,
-    labels: Optional[str],
-    force: bool,
-    resume: bool,
-    on_error: Optional[str],
-    max_pixels: int,
-    min_size: int,
-    max_aspect: float,
-    quiet: bool,
-    retries: int,
-    labelling: Optional[Labelling],
-) -> BuildReport:
-    """:func:`build_dask` once it holds OUT's build lock (``out``: the dataset behind a symlink)."""
-    out, opts, found, settings = prepare(
-        raw_dir,
-        out,
-        backend=backend,
-        format=format,
-        short_edge=short_edge,
-        quality=quality,
-        shard_size=shard_size,
-        labels=labels,
-        force=force,
-        on_error=on_error,
-        max_pixels=max_pixels,
-        min_size=min_size,
-        max_aspect=max_aspect,
-        resume=resume,
-        labelling=labelling,
-        quiet=quiet,
-    )
-    on_error = on_error or "skip"
-    settings["engine"] = "dask"  # staging layouts differ: a local --resume must not pick this one up
-    if resume and not force and (report := resume_finished(out, found, settings, quiet)) is not None:
-        return report
-    raw = os.path.abspath(raw_dir)  # workers have their own working directory
-    staging = staging_path(Path(os.path.abspath(out)))
-    fragments = staging / FRAGMENTS
-    state = _open_staging(staging, settings, resume)
-    if state is None:
-        _write_json_atomic(staging / PROGRESS, {"engine": "dask"})  # marks the folder resumable
-    fragments.mkdir(exist_ok=True)
-    for tmp in fragments.glob(".*.tmp-*"):
-        tmp.unlink()  # from attempts killed mid-write
-    slices = _slices(len(found.sources), shard_size)
-    finished = {k: _finished(fragments, k, stop - start) for k, (start, stop) in enumerate(slices)}
-    if on_error == "fail":  # a fragment with skipped files is redone: the files may have been fixed
-        finished = {k: m if m is None or not m["skipped"] else None for k, m in finished.items()}
-    todo = [k for k, meta in finished.items() if meta is None]
-    reused = sum(meta["files"] for meta in finished.values() if meta is not None)
-    metas = {k: m for k, m in finished.items() if m is not None}
-    progress = _Progress(len(found.sources), reused, quiet)
-    try:
-        with ExitStack() as stack:
-            if todo:
-                client = _connect(address, workers or os.cpu_count() or 1, stack)
-                _check_workers(client, raw, fragments, found.sources[slices[todo[0]][0]].rel, settings["codec"])
-                metas |= _run_tasks(client, raw, fragments, found, slices, todo, opts, on_error, progress, retries)
-    finally:
-        progress.close()
-    report = _assemble(out, staging, fragments, found, settings, slices, metas, quiet)
-    report.resumed_from, report.processed = reused, len(found.sources) - reused
-    return report
+    with ExitStack() as stack:
+        raw = os.path.abspath(raw_dir)  # workers have their own working directory
+        engine = DaskEngine(raw, address, quiet, retries, stack)
+        return run_build(raw_dir, out, options, quiet, engine)

@@ -155,12 +155,20 @@ def reuse_plan(
 
 
 def ordered_results(
-    raw: Path, todo: list[Source], old_of: np.ndarray, cache: Optional[Cache], opts: Options, workers: int
+    raw: Path,
+    todo: list[Source],
+    old_of: np.ndarray,
+    cache: Optional[Cache],
+    opts: Options,
+    workers: int,
+    fresh: Optional[Generator[Result, None, None]] = None,
 ) -> Generator[tuple[Result, bool], None, None]:
     """Each source's result in scan order, and whether it was reused: copied from the old dataset when
-    ``old_of`` names a record, else from the worker pool, which sees only the files to decode."""
-    rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies
-    fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
+    ``old_of`` names a record, else from ``fresh``: the results of the files to decode, in order (by
+    default this machine's worker pool, which sees only those files; a --dask build passes its own)."""
+    if fresh is None:
+        rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies
+        fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
     old = _OldRecords(cache) if cache is not None else None
     try:
         for source, j in zip(todo, old_of.tolist()):

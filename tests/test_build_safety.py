@@ -26,7 +26,8 @@ from PIL import Image
 
 from packer import build
 from packer.format import Manifest
-from packer.pipeline import build_lock, lock_path, staging_path
+from packer.pipeline import build_lock, lock_path
+from packer.staging import staging_path
 from packer.preprocess import Options, Record, Skip, process
 from packer.verify import verify
 

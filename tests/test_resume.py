@@ -24,7 +24,7 @@ from PIL import Image
 
 from packer import build
 from packer.format import Manifest
-from packer.pipeline import PROGRESS, staging_path
+from packer.staging import PROGRESS, staging_path
 from packer.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]

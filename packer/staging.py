@@ -1,0 +1,457 @@
+"""The build engine under both ``packer build`` and ``packer build --dask``: the staging folder and
+the record sink.
+
+The staging folder ``.<OUT name>.packer-tmp`` beside OUT holds the writer's data plus a journal (index
+rows, source paths, report lines) and ``progress.json``, rewritten atomically at every checkpoint after
+the data is durable. A dataset at OUT is therefore complete or absent, and ``--resume`` continues from
+the last checkpoint with the same result as an uninterrupted build.
+
+Every record reaches the dataset through one :class:`RecordSink`, whichever engine decoded it: the
+writer appends its bytes, its index row is filled (the only place that fills one), its source path
+journalled and the running digest updated. :func:`complete` then writes the manifest and
+:func:`finalize` renames the staging folder into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from . import __version__
+from .codec import codec_name
+from .format import (
+    IDENTITY_FIELDS,
+    INDEX,
+    INDEX_DTYPE,
+    LABELS,
+    MANIFEST,
+    REPORT,
+    SOURCES,
+    TARGETS,
+    Digest,
+    Manifest,
+    index_digest,
+)
+from .labels import arrays_digest, class_counts
+from .options import BuildError, BuildOptions
+from .preprocess import Record, Result, Skip
+from .scan import Scan, Source
+from .update import inputs_digest
+from .walk import walk
+from .write import fsync_path, write_atomic
+
+BUILD_STATE = "build.json"
+PROGRESS = "progress.json"
+INDEX_PART = "index.part"
+SOURCES_PART = "sources.part"
+# A checkpoint (fsync of data and journal, then progress.json) happens every CHECKPOINT_RECORDS
+# records or every ``checkpoint_seconds`` (BuildOptions), whichever comes first: the count bounds the
+# work lost in a fast build, the clock makes even a small or slow build resumable after a few seconds.
+CHECKPOINT_RECORDS = 2000
+
+
+@dataclass
+class BuildReport:
+    out: str
+    count: int
+    scanned: int
+    skipped: int
+    ignored: int
+    bytes: int
+    digest: str
+    seconds: float
+    resumed_from: int = 0
+    processed: int = 0  # sources decoded by this run (skipped ones included)
+    reused: int = 0  # records copied from the previous dataset by --update
+    up_to_date: bool = False  # --update found nothing to do and left OUT untouched
+    splits: dict[str, BuildReport] = field(default_factory=dict)  # --split: one report per dataset
+
+    def summary(self) -> str:
+        if self.splits:
+            return "\n".join(r.summary() for r in self.splits.values())
+        if self.up_to_date:
+            return f"packer: {self.out} is up to date ({self.count} records, {self.digest}); nothing to do"
+        rate = self.processed / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"packer: {self.out}: packed {self.count} of {self.scanned} scanned "
+            f"({self.skipped} skipped, {self.ignored} ignored; see {REPORT}), "
+            f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, "
+            f"{self.seconds:.1f} s, {rate:.1f} images/s"
+        )
+
+    @classmethod
+    def combine(cls, out: str, splits: dict[str, BuildReport]) -> BuildReport:
+        """The totals over the split datasets of one build (digest empty: there is one per split)."""
+        total = {
+            name: sum(getattr(r, name) for r in splits.values())
+            for name in (
+                "count",
+                "scanned",
+                "skipped",
+                "ignored",
+                "bytes",
+                "seconds",
+                "resumed_from",
+                "processed",
+                "reused",
+            )
+        }
+        return cls(out=out, digest="", up_to_date=all(r.up_to_date for r in splits.values()), splits=splits, **total)
+
+
+def staging_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.packer-tmp"
+
+
+def old_path(out: Path) -> Path:
+    """Where the replaced dataset waits for deletion where the filesystem cannot swap two paths."""
+    return out.parent / f".{out.name}.packer-old"
+
+
+class Journal:
+    """Append-only index rows, source paths and report lines, truncated back to a checkpoint on resume."""
+
+    def __init__(self, root: Path, state: dict[str, int] | None) -> None:
+        self.root = root
+        names = {"index": INDEX_PART, "sources": SOURCES_PART, "report": REPORT}
+        self.files = {}
+        for key, name in names.items():
+            f = open(root / name, "r+b" if state else "w+b")
+            f.truncate(state[key] if state else 0)
+            f.seek(0, os.SEEK_END)
+            self.files[key] = f
+
+    def add_record(self, row: np.ndarray, rel: bytes) -> None:
+        self.files["index"].write(row.tobytes())
+        self.files["sources"].write(rel)
+
+    def add_report(self, rel: str, status: str, reason: str) -> None:
+        line = json.dumps({"path": rel, "status": status, "reason": reason}, ensure_ascii=False)
+        self.files["report"].write(line.encode("utf-8", "surrogateescape") + b"\n")
+
+    def add_scan_report(self, found: Scan) -> None:
+        """What the scan already knows: ignored files, and --labels rows with no file behind them."""
+        for rel, reason in found.ignored:
+            self.add_report(rel, "ignored", reason)
+        for rel, reason in found.missing:
+            self.add_report(rel, "skipped", reason)
+
+    def sources_size(self) -> int:
+        return self.files["sources"].tell()
+
+    def checkpoint(self) -> dict[str, int]:
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        return {key: f.tell() for key, f in self.files.items()}
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    text = json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    write_atomic(path, lambda f: f.write(text))
+
+
+class Progress:
+    """tqdm on a terminal; otherwise a quiet line every 10 s (logs and CI stay readable)."""
+
+    def __init__(self, total: int, initial: int, quiet: bool) -> None:
+        self.total, self.done, self.quiet = total, initial, quiet
+        self.start = self.last = time.monotonic()
+        self.start_done = initial
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="img", dynamic_ncols=True, smoothing=0.1)
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        """``note`` (e.g. shards done, for a Dask build) is shown beside the file count."""
+        self.done += n
+        if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
+            self.bar.update(n)
+            return
+        now = time.monotonic()
+        if not self.quiet and now - self.last >= 10:
+            self.last = now
+            rate = (self.done - self.start_done) / (now - self.start)
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            print(
+                f"packer: {self.done}/{self.total} files{', ' + note if note else ''}, {rate:.1f} images/s, "
+                f"ETA {eta:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def replay_digest(staging: Path, backend: str, index: np.ndarray) -> Digest:
+    """Recompute the running digest over already-written records when resuming (a sequential walk)."""
+    digest = Digest()
+    labels = index["label"].tolist()
+    for i, data, _ in walk(staging, backend, index) if len(index) else ():
+        if data is None:
+            raise BuildError(
+                f"cannot --resume: record {i} of the journal is missing from {staging}; build again without --resume"
+            )
+        digest.update(labels[i], data)
+    return digest
+
+
+def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optional[dict[str, Any]]:
+    """The checkpoint to continue from, or None after (re)creating an empty staging folder."""
+    if resume and (staging / PROGRESS).is_file():
+        try:
+            previous = json.loads((staging / BUILD_STATE).read_text(encoding="utf-8"))
+            progress = json.loads((staging / PROGRESS).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise BuildError(
+                f"cannot --resume: the journal in {staging} is damaged ({e}); build again without --resume"
+            ) from None
+        if previous != settings:
+            raise BuildError(
+                f"cannot --resume: raw/ or the options changed since the interrupted build "
+                f"({staging}); build again without --resume"
+            )
+        return progress
+    if staging.exists():
+        shutil.rmtree(staging)
+    try:
+        staging.mkdir(parents=True)
+        write_json_atomic(staging / BUILD_STATE, settings)
+    except OSError as e:
+        raise BuildError(f"cannot write beside the output ({staging}): {e.strerror}") from None
+    return None
+
+
+class Writer(Protocol):
+    """A backend's record writer (packer.write), or the Dask assembly's adopter of finished fragments."""
+
+    def append(self, data: bytes) -> tuple[int, int]: ...
+    def checkpoint(self) -> dict[str, Any]: ...
+    def close(self) -> list[dict[str, Any]]: ...
+    def total_bytes(self) -> int: ...
+
+
+class RecordSink:
+    """Where each record goes, in scan order, whichever engine decoded it: writer, index row, source
+    path, report line, running digest. ``state`` (a checkpoint) continues a journal; the digest over
+    the records already written is recomputed first (py-lmdb opens a path once per process, so before
+    ``writer`` opens it)."""
+
+    def __init__(
+        self,
+        staging: Path,
+        found: Scan,
+        backend: str,
+        state: Optional[dict[str, Any]],
+        writer: Callable[[Optional[dict[str, Any]]], Writer],
+    ) -> None:
+        self.staging = staging
+        self.journal = Journal(staging, state["journal"] if state else None)
+        if state is None:
+            self.journal.add_scan_report(found)
+        written = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
+        self.digest = replay_digest(staging, backend, written)
+        self.writer = writer(state["writer"] if state else None)
+        self.count, self.skipped = len(written), int(state["skipped"]) if state else len(found.missing)
+        self.reused = 0
+        self._row = np.zeros((), dtype=INDEX_DTYPE)
+
+    def add(self, source: Source, identity: np.void, record: Record) -> None:
+        """A record decoded by this build."""
+        shard, offset = self.writer.append(record.data)
+        rel = source.rel.encode("utf-8", "surrogateescape")
+        row = self._row
+        row["shard"], row["offset"], row["length"] = shard, offset, len(record.data)
+        row["label"], row["height"], row["width"] = source.label, record.height, record.width
+        row["crc32"] = record.crc32
+        row["src_offset"], row["src_length"] = self.journal.sources_size(), len(rel)
+        for name in IDENTITY_FIELDS:  # what a later --update compares
+            row[name] = identity[name]
+        self.journal.add_record(row, rel)
+        self.digest.update(source.label, record.data)
+        self.count += 1
+
+    def reuse(self, source: Source, identity: np.void, record: Record) -> None:
+        """A record of the dataset being replaced (--update), checked against its old index row."""
+        self.add(source, identity, record)
+        self.reused += 1
+
+    def skip(self, rel: str, reason: str) -> None:
+        self.journal.add_report(rel, "skipped", reason)
+        self.skipped += 1
+
+    def checkpoint(self, sources_done: int) -> None:
+        """Make everything so far durable, then say so in progress.json (what --resume continues from)."""
+        progress = {
+            "sources_done": sources_done,
+            "skipped": self.skipped,
+            "writer": self.writer.checkpoint(),
+            "journal": self.journal.checkpoint(),
+        }
+        write_json_atomic(self.staging / PROGRESS, progress)
+
+    def close(self) -> tuple[list[dict[str, Any]], int]:
+        """Close the writer and journal; the manifest's shard list and total bytes."""
+        try:
+            shards = self.writer.close()
+        finally:
+            self.journal.close()
+        return shards, self.writer.total_bytes()
+
+
+def fill(
+    sink: RecordSink,
+    found: Scan,
+    done: int,
+    results: Iterable[tuple[Result, bool]],
+    options: BuildOptions,
+    raw: Path,
+    progress: Progress,
+) -> None:
+    """Sources ``done``.. with their results (and whether each was reused) into ``sink`` in scan order,
+    with a checkpoint every CHECKPOINT_RECORDS sources or ``checkpoint_seconds``, and at the end.
+    ``--on-error fail``: BuildError at the first skip, after a checkpoint (--resume redoes that file)."""
+    last = time.monotonic()
+    for source, identity, (result, reused) in zip(found.sources[done:], found.identities()[done:], results):
+        if isinstance(result, Record):
+            (sink.reuse if reused else sink.add)(source, identity, result)
+        else:
+            assert isinstance(result, Skip)
+            if options.on_error == "fail":
+                sink.checkpoint(done)
+                raise BuildError(f"{raw / source.rel}: {result.reason} (--on-error fail)")
+            sink.skip(source.rel, result.reason)
+        done += 1
+        progress.update()
+        if done % CHECKPOINT_RECORDS == 0 or time.monotonic() - last >= options.checkpoint_seconds:
+            sink.checkpoint(done)
+            last = time.monotonic()
+    sink.checkpoint(done)
+
+
+def _record_labels(found: Scan, rows: np.ndarray, blob: np.ndarray) -> dict[str, np.ndarray]:
+    """The per-record label arrays (LABELS, TARGETS) the scan has for this dataset's records.
+
+    Records are the packed sources in scan order, so a merge walk over their source paths (the
+    journal's) finds each one's source without a lookup table.
+    """
+    per_source = {name: a for name, a in ((LABELS, found.multi), (TARGETS, found.targets)) if a is not None}
+    if not per_source:
+        return {}
+    at = np.empty(len(rows), dtype=np.int64)
+    j = 0
+    for k, (o, n) in enumerate(zip(rows["src_offset"].tolist(), rows["src_length"].tolist())):
+        rel = bytes(blob[o : o + n]).decode("utf-8", "surrogateescape")
+        while found.sources[j].rel != rel:
+            j += 1
+        at[k], j = j, j + 1
+    return {name: a[at] for name, a in per_source.items()}
+
+
+def complete(
+    staging: Path, out: Path, found: Scan, options: BuildOptions, sink: RecordSink, resumed_from: int
+) -> BuildReport:
+    """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
+    shards, total = sink.close()
+    rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
+    blob = np.fromfile(staging / SOURCES_PART, dtype=np.uint8)
+    arrays = _record_labels(found, rows, blob)
+    counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
+    labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
+    assert options.backend is not None, "resolved() options"
+    manifest = Manifest(
+        backend=options.backend,
+        format=options.format,
+        short_edge=options.short_edge,
+        quality=options.quality,
+        classes=found.classes,
+        count=len(rows),
+        class_counts=[int(c) for c in counts],
+        bytes=total,
+        digest=sink.digest.hexdigest(labels_digest),
+        shards=shards,
+        scanned=found.scanned,
+        skipped=sink.skipped,
+        ignored=len(found.ignored),
+        options=options.manifest_options(),
+        codec=codec_name(),
+        packer_version=__version__,
+        inputs=inputs_digest(found, options.settings(found)),
+        index_digest=index_digest(rows),
+        label_kind=found.kind,
+        targets=found.target_names,
+        labels_digest=labels_digest,
+        sources_digest=index_digest(blob),
+    )
+    finalize(staging, out, manifest, arrays)
+    return BuildReport(
+        out=str(out),
+        count=manifest.count,
+        scanned=manifest.scanned,
+        skipped=sink.skipped,
+        ignored=manifest.ignored,
+        bytes=total,
+        digest=manifest.digest,
+        seconds=0.0,
+        resumed_from=resumed_from,
+        reused=sink.reused,
+    )
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.ndarray]) -> None:
+    """Journal -> .npy (and the label ``arrays``), manifest last, everything fsynced, then one rename
+    makes OUT appear whole."""
+    index = np.lib.format.open_memmap(staging / INDEX, mode="w+", dtype=INDEX_DTYPE, shape=(manifest.count,))
+    index[:] = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
+    index.flush()
+    del index
+    np.save(staging / SOURCES, np.fromfile(staging / SOURCES_PART, dtype=np.uint8), allow_pickle=False)
+    for name, a in arrays.items():
+        np.save(staging / name, a, allow_pickle=False)
+    for name in (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART):
+        (staging / name).unlink()
+    (staging / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
+    for p in staging.iterdir():
+        fsync_path(p)
+    fsync_path(staging)
+    if out.exists() and _exchange(staging, out):  # OUT is the old dataset, then the new one: never absent
+        shutil.rmtree(staging)
+    elif out.exists():  # no atomic exchange here: a crash between these two renames leaves OUT absent
+        trash = old_path(out)
+        if trash.exists():
+            shutil.rmtree(trash)
+        out.rename(trash)
+        staging.rename(out)
+        shutil.rmtree(trash)
+    else:
+        staging.rename(out)
+    fsync_path(out.parent)
