@@ -27,8 +27,8 @@ from PIL import Image
 from packer import build
 from packer.format import Manifest
 from packer.pipeline import build_lock, lock_path
-from packer.staging import staging_path
 from packer.preprocess import Options, Record, Skip, process
+from packer.staging import staging_path
 from packer.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]

@@ -22,8 +22,8 @@ distributed = pytest.importorskip(
 from packer import BuildError, Labelling, build  # noqa: E402
 from packer.distributed import FRAGMENTS, build_dask, probe  # noqa: E402
 from packer.format import LABELS, TARGETS, Manifest, load_index  # noqa: E402
-from packer.staging import staging_path  # noqa: E402
 from packer.sample import make_sample  # noqa: E402
+from packer.staging import staging_path  # noqa: E402
 
 from .test_build import stored_images  # noqa: E402
 
