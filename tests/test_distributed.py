@@ -192,6 +192,54 @@ def test_fail_then_resume_reuses_finished_shards(client, mixed_raw: Path, tmp_pa
     assert_same_dataset(out, local)
 
 
+def _edit(raw: Path) -> None:
+    """One file added, one deleted, one rewritten in place (another size): with the broken file
+    (never packed), 3 to decode on --update."""
+    photos = sorted((raw / "cat").glob("*.jpg"))
+    shutil.copyfile(photos[0], raw / "dog" / "added.jpg")
+    photos[1].unlink()
+    shutil.copyfile(photos[0], photos[2])
+
+
+@pytest.mark.parametrize("backend,fmt", [("lmdb", "jpeg"), ("memmap", "raw")])
+def test_update_equals_local_update(client, mixed_raw: Path, tmp_path: Path, backend: str, fmt: str) -> None:
+    """--dask --update: the local reuse plan, only the added/changed files sent to tasks, the local
+    --update's dataset; then up to date for either engine (their ``inputs`` digests are the same)."""
+    raw = tmp_path / "raw"
+    shutil.copytree(mixed_raw, raw)
+    kw = {"backend": backend, "format": fmt, "shard_size": 4, "quiet": True}
+    local, out = tmp_path / "local", tmp_path / "dask"
+    build(raw, local, workers=1, **kw)
+    build_dask(raw, out, address=client.scheduler.address, **kw)
+    _edit(raw)
+    build(raw, local, workers=1, update=True, **kw)
+    report = build_dask(raw, out, address=client.scheduler.address, update=True, **kw)
+    assert_same_dataset(out, local)
+    assert (report.processed, report.reused, report.count) == (3, 28, 30)
+    again = build_dask(raw, out, address=client.scheduler.address, update=True, **kw)
+    assert again.up_to_date and build(raw, out, workers=1, update=True, **kw).up_to_date
+
+
+def test_split_and_checksum_equal_local_build(client, mixed_raw: Path, tmp_path: Path) -> None:
+    """--dask --split --checksum writes the local build's split datasets; --update after an edit too."""
+    raw = tmp_path / "raw"
+    shutil.copytree(mixed_raw, raw)
+    kw = {"split": {"val": 0.3}, "checksum": True, "shard_size": 4, "quiet": True}
+    local, out = tmp_path / "local", tmp_path / "dask"
+    build(raw, local, workers=1, **kw)
+    report = build_dask(raw, out, address=client.scheduler.address, **kw)
+    assert set(report.splits) == {"train", "val"}
+    for name in ("train", "val"):
+        assert_same_dataset(out / name, local / name)
+    _edit(raw)
+    build(raw, local, workers=1, update=True, **kw)
+    report = build_dask(raw, out, address=client.scheduler.address, update=True, **kw)
+    assert report.processed == 3 and report.reused == 28
+    for name in ("train", "val"):
+        assert_same_dataset(out / name, local / name)
+        assert Manifest.load(out / name).options["checksum"] is True
+
+
 def test_unreachable_scheduler_fails_fast_in_one_line(raw_photos: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(BuildError, match=r"cannot reach the Dask scheduler at tcp://127\.0\.0\.1:1 ") as e:
@@ -245,6 +293,10 @@ def test_cli_dask_option(client, built, raw_photos: Path, tmp_path: Path) -> Non
         timeout=120,
     )
     assert retried.returncode == 0 and "is up to date" in retried.stderr, retried.stderr
+    both = [str(tmp_path / "split"), "--dask", client.scheduler.address, "--update", "--checksum", "--split", "val=0.3"]
+    split = subprocess.run([*cli, *both], capture_output=True, text=True, timeout=120)
+    assert split.returncode == 0, split.stderr
+    assert (tmp_path / "split" / "val" / "manifest.json").is_file()
     bad = subprocess.run(
         [*cli, str(tmp_path / "bad.lmdb"), "--dask", "nonsense"], capture_output=True, text=True, timeout=60
     )
