@@ -103,13 +103,11 @@ def build_option_decorators() -> list[Callable[[Callable[..., Any]], Callable[..
     decorators: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
     for f in cli_fields():
         meta = f.metadata
-        kwargs: dict[str, Any] = {"help": meta["help"]}
+        kwargs: dict[str, Any] = {"help": meta["help"], "default": f.default}
         if meta["type"] is bool:
             kwargs["is_flag"] = True
         else:
-            kwargs["type"] = _click_type(meta["type"])
-            if f.default is not None:
-                kwargs |= {"default": f.default, "show_default": True}
+            kwargs |= {"type": _click_type(meta["type"]), "show_default": f.default is not None}
         if "convert" in meta:
             kwargs["callback"] = _converted(meta["convert"])
         kwargs |= {k: meta[k] for k in ("metavar", "multiple") if k in meta}
