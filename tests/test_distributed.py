@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -180,7 +181,7 @@ def test_fail_then_resume_reuses_finished_shards(client, mixed_raw: Path, tmp_pa
     bad = raw / "portrait" / "zz_bad.jpg"  # sorts last: the last shard fails
     bad.write_bytes(b"garbage")
     out = tmp_path / "out.lmdb"
-    kwargs = {"address": client.scheduler.address, "shard_size": 4, "quiet": True, "on_error": "fail"}
+    kwargs: dict[str, Any] = {"address": client.scheduler.address, "shard_size": 4, "quiet": True, "on_error": "fail"}
     with pytest.raises(BuildError, match=r"zz_bad\.jpg: not a recognised image .*--on-error fail"):
         build_dask(raw, out, **kwargs)
     assert not out.exists() and staging_path(out).is_dir()
@@ -207,7 +208,7 @@ def test_update_equals_local_update(client, mixed_raw: Path, tmp_path: Path, bac
     --update's dataset; then up to date for either engine (their ``inputs`` digests are the same)."""
     raw = tmp_path / "raw"
     shutil.copytree(mixed_raw, raw)
-    kw = {"backend": backend, "format": fmt, "shard_size": 4, "quiet": True}
+    kw: dict[str, Any] = {"backend": backend, "format": fmt, "shard_size": 4, "quiet": True}
     local, out = tmp_path / "local", tmp_path / "dask"
     build(raw, local, workers=1, **kw)
     build_dask(raw, out, address=client.scheduler.address, **kw)
@@ -224,7 +225,7 @@ def test_split_and_checksum_equal_local_build(client, mixed_raw: Path, tmp_path:
     """--dask --split --checksum writes the local build's split datasets; --update after an edit too."""
     raw = tmp_path / "raw"
     shutil.copytree(mixed_raw, raw)
-    kw = {"split": {"val": 0.3}, "checksum": True, "shard_size": 4, "quiet": True}
+    kw: dict[str, Any] = {"split": {"val": 0.3}, "checksum": True, "shard_size": 4, "quiet": True}
     local, out = tmp_path / "local", tmp_path / "dask"
     build(raw, local, workers=1, **kw)
     report = build_dask(raw, out, address=client.scheduler.address, **kw)
