@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 SHARD_SIZE = 10_000  # records per memmap shard of a local build
 DASK_TASK_SIZE = 1_000  # files per task of a --dask build (each task's records form one memmap shard)
 ON_ERROR = ("skip", "fail")
+PREPROCESS_FIELDS = tuple(f.name for f in fields(Options))  # each a BuildOptions field of the same name
 
 
 class BuildError(PackerError):
@@ -177,14 +178,7 @@ class BuildOptions:
     @property
     def preprocess(self) -> Options:
         """What each file's preprocessing needs (sent to every worker)."""
-        return Options(
-            format=self.format,
-            short_edge=self.short_edge,
-            quality=self.quality,
-            max_pixels=self.max_pixels,
-            min_size=self.min_size,
-            max_aspect=self.max_aspect,
-        )
+        return Options(**{name: getattr(self, name) for name in PREPROCESS_FIELDS})
 
     @property
     def processes(self) -> int:

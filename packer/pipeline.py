@@ -201,17 +201,7 @@ def clean(out: str | os.PathLike) -> list[Path]:
 
 def _up_to_date(out: Path, manifest: Manifest) -> BuildReport:
     """The report of a build that finds OUT already built from the same inputs and options."""
-    return BuildReport(
-        out=str(out),
-        count=manifest.count,
-        scanned=manifest.scanned,
-        skipped=manifest.skipped,
-        ignored=manifest.ignored,
-        bytes=manifest.bytes,
-        digest=manifest.digest,
-        seconds=0.0,
-        up_to_date=True,
-    )
+    return BuildReport.of(out, manifest, up_to_date=True)
 
 
 def _built_otherwise(out: Path) -> BuildError:

@@ -90,6 +90,12 @@ class BuildReport:
         )
 
     @classmethod
+    def of(cls, out: Path, manifest: Manifest, **more: Any) -> BuildReport:
+        """The report of the dataset ``manifest`` describes, at ``out``."""
+        fields = ("count", "scanned", "skipped", "ignored", "bytes", "digest")
+        return cls(out=str(out), seconds=0.0, **{name: getattr(manifest, name) for name in fields}, **more)
+
+    @classmethod
     def combine(cls, out: str, splits: dict[str, BuildReport]) -> BuildReport:
         """The totals over the split datasets of one build (digest empty: there is one per split)."""
         total = {
@@ -404,18 +410,7 @@ def complete(
         sources_digest=index_digest(blob),
     )
     finalize(staging, out, manifest, arrays)
-    return BuildReport(
-        out=str(out),
-        count=manifest.count,
-        scanned=manifest.scanned,
-        skipped=sink.skipped,
-        ignored=manifest.ignored,
-        bytes=total,
-        digest=manifest.digest,
-        seconds=0.0,
-        resumed_from=resumed_from,
-        reused=sink.reused,
-    )
+    return BuildReport.of(out, manifest, resumed_from=resumed_from, reused=sink.reused)
 
 
 def _exchange(a: Path, b: Path) -> bool:
