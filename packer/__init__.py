@@ -10,6 +10,7 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = [
     "BuildError",
+    "BuildOptions",
     "BuildReport",
     "DatasetError",
     "Labelling",
@@ -22,7 +23,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("build", "BuildReport", "BuildError"):
+    if name in ("build", "BuildOptions", "BuildReport", "BuildError"):
         from . import pipeline as _pipeline
 
         return getattr(_pipeline, name)

@@ -203,7 +203,7 @@ def _connect(address: str, workers: int, stack: ExitStack) -> Any:
             )
         )
         return stack.enter_context(Client(cluster))
-    try:  # a malformed address is refused before a Client exists (a half-made one stalls exit 20 s)
+    try:  # a malformed address is refused before a Client exists (a half-made one stalls the interpreter's exit)
         from distributed.comm import get_address_host_port, parse_address
         from distributed.comm.registry import get_backend
 
