@@ -1,17 +1,21 @@
 """``packer build --dask ADDRESS``: the same build, with preprocessing spread over a Dask cluster.
 
-The sorted input list is cut into fixed slices of ``shard_size`` files (tasks). Each task runs on a
-worker, preprocesses its files with :func:`packer.preprocess.process_chunk` exactly as a local build
-does, and writes a *fragment* into ``<staging>/fragments/``: ``part-NNNNN.bin`` (records back to
-back), ``part-NNNNN.npy`` (their index rows) and, last, ``part-NNNNN.json`` (counts and skipped
-files). Every file is written under a unique temporary name and renamed, and the JSON goes last, so a
-worker killed mid-task leaves nothing that counts; a retried or duplicated task just rewrites the same
-bytes. Only the small JSON metadata travels back to the driver.
+:class:`DaskEngine` is the build's engine (see :mod:`packer.pipeline`): scan, locks, --split, the
+--update reuse plan, staging, record sink and manifest are the local build's own; only the decoding
+differs. The files to decode (all of them, or with --update the added and changed ones) are cut into
+fixed slices of ``shard_size`` files (tasks). Each task runs on a worker, preprocesses its files with
+:func:`packer.preprocess.process_chunk` exactly as a local build does, and writes a *fragment* into
+``<staging>/fragments/``: ``part-NNNNN.bin`` (records back to back), ``part-NNNNN.npy`` (their index
+rows) and, last, ``part-NNNNN.json`` (counts, skipped files, which files). Every file is written under
+a unique temporary name and renamed, and the JSON goes last, so a worker killed mid-task leaves
+nothing that counts; a retried or duplicated task just rewrites the same bytes. Only the small JSON
+metadata travels back to the driver.
 
-The driver then assembles the dataset in shard order: one sequential pass into LMDB, or, for memmap,
-each non-empty fragment renamed into a ``shard-NNNNN.bin`` (so a memmap shard holds one task's records).
-The digest is computed in that pass over (label, bytes) in record order, so it equals a local build's.
-The journal, manifest and final rename are the local pipeline's own (:mod:`packer.pipeline`).
+The driver then feeds every source's record to the record sink in scan order: from the fragments, or
+from the dataset being replaced (--update). LMDB gets one sequential pass; for memmap without reused
+records each non-empty fragment is renamed into a ``shard-NNNNN.bin`` (a memmap shard holds one
+task's records), with reused records the fragments are copied into ``shard_size``-record shards. The
+digest is computed in that pass over (label, bytes) in record order, so it equals a local build's.
 """
 
 from __future__ import annotations
