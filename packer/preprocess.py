@@ -48,12 +48,15 @@ HEIF_AVAILABLE = _register_heif()  # at import, so every worker process register
 
 @dataclass(frozen=True)
 class Options:
-    format: str = "jpeg"
-    short_edge: int = 320
-    quality: int = 90
-    max_pixels: int = 256_000_000
-    min_size: int = 16
-    max_aspect: float = 10.0
+    """What one file's preprocessing needs: :attr:`packer.options.BuildOptions.preprocess` (which holds
+    the defaults and checks the values)."""
+
+    format: str
+    short_edge: int
+    quality: int
+    max_pixels: int
+    min_size: int
+    max_aspect: float
 
 
 @dataclass(frozen=True)

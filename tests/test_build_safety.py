@@ -26,8 +26,9 @@ from PIL import Image
 
 from packer import build
 from packer.format import Manifest
+from packer.options import BuildOptions
 from packer.pipeline import build_lock, lock_path
-from packer.preprocess import Options, Record, Skip, process
+from packer.preprocess import Record, Skip, process
 from packer.staging import staging_path
 from packer.verify import verify
 
@@ -224,7 +225,7 @@ def test_special_files_behind_image_symlinks_are_ignored_never_opened(raw: Path,
 
 def test_a_file_swapped_for_a_fifo_after_the_scan_is_skipped_not_waited_on(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "late.jpg")
-    result = process(str(tmp_path / "late.jpg"), Options())
+    result = process(str(tmp_path / "late.jpg"), BuildOptions().preprocess)
     assert result == Skip("unreadable: not a regular file")
 
 
@@ -398,7 +399,7 @@ def test_damaged_jpegs_are_skipped_by_every_thread_whatever_the_others_do(tmp_pa
     try:
         paths = (good + bad) * 25
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda p: process(p, Options(short_edge=64)), paths))
+            results = list(pool.map(lambda p: process(p, BuildOptions(short_edge=64).preprocess), paths))
     finally:
         stop.set()
         meddler.join()
@@ -428,8 +429,8 @@ def test_pillows_bomb_guard_is_left_alone(tmp_path: Path, monkeypatch: pytest.Mo
     path = tmp_path / "photo.jpg"
     jpeg(path, 1, size=(400, 300))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # someone else's strict limit, in this process
-    assert isinstance(process(str(path), Options()), Record)
-    result = process(str(path), Options(max_pixels=100_000))
+    assert isinstance(process(str(path), BuildOptions().preprocess), Record)
+    result = process(str(path), BuildOptions(max_pixels=100_000).preprocess)
     assert isinstance(result, Skip) and result.reason.startswith("decompression bomb guard")
     with pytest.raises(Image.DecompressionBombError):
         Image.open(path)  # still in force for everyone else

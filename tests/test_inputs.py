@@ -23,7 +23,8 @@ from PIL import Image
 
 from packer import BuildError, build
 from packer.format import Manifest, load_index, source_path
-from packer.preprocess import HEIF_AVAILABLE, HEIF_MISSING, Options, Record, Skip, process
+from packer.options import BuildOptions
+from packer.preprocess import HEIF_AVAILABLE, HEIF_MISSING, Record, Skip, process
 from packer.read import open_reader
 
 PACKER = [sys.executable, "-m", "packer.cli"]
@@ -315,7 +316,7 @@ def test_counts_add_up_in_manifest_info_and_summary(messy) -> None:
 
 def test_default_pixel_limit_refuses_a_header_only_bomb(messy) -> None:
     raw, _, _, _ = messy
-    result = process(str(raw / "bad" / "header-bomb.png"), Options())
+    result = process(str(raw / "bad" / "header-bomb.png"), BuildOptions().preprocess)
     assert isinstance(result, Skip) and "decompression bomb" in result.reason and "10000000000" in result.reason
 
 
@@ -442,10 +443,10 @@ def test_builds_shrink_like_pillows_lanczos(tmp_path: Path, monkeypatch) -> None
         exif = Image.Exif()
         exif[0x0112] = orientation
         path = save(tmp_path / f"{k}.jpg", Image.fromarray(pixels.astype(np.uint8)), quality=95, exif=exif)
-        ours = process(str(path), Options(format="raw"))
+        ours = process(str(path), BuildOptions(format="raw").preprocess)
         with monkeypatch.context() as m:
             m.setattr(preprocess, "native_shrink", lambda: False)
-            theirs = process(str(path), Options(format="raw"))
+            theirs = process(str(path), BuildOptions(format="raw").preprocess)
             m.setattr(codec, "native_shrink", lambda: False)
             assert codec.codec_name().startswith("turbojpeg, resize pillow-")
         assert isinstance(ours, Record) and isinstance(theirs, Record)
