@@ -54,6 +54,11 @@ def _option(default: Any, help: str, type: Any = None, **cli: Any) -> Any:
     return field(default=default, metadata={"help": help, "type": type, **cli})
 
 
+def _flag(help: str) -> Any:
+    """An on/off option, off by default."""
+    return _option(False, help, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
 class BuildOptions:
     """How to build a dataset; the defaults are ``packer build``'s. Invalid values: BuildError."""
@@ -98,22 +103,16 @@ class BuildOptions:
     max_pixels: int = _option(256_000_000, "Refuse images with more pixels (decompression bombs).", int)
     min_size: int = _option(16, "Skip images with a shorter edge.", int)
     max_aspect: float = _option(10.0, "Skip images whose long/short edge ratio exceeds this.", float)
-    force: bool = _option(
-        False,
+    force: bool = _flag(
         "Replace an existing OUT (only once the new one is complete). "
         "When OUT is a symlink, the dataset it points to is replaced and the link kept.",
-        bool,
     )
-    update: bool = _option(
-        False,
+    update: bool = _flag(
         "Refresh OUT: decode only files added or changed since it was built (same path, size and "
         "mtime = unchanged), drop deleted ones, copy the other records. Unchanged input: says so, "
         "writes nothing. Changed build options: rebuilds everything. Builds OUT if absent.",
-        bool,
     )
-    checksum: bool = _option(
-        False, "With --update: compare file contents (a hash; reads every file) instead of mtimes.", bool
-    )
+    checksum: bool = _flag("With --update: compare file contents (a hash; reads every file) instead of mtimes.")
     split: Optional[dict[str, float]] = _option(  # noqa: RUF009 (a field(), like the others)
         None,
         "Also write split NAME (e.g. val=0.05; repeatable): OUT becomes a folder with one dataset "
@@ -125,17 +124,13 @@ class BuildOptions:
         convert=parse_splits,
     )
     split_seed: int = _option(0, "Seed of the --split assignment.", int)
-    resume: bool = _option(
-        False,
+    resume: bool = _flag(
         "Continue an interrupted build of the same inputs and options. OUT already built from "
         "them: says so, exit 0; OUT built from other input or options: an error.",
-        bool,
     )
-    wait: bool = _option(
-        False,
+    wait: bool = _flag(
         "If another build of OUT is running, wait for it to finish instead of failing with "
         "'OUT is being built by pid N'.",
-        bool,
     )
     checkpoint_seconds: float = _option(
         2.0, "Make the work so far resumable at least this often (also every 2000 images).", float
