@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 SHARD_SIZE = 10_000  # records per memmap shard of a local build
 DASK_TASK_SIZE = 1_000  # files per task of a --dask build (each task's records form one memmap shard)
 ON_ERROR = ("skip", "fail")
+# A checkpoint (fsync of data and journal, then progress.json) happens every CHECKPOINT_RECORDS
+# records or every ``checkpoint_seconds``, whichever comes first: the count bounds the work lost in a
+# fast build, the clock makes even a small or slow build resumable after a few seconds.
+CHECKPOINT_RECORDS = 2000
 PREPROCESS_FIELDS = tuple(f.name for f in fields(Options))  # each a BuildOptions field of the same name
 
 
@@ -133,7 +137,7 @@ class BuildOptions:
         "'OUT is being built by pid N'.",
     )
     checkpoint_seconds: float = _option(
-        2.0, "Make the work so far resumable at least this often (also every 2000 images).", float
+        2.0, f"Make the work so far resumable at least this often (also every {CHECKPOINT_RECORDS} images).", float
     )
 
     def __post_init__(self) -> None:

@@ -43,7 +43,7 @@ from .format import (
     index_digest,
 )
 from .labels import arrays_digest, class_counts
-from .options import BuildError, BuildOptions
+from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
 from .update import inputs_digest
@@ -54,14 +54,12 @@ BUILD_STATE = "build.json"
 PROGRESS = "progress.json"
 INDEX_PART = "index.part"
 SOURCES_PART = "sources.part"
-# A checkpoint (fsync of data and journal, then progress.json) happens every CHECKPOINT_RECORDS
-# records or every ``checkpoint_seconds`` (BuildOptions), whichever comes first: the count bounds the
-# work lost in a fast build, the clock makes even a small or slow build resumable after a few seconds.
-CHECKPOINT_RECORDS = 2000
 
 
 @dataclass
 class BuildReport:
+    """What a build did (``summary()`` is the CLI's last line); with --split, one per dataset inside."""
+
     out: str
     count: int
     scanned: int
