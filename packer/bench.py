@@ -207,20 +207,21 @@ def knee(points: Sequence[Point]) -> Point:
 
 
 def _resize_advice(resize: str) -> str:
-    """What would make the resize step faster, given the backend in use (see transform.resize_backend)."""
-    from . import transform
+    """What would make the resize step faster, given the backend in use (see transform.resize_backend);
+    the ratios are docs/PERFORMANCE.md's ("The resize kernels")."""
+    from .transform import resize as kernels
 
     used = "Pillow-SIMD" if resize == "pillow" else "torch's kernel"
-    if transform._native is None:
+    if kernels._native is None:
         return (
             f"crops are resized by {used}: packer's C extension was not built (installing packer needs a C "
             "compiler and libjpeg62-turbo-dev for it); its AVX2 resize kernel is ~2x faster than Pillow-SIMD "
-            "here and ~4x faster than torch's"
+            'and ~4x faster than torch\'s (docs/PERFORMANCE.md, "The resize kernels")'
         )
     if resize == "torch":
         return (
             "crops are resized by torch's kernel (this CPU has no AVX2 for packer's): installing Pillow-SIMD "
-            "(`make setup SIMD=1`) makes that step ~2.5x faster (measured 96 vs 240 us per 224 crop)"
+            '(`make setup SIMD=1`) makes that step ~2x faster (docs/PERFORMANCE.md, "The resize kernels")'
         )
     return f"crops are resized by {used} (PACKER_RESIZE={resize}): unset PACKER_RESIZE to use packer's faster kernel"
 

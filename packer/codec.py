@@ -4,7 +4,8 @@ PyTurboJPEG 1.x binds the system libjpeg-turbo (apt ``libturbojpeg0``); where th
 missing, packer warns once and uses Pillow, which bundles its own libjpeg(-turbo). Reading a
 crop of a record, packer decodes only the crop's rows and columns when its small libjpeg binding
 (``packer/_native.c``, built at install where a compiler and libjpeg's headers are present) is
-there: neither PyTurboJPEG 1.x nor Pillow can, and it saves ~30% of a decode for training crops.
+there: neither PyTurboJPEG 1.x nor Pillow can, and a training crop covers under half of a record
+on average (the saving: docs/PERFORMANCE.md, "What changed").
 """
 
 from __future__ import annotations
@@ -29,11 +30,23 @@ except ImportError:
 
 @cache
 def turbojpeg():
-    """The process's TurboJPEG instance, or None (after a one-line warning) when unavailable."""
+    """The process's TurboJPEG instance, or None (after a one-line warning) when unavailable.
+
+    PyTurboJPEG reports libjpeg's warnings (truncated data, corrupt segments) with warnings.warn and
+    returns the grey-padded image; turning them into errors would take the warnings filters, which
+    are process-wide and not thread-safe. This instance raises them as OSError in the calling thread,
+    as fatal errors are (PyTurboJPEG 1.x reports both through one private method).
+    """
     try:
         from turbojpeg import TurboJPEG
 
-        return TurboJPEG()
+        class StrictTurboJPEG(TurboJPEG):
+            def _TurboJPEG__report_error(self, handle: Any) -> None:
+                raise OSError(self._TurboJPEG__get_error_string(handle))
+
+        if not hasattr(TurboJPEG, "_TurboJPEG__report_error"):
+            raise ImportError("this PyTurboJPEG cannot raise libjpeg's warnings (packer needs 1.x)")
+        return StrictTurboJPEG()
     except Exception as e:  # ImportError, or OSError/RuntimeError when libturbojpeg is missing
         print(f"packer: warning: libjpeg-turbo unavailable ({e}); using Pillow for JPEG", file=sys.stderr)
         return None
@@ -90,34 +103,51 @@ def shrink_factor(width: int, height: int, min_short: int) -> tuple[int, int]:
 
 
 def decode_jpeg(
-    data: bytes | memoryview, factor: tuple[int, int] = (1, 1), rgbx: bool = False, out: Optional[np.ndarray] = None
+    data: bytes | memoryview,
+    width: int,
+    height: int,
+    factor: tuple[int, int] = (1, 1),
+    rgbx: bool = False,
+    out: Optional[np.ndarray] = None,
 ) -> np.ndarray:
-    """Decode JPEG bytes to an H x W x 3 uint8 RGB array (x 4 RGBX with ``rgbx``), DCT-scaled by ``factor``.
+    """Decode a whole JPEG of ``width`` x ``height`` pixels (its header's, or the index's) to an
+    H x W x 3 uint8 RGB array (x 4 RGBX with ``rgbx``), DCT-scaled by ``factor``.
 
     RGBX is Pillow's own pixel layout, so a Pillow image can map the result without converting it.
-    ``out`` is used as the destination when it has the decoded shape (saves an allocation per call).
-    libjpeg warnings (truncated data, corrupt segments) raise instead of yielding grey-padded
-    pixels. Without turbojpeg, Pillow's draft() gives the power-of-two scales.
+    ``out`` is the destination when it has the decoded shape and is C-contiguous (saves an allocation
+    per call). Damage raises ValueError, including what libjpeg only warns about (truncated data,
+    corrupt segments: no grey-padded pixels), as does data of another size. Safe in any number of
+    threads: packer's libjpeg binding (where built) has its own error handler per call, and the
+    fallback, PyTurboJPEG, raises libjpeg's warnings itself (:func:`turbojpeg`) rather than through
+    the process-wide warnings filters. Without turbojpeg, Pillow's draft() gives the power-of-two scales.
     """
+    w, h = scaled_size(width, height, factor)
+    shape = (h, w, 4 if rgbx else 3)
+    if out is None or out.shape != shape or not out.flags.c_contiguous:
+        out = np.empty(shape, np.uint8)
     tj = turbojpeg()
-    if tj is not None:
-        import warnings
-
+    if can_decode_region():
+        img, (_, _, decoded) = out, decode_jpeg_region(data, factor, 0, 0, h, w, rgbx, out.reshape(-1))
+    elif tj is not None:
         from turbojpeg import TJPF_RGB, TJPF_RGBX
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            try:
-                return tj.decode(data, pixel_format=TJPF_RGBX if rgbx else TJPF_RGB, scaling_factor=factor, dst=out)
-            except (Warning, OSError) as e:
-                raise ValueError(f"corrupt JPEG data ({e})") from None
-    try:
-        im = Image.open(io.BytesIO(data))
-        if factor != (1, 1):  # draft picks scale w // requested: ask for the rounded-down size
-            im.draft("RGB", (im.width * factor[0] // factor[1], im.height * factor[0] // factor[1]))
-        return np.asarray(im.convert("RGBX" if rgbx else "RGB"))
-    except (OSError, SyntaxError) as e:  # Pillow's ways of saying the data is bad
-        raise ValueError(f"corrupt JPEG data ({e})") from None
+        try:
+            img = tj.decode(data, pixel_format=TJPF_RGBX if rgbx else TJPF_RGB, scaling_factor=factor, dst=out)
+        except OSError as e:
+            raise ValueError(f"corrupt JPEG data ({e})") from None
+        decoded = img.shape[1], img.shape[0]
+    else:
+        try:
+            im = Image.open(io.BytesIO(data))
+            if factor != (1, 1):  # draft picks scale w // requested: ask for the rounded-down size
+                im.draft("RGB", (im.width * factor[0] // factor[1], im.height * factor[0] // factor[1]))
+            img = np.asarray(im.convert("RGBX" if rgbx else "RGB"))
+        except (OSError, SyntaxError) as e:  # Pillow's ways of saying the data is bad
+            raise ValueError(f"corrupt JPEG data ({e})") from None
+        decoded = img.shape[1], img.shape[0]
+    if decoded != (w, h):
+        raise ValueError(f"corrupt JPEG data (decodes to {decoded[0]}x{decoded[1]}, expected {w}x{h})")
+    return img
 
 
 def can_decode_region() -> bool:

@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from . import codec
-from .codec import decode_jpeg, encode_jpeg, native_shrink, scaled_size, shrink_factor, turbojpeg
+from .codec import decode_jpeg, encode_jpeg, native_shrink, shrink_factor, turbojpeg
 from .scan import open_regular
 
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
@@ -139,20 +139,6 @@ def open_image(data: bytes) -> Image.Image:
     raise Image.UnidentifiedImageError("cannot identify image file")
 
 
-def _decode_scaled(data: bytes, width: int, height: int, factor: tuple[int, int]) -> np.ndarray:
-    """The JPEG at ``factor`` of its ``width`` x ``height``: through packer's C binding where it is
-    built (libjpeg's own error handler makes damage, warnings included, a ValueError, whatever other
-    threads do), else PyTurboJPEG."""
-    if not codec.can_decode_region():
-        return decode_jpeg(data, factor)
-    w, h = scaled_size(width, height, factor)
-    out = np.empty((h, w, 3), np.uint8)
-    band, _, size = codec.decode_jpeg_region(data, factor, 0, 0, h, w, False, out)
-    if size != (w, h) or band.shape != out.shape:  # a header Pillow read one way and libjpeg another
-        raise ValueError(f"corrupt JPEG data (decodes to {size[0]}x{size[1]}, header says {w}x{h})")
-    return out
-
-
 def load(path: str, opts: Options) -> Image.Image:
     """Decode ``path`` as an upright RGB image already shrunk to the target short edge."""
     with open_regular(path) as f:
@@ -166,7 +152,7 @@ def load(path: str, opts: Options) -> Image.Image:
         orientation = im.getexif().get(0x0112, 1)
         if im.format == "JPEG" and im.mode in ("RGB", "L") and turbojpeg() is not None:
             factor = shrink_factor(width, height, opts.short_edge)
-            rgb = Image.fromarray(shrink(_decode_scaled(data, width, height, factor), target), "RGB")
+            rgb = Image.fromarray(shrink(decode_jpeg(data, width, height, factor), target), "RGB")
         else:
             if im.format == "JPEG" and target != (width, height):
                 im.draft(im.mode, target)  # DCT-domain downscale; result stays >= the requested size

@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .transform import _mix, sample_keys
+from .transform.draws import _mix, sample_keys
 
 _MASK63 = (1 << 63) - 1
 _MASK32 = (1 << 32) - 1

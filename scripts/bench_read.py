@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from packer import build  # noqa: E402
 from packer.batchpool import POOL_MAX  # noqa: E402
 from packer.bench import cores, measure, proc_rss, worker_pids  # noqa: E402
-from packer.codec import decode_jpeg  # noqa: E402
+from packer.codec import turbojpeg  # noqa: E402
 from packer.dataset import ShardDataset  # noqa: E402
 from packer.format import Manifest, disk_bytes, load_index, source_path  # noqa: E402
 from packer.read import open_reader  # noqa: E402
@@ -100,9 +100,12 @@ def _decode_share(args: tuple[list[int], float]) -> tuple[int, float]:
     reader = open_reader(_LIMIT_PATH, manifest, index)
     while time.time() < start_at:  # all processes start together, after their set-up
         time.sleep(0.001)
+    from turbojpeg import TJPF_RGB
+
+    tj = turbojpeg()
     cpu = time.process_time()
     for i in indices:
-        decode_jpeg(reader.get(i))
+        tj.decode(reader.get(i), pixel_format=TJPF_RGB)
     return len(indices), time.process_time() - cpu
 
 

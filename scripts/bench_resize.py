@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from packer.transform import DRAWS, _native, _pixels, random_resized_crops, uniforms
+from packer.transform import DRAWS, random_resized_crops, uniforms
+from packer.transform.resize import _native, _pixels
 
 H, W, SIZE = 320, 427, 224
 

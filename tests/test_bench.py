@@ -97,7 +97,8 @@ def test_batched_fetch_matches_single_samples(built, dtype: torch.dtype) -> None
 
 def test_advice_names_the_faster_resize(monkeypatch) -> None:
     """When the resize dominates, the advice depends on what this install resizes with and could use."""
-    from packer import bench, transform
+    from packer import bench
+    from packer.transform import resize
 
     points = [bench.Point(0, 100, 1.0, 100.0, 10.0)]
     stages = [{"stage": "decode", "percent": 30.0}, {"stage": "resize", "percent": 60.0}]
@@ -106,10 +107,10 @@ def test_advice_names_the_faster_resize(monkeypatch) -> None:
         return " ".join(bench.advice(points, stages, "raw", "uint8", resize)["notes"])
 
     assert "resized by" not in notes("packer")
-    if transform._native is not None:
+    if resize._native is not None:
         assert "Pillow-SIMD" in notes("torch") or "C extension" in notes("torch")
         assert "unset PACKER_RESIZE" in notes("pillow")
-    monkeypatch.setattr(transform, "_native", None)
+    monkeypatch.setattr(resize, "_native", None)
     assert "C extension was not built" in notes("torch") and "C extension was not built" in notes("pillow")
 
 
