@@ -2,8 +2,8 @@
 
 A DataLoader worker hands each batch to the main process in shared memory, and torch allocates a
 new segment for every batch: the kernel faults in and zeroes each of its pages, then frees them
-after the step. Measured here that costs ~75 us per 224x224 uint8 sample (four times that for
-float32), as much as resizing the crop. Instead each process keeps a few segments (memfd) and
+after the step, a cost per sample of the order of resizing the crop (docs/PERFORMANCE.md, "What
+changed"). Instead each process keeps a few segments (memfd) and
 lends them out, with the receiving side's reference count deciding when one is free again:
 
 - :func:`lend` returns a tensor in a free segment and marks it lent (byte 0 of a header page);

@@ -123,8 +123,9 @@ def measure(
 ) -> Point:
     """samples/s of ``samples`` samples after a warm-up: each worker's first ``prefetch_factor + 1``
     batches, which pay its start-up and the first use of each batch segment it will reuse for the
-    rest of the epoch (packer.batchpool: one per batch in flight, ~150 MB each for float32 at 224
-    px, whose pages fault in once; counted in, they cost float32 runs of 20 batches ~15%)."""
+    rest of the epoch (packer.batchpool: one per batch in flight, 256 x 3 x 224 x 224 float32 is
+    154 MB, whose pages fault in once: counted in, they would weigh on a short run; docs/PERFORMANCE.md,
+    "What changed")."""
     warm = max(1, workers * (prefetch_factor + 1))
     # persistent: the workers outlive the last batch, so their CPU time can still be read
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True} if workers else {}
@@ -245,7 +246,7 @@ def advice(
     if share.get("decode", 0) > 40 and fmt == "jpeg":
         notes.append(
             "JPEG decoding dominates: it scales with workers; `packer build --format raw` skips it "
-            "(about 6x the bytes on disk)"
+            '(~14x the bytes on disk: docs/PERFORMANCE.md, "Cold reads")'
         )
     if share.get("to float", 0) > 15:
         notes.append(

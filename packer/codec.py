@@ -54,8 +54,8 @@ def turbojpeg():
 
 def native_shrink() -> bool:
     """Whether builds shrink decoded JPEGs with packer's own Lanczos kernel (packer/_resize.c: built,
-    and this CPU has AVX2) rather than Pillow's: ~0.5 ms for 500x375 -> 427x320 here, reading the
-    decoded pixels in place, against 3.0 ms for plain Pillow with its copies (0.85 for Pillow-SIMD)."""
+    and this CPU has AVX2) rather than Pillow's: it reads the decoded pixels in place, where Pillow
+    needs them copied into its layout and out again (docs/PERFORMANCE.md, "Build speed")."""
     return turbojpeg() is not None and _native is not None and bool(_native.RESIZE_VECTOR)
 
 

@@ -7,8 +7,8 @@ code from Python's ``random``. In a DataLoader worker those streams depend on th
 it fetched before, so the same sample would be augmented differently with another ``num_workers``
 or after a resume. packer therefore runs each sample's transform with all three global generators
 seeded from the sample's key - (seed, epoch, draw), the same key as its crop - and restores the
-process's own states afterwards: saved and restored once per batch (~60 us), seeded per sample
-(~6 us; figures in docs/PERFORMANCE.md, "User transforms").
+process's own states afterwards: saved and restored once per batch, seeded per sample (what that
+costs: docs/PERFORMANCE.md, "User transforms").
 
 Code that takes a generator instead of using the global one gets the sample's own
 :func:`generator`; :func:`sample_seed` gives the seed itself (for a library with its own generator).

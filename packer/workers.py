@@ -31,7 +31,7 @@ def _worker_context() -> Context:
     """forkserver, whether or not this process runs threads (a terminal's progress bar does), so that
     cron and interactive builds behave alike: its workers are forked from a small server process, not
     from this one, so they do not share (and then un-share, as this process keeps writing) the pages
-    of the scan list, which grows ~400 bytes a file (docs/PERFORMANCE.md, "Worker memory"). The
+    of the scan list, which grows with every file (docs/PERFORMANCE.md, "Build speed", a million files). The
     server preloads the decoders, so workers do not each import numpy and Pillow; spawn where
     forkserver is missing."""
     if "forkserver" in mp.get_all_start_methods():

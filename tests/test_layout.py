@@ -1,0 +1,46 @@
+"""The code layout as documented and packaged: README's table names every module in packer/, and
+pyproject.toml lists every subpackage (a wheel holds only the packages listed)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "packer"
+
+
+def modules() -> set[str]:
+    """packer/'s sources, as paths relative to the repository (package __init__ files aside)."""
+    return {
+        str(f.relative_to(ROOT))
+        for f in PACKAGE.rglob("*")
+        if f.suffix in (".py", ".c", ".h") and f.name != "__init__.py" and "__pycache__" not in f.parts
+    }
+
+
+def test_readme_layout_table_names_every_module() -> None:
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Code layout") :]
+    table = table[: table.index("\n## ", 1)]
+    listed = set()
+    for row in table.splitlines():
+        cell = row.split("|")[1] if row.startswith("| `") else ""
+        folder = ""
+        for name in re.findall(r"`([^`]+)`", cell):  # `packer/transform/a.py`, `b.py`: b.py is in the same folder
+            if name.startswith("packer/"):
+                folder = name.rsplit("/", 1)[0]
+                listed.add(name.rstrip("/"))
+            else:
+                listed.add(f"{folder}/{name}")
+    folders = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    assert modules() - listed == set(), "modules missing from README's code-layout table"
+    assert listed - modules() - folders == set(), "README's code-layout table names modules that do not exist"
+
+
+def test_every_subpackage_is_packaged() -> None:
+    line = re.search(r"^packages = \[(.*)\]", (ROOT / "pyproject.toml").read_text(), re.M)  # no tomllib on 3.10
+    assert line, "pyproject.toml lists the packages in [tool.setuptools]"
+    packages = re.findall(r'"([^"]+)"', line.group(1))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert set(packages) == found
