@@ -3,7 +3,7 @@
 Every draw for sample ``i`` in epoch ``e`` is a hash of (seed, e, i, draw number), so a sample's crop
 does not depend on which worker fetches it, how many workers there are, or what was fetched before,
 and a whole batch's draws are one vectorized numpy pass instead of a generator object per sample
-(docs/PERFORMANCE.md, "What changed").
+(docs/PERFORMANCE.md, "Per-sample steps").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """uint8 -> float, ``(x - mean) / std``, on the output crop only (the last step of a sample), computed
 as ``(x - 255 * mean) * (1 / (255 * std))`` in float32 on every path, so the CPU paths, packer's
 compiled one and :func:`~packer.transform.device.to_device` give identical float32 results.
-Why each path is shaped as it is: docs/PERFORMANCE.md, "Normalization"."""
+Why each path is shaped as it is: docs/PERFORMANCE.md, "Per-sample steps"."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def normalize_into(x: torch.Tensor, out: torch.Tensor, mean255: torch.Tensor, in
     """out = (x - mean) / std for uint8 ``x``, written into ``out`` without float temporaries.
 
     A same-dtype convert-copy then in-place ops: ``torch.sub(x_uint8, mean, out=out)`` would take
-    torch's much slower dynamic-casting path.
+    torch's slower dynamic-casting path.
     """
     out.copy_(x)
     return out.sub_(mean255).mul_(inv_std255)

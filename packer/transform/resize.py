@@ -38,6 +38,7 @@ Box = tuple[int, int, int, int]
 
 
 def _packer(img: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: Clock) -> None:
+    """packer/_resize.c: reads the box of the RGB image in place, writes (and mirrors) into ``out``."""
     top, left, bottom, right = box
     size = out.shape[0]
     img = np.ascontiguousarray(img[:, :, :3])  # already so: RGB from the decoders and raw records
@@ -51,7 +52,7 @@ def _packer(img: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: Clock
 
 def _raw_bytes(im: Image.Image, rawmode: str) -> bytes:
     """``im.tobytes("raw", rawmode)`` in one encoder call: tobytes packs in 64 KB chunks and joins
-    them, one more copy of the whole crop. Mirrors tobytes' own use of Pillow's encoder; falls back
+    them, one more copy of the whole crop (docs/PERFORMANCE.md, "Per-sample steps"). Mirrors tobytes' own use of Pillow's encoder; falls back
     to tobytes where that differs."""
     size = im.width * im.height * len(rawmode)
     try:
@@ -76,6 +77,8 @@ def _pixels(im: Image.Image) -> object:
 
 
 def _pillow(img: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: Clock) -> None:
+    """Pillow's BILINEAR over the box (a Pillow image mapping the RGBX decode, or the raw record's box
+    rows), then packed to RGB and mirrored into ``out`` in one pass where packer's helper is built."""
     top, left, bottom, right = box
     size = out.shape[0]
     img = np.ascontiguousarray(img)  # already so, from the decoders and raw records
@@ -109,6 +112,7 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def _torch(img: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: Clock) -> None:
+    """torch's antialiased bilinear uint8 kernel on a view of the box; mirrored while copying out."""
     top, left, bottom, right = box
     size = out.shape[0]
     region = _tensor(img[top:bottom, left:right, :3]).permute(2, 0, 1)[None]
