@@ -52,8 +52,8 @@ def _packer(img: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: Clock
 
 def _raw_bytes(im: Image.Image, rawmode: str) -> bytes:
     """``im.tobytes("raw", rawmode)`` in one encoder call: tobytes packs in 64 KB chunks and joins
-    them, one more copy of the whole crop (docs/PERFORMANCE.md, "Per-sample steps"). Mirrors tobytes' own use of Pillow's encoder; falls back
-    to tobytes where that differs."""
+    them, one more copy of the whole crop (docs/PERFORMANCE.md, "Per-sample steps"). Mirrors
+    tobytes' own use of Pillow's encoder; falls back to tobytes where that differs."""
     size = im.width * im.height * len(rawmode)
     try:
         encoder = Image._getencoder(im.mode, "raw", rawmode)
