@@ -238,6 +238,10 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
         "ignored": manifest.ignored,
         "codec": manifest.codec,
         "shards": len(manifest.shards),
+        # format 3: writes whose data files the dataset still uses, and the bytes of records no row
+        # points to any more (packer compact drops them)
+        "segments": manifest.segments,
+        "dead_bytes": manifest.dead_bytes,
         "packer_version": manifest.packer_version,
         "long_edge_histogram": _histogram(np.maximum(index["height"], index["width"])),
         "short_edge_histogram": _histogram(np.minimum(index["height"], index["width"])),
@@ -277,6 +281,11 @@ def info(out: Path, as_json: bool) -> None:
     )
     click.echo(f"  bytes on disk {facts['bytes']:,}; mean {facts['mean_bytes']:,.0f} bytes/image")
     click.echo(f"  scanned {facts['scanned']}, skipped {facts['skipped']}, ignored {facts['ignored']}")
+    if facts["segments"] > 1 or facts["dead_bytes"]:
+        click.echo(
+            f"  {facts['segments']} segments, {facts['dead_bytes']:,} bytes of replaced or deleted records "
+            f"(packer compact rewrites them away)"
+        )
     click.echo(f"  digest {facts['digest']}")
     total = facts["count"]
     if facts["label_kind"] != "none":
@@ -319,6 +328,22 @@ def verify(out: Path, limit: int) -> None:
         click.echo(f"packer: {out}: {problem}", err=True)
     click.echo(f"packer: {out}: FAILED verification ({result.bad_records} bad records)", err=True)
     sys.exit(1)
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@_friendly
+def compact(out: Path) -> None:
+    """Rewrite OUT into one segment, dropping the records that refreshes replaced or deleted.
+
+    `build --update` keeps the old records where they are and adds the new ones in a segment of their
+    own; it rewrites everything by itself once too much of the data is dead or there are too many
+    segments (docs/FORMAT.md, "Segments"). Records are copied as they are (each checked against its
+    CRC-32) and the digest stays the same. Readers of the old version keep reading it.
+    """
+    from .segments import compact as run_compact
+
+    run_compact(out)
 
 
 @main.command()

@@ -40,7 +40,7 @@ import numpy as np
 from . import __version__
 from .codec import can_decode_region, codec_name
 from .errors import PackerError
-from .format import INDEX_DTYPE, shard_name
+from .format import INDEX_DTYPE, lmdb_segment_name, shard_name
 from .options import DASK_TASK_SIZE, BuildError, BuildOptions
 from .pipeline import run_build
 from .preprocess import Options, Record, Result, Skip, process_chunk
@@ -380,9 +380,6 @@ class _AdoptedShards:
         fsync_path(self.staging)
         return self.shards
 
-    def total_bytes(self) -> int:
-        return sum(int(s["bytes"]) for s in self.shards)
-
 
 @dataclass
 class DaskEngine:
@@ -455,7 +452,10 @@ class DaskEngine:
         """Fragments (and, with --update, the old dataset's records) into the sink in scan order."""
         backend, shard_size = options.backend, options.shard_size
         assert backend is not None and shard_size is not None
-        for stale in [*staging.glob("shard-*.bin"), staging / "data.mdb", staging / "lock.mdb"]:
+        base = cache.base if cache is not None else None
+        first = len(base.files) if base is not None else 0  # the old data files a refresh linked come first
+        mine = [p for p in staging.glob("shard-*.bin") if int(p.name[len("shard-") : -len(".bin")]) >= first]
+        for stale in [*mine, staging / lmdb_segment_name(first)]:
             stale.unlink(missing_ok=True)  # left by an interrupted assembly; rebuilt below
         fresh_bytes = sum(int(m["bytes"]) for m in metas)
         if not self.quiet:
@@ -464,12 +464,12 @@ class DaskEngine:
 
         def writer(state: Optional[dict[str, Any]]) -> Writer:
             if backend == "lmdb":
-                return LmdbWriter(staging, map_size=max(1 << 30, int(expected * 1.25) + (64 << 20)))
+                return LmdbWriter(staging, map_size=max(1 << 30, int(expected * 1.25) + (64 << 20)), segment=first)
             if cache is None:
                 return _AdoptedShards(staging, fragments, metas)
-            return open_writer(backend, staging, None, shard_size)  # reused records interleave: copy
+            return open_writer(backend, staging, None, shard_size, first)  # reused records interleave
 
-        sink = RecordSink(staging, found, backend, None, writer)
+        sink = RecordSink(staging, found, None, writer, base)
         old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)
         results = ordered_results(
             Path(self.raw), found.sources, old_of, cache, options.preprocess, 1, _fragment_results(fragments, metas)

@@ -24,13 +24,16 @@ import numpy as np
 
 from .errors import PackerError
 
-FORMAT_VERSION = 2
-#: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS).
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS);
+#: 1 and 2 hold one data file per backend layout (LMDB: data.mdb, keys in index order) and digest the
+#: record bytes; 3 adds segments (any row may point into any data file) and the logical digest.
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
 SOURCES = "sources.npy"
 REPORT = "report.jsonl"
+LMDB_DATA = "data.mdb"  # an LMDB dataset's first segment (its only data file before version 3)
 FORMATS = ("jpeg", "raw")
 MAX_EDGE = 65_535  # the largest edge a JPEG can have
 MAX_MANIFEST = 64 << 20  # bytes of manifest.json read at most (a real one is a few KB per 100 classes)
@@ -84,6 +87,13 @@ def shard_name(k: int) -> str:
     return f"shard-{k:05d}.bin"
 
 
+def lmdb_segment_name(k: int) -> str:
+    """Segment 0 is data.mdb (the name of versions 1 and 2); segment k an LMDB file of its own, each
+    written once and never changed (a refresh adds one rather than writing into a file that readers of
+    the old version have open without locks)."""
+    return LMDB_DATA if k == 0 else f"data-{k:05d}.mdb"
+
+
 @dataclass
 class Manifest:
     """The per-dataset summary, written last: its presence marks a complete dataset."""
@@ -111,6 +121,11 @@ class Manifest:
     labels_digest: str = ""  # sha256 of LABELS' then TARGETS' data ("" with neither)
     sources_digest: str = ""  # index_digest() of sources.npy's bytes: verify notices an edited path
     format_version: int = FORMAT_VERSION
+    #: Version 3: record bytes in the data files that no index row points to any more (records a
+    #: refresh replaced or deleted), and how many writes (segments) the data files come from; see
+    #: docs/FORMAT.md "Segments". 0 and 1 in a dataset written in one go.
+    dead_bytes: int = 0
+    segments: int = 1
     #: sha256 over every other key of manifest.json (see :func:`manifest_digest`): verify notices an
     #: edited class name, option or count. Empty in datasets of packers before it; then unchecked.
     manifest_digest: str = ""
@@ -171,11 +186,13 @@ class Manifest:
         def size(v: Any) -> bool:  # fits the index's unsigned 64-bit fields (numpy would overflow)
             return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
 
-        for name in ("short_edge", "quality", "count", "bytes", "scanned", "skipped", "ignored"):
+        for name in ("short_edge", "quality", "count", "bytes", "scanned", "skipped", "ignored", "dead_bytes"):
             if not size(getattr(self, name)):
                 raise bad(name)
         if self.short_edge < 1:
             raise bad("short_edge")
+        if not size(self.segments) or self.segments < 1:
+            raise bad("segments")
         if self.backend not in BACKENDS:
             raise bad("backend")
         if self.format not in FORMATS:
@@ -220,13 +237,18 @@ class Manifest:
                 and "\0" not in file
                 and size(s.get("count"))
                 and size(s.get("bytes"))
+                and size(s.get("segment", 0))
+                and size(s.get("dead", 0))
             ):
                 raise bad("shards")
+        if self.backend == "lmdb" and self.format_version >= 3 and not self.shards:
+            raise bad("shards")  # version 3 lists an LMDB dataset's data files (data.mdb first)
 
 
 class Digest:
-    """Content digest over records and labels in order (sha256 of label, length, bytes per record), and
-    the label arrays' digest when there are any."""
+    """Version 1 and 2's content digest: sha256 of label, length and bytes per record in order, and
+    the label arrays' digest when there are any. Kept to check datasets of those versions; version 3
+    digests the logical content instead (:func:`logical_digest`)."""
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
@@ -236,12 +258,52 @@ class Digest:
         self._h.update(data)
 
     def hexdigest(self, labels_digest: str = "") -> str:
-        """The manifest's ``digest``; with label arrays (``labels_digest``), the sha256 of both digests, so
-        that it covers everything a reader returns."""
-        records = "sha256:" + self._h.hexdigest()
-        if not labels_digest:
-            return records
-        return "sha256:" + hashlib.sha256(f"{records}\0{labels_digest}".encode("ascii")).hexdigest()
+        return with_labels("sha256:" + self._h.hexdigest(), labels_digest)
+
+
+def with_labels(records: str, labels_digest: str) -> str:
+    """The manifest's ``digest`` from the records' digest and, when the dataset has label arrays
+    (``labels_digest``), theirs: the sha256 of both, so that it covers everything a reader returns."""
+    if not labels_digest:
+        return records
+    return "sha256:" + hashlib.sha256(f"{records}\0{labels_digest}".encode("ascii")).hexdigest()
+
+
+#: What version 3's digest covers per record, packed little-endian (28 bytes a record).
+LOGICAL_DTYPE = np.dtype([("label", "<i8"), ("length", "<u8"), ("crc32", "<u4"), ("height", "<u4"), ("width", "<u4")])
+
+
+def logical_digest(index: np.ndarray, labels_digest: str = "") -> str:
+    """Version 3's ``digest``: sha256 over each record's label, length, CRC-32, height and width in
+    index order (:data:`LOGICAL_DTYPE`), with the label arrays' digest (:func:`with_labels`). It needs
+    the index only, never the record bytes, and not where they lie: a refresh that keeps old records in
+    their data files digests exactly as a full rebuild of the same input. ``packer verify`` checks every
+    record's bytes against its CRC-32, so the digest still vouches for them."""
+    h = hashlib.sha256()
+    step = 1 << 16
+    for start in range(0, len(index), step):
+        rows = index[start : start + step]
+        packed = np.empty(len(rows), LOGICAL_DTYPE)
+        for name in LOGICAL_DTYPE.names or ():
+            packed[name] = rows[name]
+        h.update(packed.data)
+    return with_labels("sha256:" + h.hexdigest(), labels_digest)
+
+
+def data_files(manifest: Manifest) -> list[str]:
+    """The dataset's data files, numbered as index rows' ``shard`` numbers them: memmap shards, or
+    LMDB segments (version 3; before it data.mdb alone)."""
+    if manifest.backend == "lmdb" and manifest.format_version < 3:
+        return [LMDB_DATA]
+    return [str(s["file"]) for s in manifest.shards]
+
+
+def record_places(manifest: Manifest, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's data file number and position in it: (shard, byte offset) for memmap, (segment,
+    key number) for LMDB, where versions 1 and 2 key record ``i`` as ``i`` in data.mdb."""
+    if manifest.backend == "lmdb" and manifest.format_version < 3:
+        return np.zeros(len(index), np.int64), np.arange(len(index), dtype=np.int64)
+    return index["shard"].astype(np.int64), index["offset"].astype(np.int64)
 
 
 def manifest_digest(fields: dict[str, Any]) -> str:
@@ -362,17 +424,23 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
             f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
             f"or a JPEG edge over {MAX_EDGE})"
         )
-    if manifest.backend == "lmdb" and (index["shard"].any() or index["offset"].any()):
-        raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
-    if manifest.backend == "memmap":
-        sizes = np.array([int(s["bytes"]) for s in manifest.shards] + [0], dtype=np.uint64)
-        shard = index["shard"]
-        if shard.max() >= len(manifest.shards):
-            raise DatasetError(f"{root}: index names shards beyond the {len(manifest.shards)} listed")
-        end = index["offset"] + index["length"]
-        if (end < index["offset"]).any() or (end > sizes[shard]).any():
-            first = int(np.flatnonzero((end < index["offset"]) | (end > sizes[shard]))[0])
-            raise DatasetError(f"{root}: record {first} points outside its shard")
+    if manifest.backend == "lmdb" and manifest.format_version < 3:
+        if index["shard"].any() or index["offset"].any():
+            raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
+        return
+    sizes = np.array([int(s["bytes"]) for s in manifest.shards] + [0], dtype=np.uint64)
+    shard = index["shard"]
+    if shard.max() >= len(manifest.shards):
+        raise DatasetError(f"{root}: index names data files beyond the {len(manifest.shards)} listed")
+    if manifest.backend == "lmdb":  # offset: the record's key number; a leaf entry takes over 16 bytes
+        beyond = index["offset"] >= sizes[shard] // 16
+        if beyond.any():
+            raise DatasetError(f"{root}: record {int(np.flatnonzero(beyond)[0])}: key beyond what its segment can hold")
+        return
+    end = index["offset"] + index["length"]
+    if (end < index["offset"]).any() or (end > sizes[shard]).any():
+        first = int(np.flatnonzero((end < index["offset"]) | (end > sizes[shard]))[0])
+        raise DatasetError(f"{root}: record {first} points outside its shard")
 
 
 def load_label_arrays(

@@ -83,9 +83,27 @@ class PageGuard:
             raise Damaged(f"data.mdb is truncated ({self.size} bytes, its meta page needs {(last + 1) * psize})")
         return root, psize, last
 
+    def known(self, keys: np.ndarray) -> np.ndarray:
+        """The checked lengths of the values of key numbers ``keys`` (-1 where not checked yet)."""
+        inside = keys < len(self.lengths)
+        return (
+            np.where(inside, self.lengths[np.where(inside, keys, 0)], -1)
+            if len(self.lengths)
+            else np.full(len(keys), -1)
+        )
+
+    def reserve(self, count: int) -> None:
+        """Keep lengths for key numbers below ``count`` too (another version of the dataset, sharing
+        this file, names more of its keys): leaves are walked again to fill them in."""
+        with self.lock:
+            if count > len(self.lengths):
+                self.lengths = np.concatenate([self.lengths, np.full(count - len(self.lengths), -1, np.int64)])
+                self.pages = {page: entry for page, entry in self.pages.items() if entry[0] != P_LEAF}
+
     def length(self, i: int) -> Optional[int]:
-        """The length of record ``i``'s value, which liblmdb can then fetch without reading outside
-        the file; None when data.mdb has no such key. Damaged when the way to it is malformed."""
+        """The length of the value of key number ``i``, which liblmdb can then fetch without reading
+        outside the file; None when the file has no such key (or only one beyond the keys this guard
+        keeps: see :meth:`reserve`). Damaged when the way to it is malformed."""
         if i < len(self.lengths) and self.lengths[i] >= 0:
             return int(self.lengths[i])
         with self.lock:

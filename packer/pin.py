@@ -5,7 +5,8 @@ one. A reader that opened files by path later (a DataLoader worker, a shard open
 mix versions: the old index with the new records, silently mislabelled samples. So a reader opens
 everything it will ever read at once, through one handle on the directory (one version, even while
 a swap is under way): the manifest and the index are read, ``index.npy``, ``sources.npy`` and every
-memmap shard are mapped, and LMDB's ``data.mdb`` is held open by one descriptor. Mappings and
+memmap shard are mapped, and each LMDB data file (``data.mdb``, and a segmented dataset's
+``data-NNNNN.mdb``) is held open by a descriptor. Mappings and
 descriptors keep deleted files readable and are inherited by forked DataLoader workers, which so
 read the old version to the end. The shards' descriptors are closed once mapped: a dataset of any
 number of shards holds no descriptor of them (``ulimit -n``), only mappings.
@@ -36,6 +37,7 @@ from .format import (
     DatasetError,
     Manifest,
     check_index,
+    data_files,
     load_label_arrays,
     map_npy,
     open_regular,
@@ -60,8 +62,8 @@ def _key(st: os.stat_result) -> FileKey:
 class Pinned:
     """Manifest, index, source paths, label arrays and data files of one version of the dataset at
     ``root``. ``files`` names each file's identity; ``multi``/``targets`` are the label arrays the
-    dataset has (else None); ``data_fd`` holds data.mdb open (LMDB); ``shards`` are the memmap
-    shards' mappings, in order."""
+    dataset has (else None); ``data_fds`` hold the LMDB data files open, in segment order
+    (:func:`packer.format.data_files`); ``shards`` are the memmap shards' mappings, in order."""
 
     def __init__(
         self,
@@ -69,29 +71,40 @@ class Pinned:
         manifest: Manifest,
         arrays: tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]],
         files: dict[str, FileKey],
-        data_fd: Optional[int],
+        data_fds: list[int],
         shards: list[Shard],
     ) -> None:
         self.root, self.manifest = root, manifest
         self.index, self.sources, self.multi, self.targets = arrays
-        self.files, self.data_fd, self.shards = files, data_fd, shards
-        if data_fd is not None:
-            self._close = weakref.finalize(self, os.close, data_fd)
+        self.files, self.data_fds, self.shards = files, data_fds, shards
+        self.data_names = data_files(manifest) if data_fds else []
+        if data_fds:
+            self._close = weakref.finalize(self, _close_all, list(data_fds))
 
-    @property
-    def data_path(self) -> str:
-        """A path that opens the pinned data.mdb itself, deleted or not (/proc/self/fd/N on Linux,
-        /dev/fd/N on macOS); elsewhere its path, while the file there is still the pinned one."""
-        for path in (f"/proc/self/fd/{self.data_fd}", f"/dev/fd/{self.data_fd}"):
+    def data_key(self, k: int) -> FileKey:
+        """The identity of LMDB data file ``k``: what py-lmdb's "already open" guard keys on (its
+        first two fields), shared by every version of the dataset that keeps that file."""
+        return self.files[self.data_names[k]]
+
+    def data_path(self, k: int) -> str:
+        """A path that opens the pinned LMDB data file ``k`` itself, deleted or not (/proc/self/fd/N
+        on Linux, /dev/fd/N on macOS); elsewhere its path, while the file there is still the pinned one."""
+        fd = self.data_fds[k]
+        for path in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}"):
             if os.path.exists(path):
                 return path
-        path = os.path.join(self.root, "data.mdb")
+        path = os.path.join(self.root, self.data_names[k])
         try:
-            if _key(os.stat(path)) == self.files["data.mdb"]:
+            if _key(os.stat(path)) == self.data_key(k):
                 return path
         except OSError:
             pass
         raise replaced(self.root)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def pin(root: str, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
@@ -142,7 +155,7 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
             raise replaced(root)
         return fd
 
-    data_fd = None
+    data_fds: list[int] = []
     try:
         fd = open_file(MANIFEST)
         try:
@@ -154,16 +167,16 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
         multi, targets = load_label_arrays(root, manifest, open_file)
         shards: list[Shard] = []
         if manifest.backend == "lmdb":
-            data_fd = open_file("data.mdb")
+            for name in data_files(manifest):
+                data_fds.append(open_file(name))
         else:
             shards = [_map_shard(root, info, open_file) for info in manifest.shards]
     except BaseException:
-        if data_fd is not None:
-            os.close(data_fd)
+        _close_all(data_fds)
         raise
     finally:
         os.close(dir_fd)
-    return Pinned(root, manifest, (index, sources, multi, targets), files, data_fd, shards)
+    return Pinned(root, manifest, (index, sources, multi, targets), files, data_fds, shards)
 
 
 def _map_npy_file(root: str, name: str, open_file: Callable[[str], int]) -> np.ndarray:

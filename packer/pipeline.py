@@ -34,6 +34,7 @@ from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
 from .read import close_lmdb
 from .scan import Scan, ScanError, confusable, identify, scan
+from .segments import link_base, old_files, plan
 from .split import TRAIN, split_path, split_scan
 from .staging import (
     BUILD_STATE,
@@ -329,6 +330,8 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
     cache = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
     staging = staging_path(out)
     state = open_staging(staging, settings | engine.marker, options.resume)
+    if cache is not None:
+        _link_old_files(out, staging, cache, options, quiet)
     try:
         try:
             sink, resumed_from = engine.pack(staging, found, options, state, cache)
@@ -348,6 +351,18 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
     return report
 
 
+def _link_old_files(out: Path, staging: Path, cache: Cache, options: BuildOptions, quiet: bool) -> None:
+    """Link the old dataset's data files into ``staging`` so that its records stay where they are
+    (packer.segments), as many of them as the refresh keeps; say why where it rewrites records."""
+    assert options.backend is not None and options.shard_size is not None
+    kept = cache.old_of[cache.old_of >= 0]
+    keep, why = plan(cache.manifest, cache.index, kept, options.backend, options.shard_size)
+    if why and not quiet:
+        print(f"packer: {out}: {why}", file=sys.stderr, flush=True)
+    if keep:
+        cache.base = link_base(out, staging, old_files(cache.manifest, cache.index)[:keep], quiet)
+
+
 @dataclass
 class LocalEngine:
     """This machine's worker processes (:mod:`packer.workers`), results in scan order."""
@@ -363,7 +378,9 @@ class LocalEngine:
         assert options.backend is not None and options.shard_size is not None
         backend, shard_size = options.backend, options.shard_size
         done = int(state["sources_done"]) if state else 0
-        sink = RecordSink(staging, found, backend, state, lambda s: open_writer(backend, staging, s, shard_size))
+        base = cache.base if cache is not None else None
+        first = len(base.files) if base is not None else 0  # a refresh's new segment: after the linked files
+        sink = RecordSink(staging, found, state, lambda s: open_writer(backend, staging, s, shard_size, first), base)
         todo = found.sources[done:]
         old_of = cache.old_of[done:] if cache is not None else np.full(len(todo), -1, dtype=np.int64)
         results = ordered_results(self.raw, todo, old_of, cache, options.preprocess, options.processes)

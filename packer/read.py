@@ -2,9 +2,11 @@
 
 py-lmdb refuses to open the same file twice in a process (it keys on its device and inode) and an
 environment must not be used across fork(), so LMDB environments live in a per-process registry
-keyed by data.mdb's identity: every reader of that file shares one, readers of another version of
-the same path (a dataset replaced by a refresh) get their own, and a forked child drops the
-inherited handles before opening its own. An environment is opened from the reader's pinned
+keyed by each data file's identity (a dataset of several segments has several: ``data.mdb``,
+``data-00001.mdb``, ...): every reader of that file shares one, whichever version of the dataset it
+belongs to (a refresh links the old version's data files into the new one), a data file of another
+version gets its own, and a forked child drops the inherited handles before opening its own. Each
+environment's PageGuard is per file too. An environment is opened from the reader's pinned
 descriptor, so it is the version the reader pinned, even once deleted. A batch's LMDB records are
 fetched by a few threads per process (see :data:`FETCH_THREADS`); every thread, the caller's
 included, reads through its own read transaction, as LMDB wants one transaction per thread. Before
@@ -25,32 +27,33 @@ from typing import Optional
 import lmdb
 import numpy as np
 
-from .format import DatasetError, Manifest, lmdb_key, open_regular
+from .format import DatasetError, Manifest, lmdb_key, open_regular, record_places
 from .lmdbguard import Damaged, PageGuard
 from .pin import Pinned, pin
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
 
-EnvKey = tuple[int, int]  # (st_dev, st_ino) of a data.mdb: what py-lmdb's "already open" guard keys on
+EnvKey = tuple[int, int]  # (st_dev, st_ino) of an LMDB data file: what py-lmdb's "already open" guard keys on
 
 
 class _Env:
-    """One open environment in this process, and the pinned versions (readers) that use it."""
+    """One open environment (one LMDB data file) in this process, and the pinned versions (readers)
+    that use it: a refresh that keeps a segment file shares it between the old version and the new."""
 
-    def __init__(self, pinned: Pinned) -> None:
+    def __init__(self, pinned: Pinned, k: int, keys: int) -> None:
         self.pid, self.root = os.getpid(), pinned.root
+        label = os.path.join(pinned.root, pinned.data_names[k])
         try:
             self.env = lmdb.open(
-                pinned.data_path, readonly=True, lock=False, readahead=False, max_readers=2048, subdir=False
+                pinned.data_path(k), readonly=True, lock=False, readahead=False, max_readers=2048, subdir=False
             )
         except lmdb.Error as e:
-            raise DatasetError(f"{pinned.root}: cannot open LMDB environment ({e})") from None
-        assert pinned.data_fd is not None, "an LMDB dataset is pinned with data.mdb open"
+            raise DatasetError(f"{label}: cannot open LMDB environment ({e})") from None
         try:
-            self.guard = PageGuard(pinned.data_fd, pinned.manifest.count)
+            self.guard = PageGuard(pinned.data_fds[k], keys)
         except Damaged as e:
             self.env.close()
-            raise DatasetError(f"{pinned.root}/data.mdb: {e}") from None
+            raise DatasetError(f"{label}: {e}") from None
         self.users: weakref.WeakSet[Pinned] = weakref.WeakSet([pinned])
 
 
@@ -58,29 +61,31 @@ _LMDB_ENVS: dict[EnvKey, _Env] = {}
 _LMDB_LOCK = threading.Lock()
 
 
-def _env_key(pinned: Pinned) -> EnvKey:
-    return pinned.files["data.mdb"][:2]
-
-
-def _drop(root: Optional[str] = None, everything: bool = False) -> None:
+def _drop(root: Optional[str] = None, everything: bool = False, key: Optional[EnvKey] = None) -> None:
     """Close environments inherited across fork (never to be used) and those no live reader uses
-    (``root``/``everything``: those of that path / all of them); the caller holds _LMDB_LOCK."""
+    (``root``/``key``/``everything``: those of that path / that file / all of them); the caller
+    holds _LMDB_LOCK."""
     pid = os.getpid()
-    for key, entry in list(_LMDB_ENVS.items()):
-        if entry.pid != pid or not entry.users or everything or entry.root == root:
-            del _LMDB_ENVS[key]
+    for k, entry in list(_LMDB_ENVS.items()):
+        if entry.pid != pid or not entry.users or everything or entry.root == root or k == key:
+            del _LMDB_ENVS[k]
             try:
                 entry.env.close()
             except Exception:  # pragma: no cover - best effort on a handle we must not use
                 pass
 
 
-def close_lmdb(path: str | os.PathLike | None = None) -> None:
-    """Close this process's environments for the dataset at ``path`` (every one when None), e.g.
-    before opening it with plain py-lmdb, which refuses a second open in one process. A reader that
-    still uses one reopens it, from its pinned descriptor, on its next read."""
+def close_lmdb(path: str | os.PathLike | None = None, file: Optional[EnvKey] = None) -> None:
+    """Close this process's environments for the dataset at ``path`` and the data file whose
+    (st_dev, st_ino) is ``file`` (every one when neither is given), e.g. before opening it with plain
+    py-lmdb, which refuses a second open in one process. A reader that still uses one reopens it,
+    from its pinned descriptor, on its next read."""
     with _LMDB_LOCK:
-        _drop(root=str(Path(path).resolve()) if path is not None else None, everything=path is None)
+        _drop(
+            root=str(Path(path).resolve()) if path is not None else None,
+            everything=path is None and file is None,
+            key=file,
+        )
 
 
 def check_lmdb_pages(path: str | os.PathLike, label: str | os.PathLike = "") -> None:
@@ -105,15 +110,14 @@ def check_lmdb_pages(path: str | os.PathLike, label: str | os.PathLike = "") -> 
         raise DatasetError(f"{label}: damaged LMDB structure: {problems[0]}{more}")
 
 
-def check_lmdb_tree(path: str | os.PathLike) -> None:
-    """Refuse the data.mdb of the environment at ``path`` unless every branch and leaf page is sound
-    and every value lies inside the file (packer.lmdbguard; cost in docs/PERFORMANCE.md): what must hold
-    before a cursor walks all its keys (packer.walk), whatever the file's mtime."""
-    data = os.path.join(path, "data.mdb")
+def check_lmdb_tree(data: str | os.PathLike) -> None:
+    """Refuse the LMDB data file ``data`` unless every branch and leaf page is sound and every value
+    lies inside the file (packer.lmdbguard; cost in docs/PERFORMANCE.md): what must hold before a
+    cursor walks all its keys (packer.walk), whatever the file's mtime."""
     try:
         fd = open_regular(data)
     except FileNotFoundError:
-        raise DatasetError(f"{path}: data.mdb is missing") from None
+        raise DatasetError(f"{data}: missing") from None
     try:
         PageGuard(fd, 0).check_tree()
     except Damaged as e:
@@ -129,7 +133,7 @@ def check_lmdb_tree(path: str | os.PathLike) -> None:
 #: raw records 4.3x, JPEG 4.2x faster to fetch; no slower once cached.
 FETCH_THREADS = 8
 
-_TXNS = threading.local()  # per thread: {EnvKey: (_Env, txn)}, the thread's own read transactions
+_TXNS = threading.local()  # per thread: {id(environment): (_Env, txn)}, the thread's own read transactions
 _POOL: tuple[int, Optional[ThreadPoolExecutor]] = (-1, None)  # (pid, executor) of this process
 
 
@@ -144,34 +148,35 @@ def _fetch_pool() -> ThreadPoolExecutor:
         return pool
 
 
-def _lmdb_env(pinned: Pinned) -> _Env:
-    """This process's environment for ``pinned``'s data.mdb: shared by the readers of that file,
-    opened (from the pinned descriptor) on first use in each process."""
-    key = _env_key(pinned)
+def _lmdb_env(pinned: Pinned, k: int, keys: int) -> _Env:
+    """This process's environment for ``pinned``'s LMDB data file ``k``: shared by the readers of
+    that file, opened (from the pinned descriptor) on first use in each process; its PageGuard
+    covers at least key numbers below ``keys``."""
+    key = pinned.data_key(k)[:2]
     with _LMDB_LOCK:
         entry = _LMDB_ENVS.get(key)
         if entry is not None and entry.pid == os.getpid():
             entry.users.add(pinned)
+            entry.guard.reserve(keys)
             return entry
         _drop()
-        entry = _LMDB_ENVS[key] = _Env(pinned)
+        entry = _LMDB_ENVS[key] = _Env(pinned, k, keys)
         return entry
 
 
-def _thread_txn(pinned: Pinned) -> tuple[_Env, lmdb.Transaction]:
-    """This thread's read transaction on the environment of ``pinned`` (an LMDB transaction belongs
-    to one thread); renewed when that environment was closed and reopened."""
-    entry = _lmdb_env(pinned)
+def _thread_txn(entry: _Env) -> lmdb.Transaction:
+    """This thread's read transaction on ``entry`` (an LMDB transaction belongs to one thread);
+    renewed when that file's environment was closed and reopened."""
     mine = _TXNS.__dict__.setdefault("txns", {})
-    held = mine.get(_env_key(pinned))
+    held = mine.get(id(entry.env))
     if held is None or held[0] is not entry:
-        held = mine[_env_key(pinned)] = (entry, entry.env.begin(buffers=True))
-    return held
+        held = mine[id(entry.env)] = (entry, entry.env.begin(buffers=True))
+    return held[1]
 
 
-def _forget_txn(pinned: Pinned) -> None:
+def _forget_txn(entry: _Env) -> None:
     """Drop this thread's transaction after an LMDB error: liblmdb marks it unusable (MDB_BAD_TXN)."""
-    _TXNS.__dict__.setdefault("txns", {}).pop(_env_key(pinned), None)
+    _TXNS.__dict__.setdefault("txns", {}).pop(id(entry.env), None)
 
 
 class Reader:
@@ -203,6 +208,21 @@ class Reader:
 
 
 class LmdbReader(Reader):
+    """Records from the LMDB data files: row ``i`` is key ``keys[i]`` of segment ``segments[i]``
+    (:func:`packer.format.record_places`)."""
+
+    def __init__(self, pinned: Pinned, index: Optional[np.ndarray] = None) -> None:
+        super().__init__(pinned, index)
+        self.segments, self.keys = record_places(self.manifest, self.index)
+        top = np.zeros(len(pinned.data_fds), np.int64)
+        np.maximum.at(top, self.segments, self.keys + 1)
+        # PageGuard keeps a length per key number: as many as this version names, and no more than
+        # the file can hold (a leaf entry takes over 16 bytes), so a tampered key allocates nothing
+        self._guard_keys = [min(int(n), os.fstat(fd).st_size // 16 + 1) for n, fd in zip(top, pinned.data_fds)]
+
+    def _env(self, k: int) -> _Env:
+        return _lmdb_env(self.pinned, k, self._guard_keys[k])
+
     def get(self, i: int) -> Buffer:
         return self._fetch([i])[0]
 
@@ -219,41 +239,47 @@ class LmdbReader(Reader):
         return out
 
     def _check_pages(self, indices: Sequence[int]) -> None:
-        """Refuse a record whose way through data.mdb is damaged, or whose value is not as long as
-        the index says, before liblmdb touches it (see packer.lmdbguard)."""
-        guard = _lmdb_env(self.pinned).guard
+        """Refuse a record whose way through its data file is damaged, or whose value is not as long
+        as the index says, before liblmdb touches it (see packer.lmdbguard)."""
         at = np.asarray(indices, dtype=np.int64)
+        segments, keys = self.segments[at], self.keys[at]
         wanted = self.index["length"][at].astype(np.int64)
-        known = guard.lengths[at] if len(guard.lengths) == len(self.index) else np.full(len(at), -1)
-        for i, length in zip(at[known != wanted].tolist(), wanted[known != wanted].tolist()):
-            try:
-                found = guard.length(i)
-            except Damaged as e:
-                raise self._bad(i, f"damaged LMDB structure in data.mdb ({e})") from None
-            if found is None:
-                raise self._bad(i, "missing from data.mdb")
-            if found != length:
-                raise self._bad(i, f"has {found} bytes, index says {length}")
+        for k in np.unique(segments).tolist():
+            guard = self._env(k).guard
+            mine = np.flatnonzero(segments == k)
+            known = guard.known(keys[mine])
+            for j in mine[known != wanted[mine]].tolist():
+                i, name = int(at[j]), self.pinned.data_names[k]
+                try:
+                    found = guard.length(int(keys[j]))
+                except Damaged as e:
+                    raise self._bad(i, f"damaged LMDB structure in {name} ({e})") from None
+                if found is None:
+                    raise self._bad(i, f"missing from {name}")
+                if found != wanted[j]:
+                    raise self._bad(i, f"has {found} bytes, index says {int(wanted[j])}")
 
     def _fetch(self, indices: Sequence[int]) -> list[Buffer]:
         self._check_pages(indices)
-        _, txn = _thread_txn(self.pinned)
         values: list[Buffer] = []
+        entries: dict[int, _Env] = {}
         for i in indices:
+            k = int(self.segments[i])
+            entry = entries.get(k) or entries.setdefault(k, self._env(k))
             try:
-                value = txn.get(lmdb_key(i))
+                value = _thread_txn(entry).get(lmdb_key(int(self.keys[i])))
             except lmdb.Error as e:  # a damaged B-tree (MDB_PAGE_NOTFOUND, MDB_CORRUPTED, ...)
-                _forget_txn(self.pinned)
-                raise self._bad(i, f"unreadable in data.mdb ({e})") from None
+                _forget_txn(entry)
+                raise self._bad(i, f"unreadable in {self.pinned.data_names[k]} ({e})") from None
             if value is None:  # the guard found it: only a file changed under a running reader gets here
-                raise self._bad(i, "missing from data.mdb")
+                raise self._bad(i, f"missing from {self.pinned.data_names[k]}")
             # lmdb's stub says bytes | memoryview; a buffers=True transaction returns a memoryview
             values.append(value)  # type: ignore[arg-type]
         return values
 
-    def txn(self) -> lmdb.Transaction:
-        """This thread's read transaction (``packer verify`` reads every key in order through it)."""
-        return _thread_txn(self.pinned)[1]
+    def txn(self, k: int = 0) -> lmdb.Transaction:
+        """This thread's read transaction on data file ``k`` (segment 0: data.mdb)."""
+        return _thread_txn(self._env(k))
 
 
 class MemmapReader(Reader):

@@ -8,7 +8,9 @@ the last checkpoint with the same result as an uninterrupted build.
 
 Every record reaches the dataset through one :class:`RecordSink`, whichever engine decoded it: the
 writer appends its bytes, its index row is filled (the only place that fills one), its source path
-journalled and the running digest updated. :func:`complete` then writes the manifest and
+journalled. A record a refresh keeps in its old (linked) data file (:class:`packer.update.Kept`, see
+packer.segments) enters the same way, its row pointing where it lies. :func:`complete` then writes the
+manifest, with the digest of the index's logical content (docs/FORMAT.md, "The digest"), and
 :func:`finalize` renames the staging folder into place.
 """
 
@@ -38,16 +40,16 @@ from .format import (
     REPORT,
     SOURCES,
     TARGETS,
-    Digest,
     Manifest,
     index_digest,
+    logical_digest,
 )
 from .labels import arrays_digest, class_counts
 from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
-from .update import inputs_digest
-from .walk import walk
+from .segments import Base, data_table
+from .update import Kept, inputs_digest
 from .write import fsync_path, write_atomic
 
 BUILD_STATE = "build.json"
@@ -207,19 +209,6 @@ class Progress:
             self.bar.close()
 
 
-def replay_digest(staging: Path, backend: str, index: np.ndarray) -> Digest:
-    """Recompute the running digest over already-written records when resuming (a sequential walk)."""
-    digest = Digest()
-    labels = index["label"].tolist()
-    for i, data, _ in walk(staging, backend, index) if len(index) else ():
-        if data is None:
-            raise BuildError(
-                f"cannot --resume: record {i} of the journal is missing from {staging}; build again without --resume"
-            )
-        digest.update(labels[i], data)
-    return digest
-
-
 def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optional[dict[str, Any]]:
     """The checkpoint to continue from, or None after (re)creating an empty staging folder."""
     if resume and (staging / PROGRESS).is_file():
@@ -252,51 +241,49 @@ class Writer(Protocol):
     def append(self, data: bytes) -> tuple[int, int]: ...
     def checkpoint(self) -> dict[str, Any]: ...
     def close(self) -> list[dict[str, Any]]: ...
-    def total_bytes(self) -> int: ...
 
 
 class RecordSink:
     """Where each record goes, in scan order, whichever engine decoded it: writer, index row, source
-    path, report line, running digest. ``state`` (a checkpoint) continues a journal; the digest over
-    the records already written is recomputed first (py-lmdb opens a path once per process, so before
-    ``writer`` opens it)."""
+    path, report line. ``state`` (a checkpoint) continues a journal. ``base``: the old data files a
+    refresh linked into the staging folder (the writer numbers its own after them)."""
 
     def __init__(
         self,
         staging: Path,
         found: Scan,
-        backend: str,
         state: Optional[dict[str, Any]],
         writer: Callable[[Optional[dict[str, Any]]], Writer],
+        base: Optional[Base] = None,
     ) -> None:
-        self.staging = staging
+        self.staging, self.base = staging, base
         self.journal = Journal(staging, state["journal"] if state else None)
         if state is None:
             self.journal.add_scan_report(found)
-        written = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
-        self.digest = replay_digest(staging, backend, written)
         self.writer = writer(state["writer"] if state else None)
-        self.count, self.skipped = len(written), int(state["skipped"]) if state else len(found.missing)
+        self.skipped = int(state["skipped"]) if state else len(found.missing)
         self.reused = 0
         self._row = np.zeros((), dtype=INDEX_DTYPE)
 
-    def add(self, source: Source, identity: np.void, record: Record) -> None:
-        """A record decoded by this build."""
-        shard, offset = self.writer.append(record.data)
+    def add(self, source: Source, identity: np.void, record: Record | Kept) -> None:
+        """A record decoded by this build, or one a refresh keeps where it lies (no bytes to write)."""
+        if isinstance(record, Kept):
+            shard, offset, length = record.shard, record.offset, record.length
+        else:
+            (shard, offset), length = self.writer.append(record.data), len(record.data)
         rel = source.rel.encode("utf-8", "surrogateescape")
         row = self._row
-        row["shard"], row["offset"], row["length"] = shard, offset, len(record.data)
+        row["shard"], row["offset"], row["length"] = shard, offset, length
         row["label"], row["height"], row["width"] = source.label, record.height, record.width
         row["crc32"] = record.crc32
         row["src_offset"], row["src_length"] = self.journal.sources_size(), len(rel)
         for name in IDENTITY_FIELDS:  # what a later --update compares
             row[name] = identity[name]
         self.journal.add_record(row, rel)
-        self.digest.update(source.label, record.data)
-        self.count += 1
 
-    def reuse(self, source: Source, identity: np.void, record: Record) -> None:
-        """A record of the dataset being replaced (--update), checked against its old index row."""
+    def reuse(self, source: Source, identity: np.void, record: Record | Kept) -> None:
+        """A record of the dataset being replaced (--update): kept in its linked data file, or copied
+        (checked against its old index row)."""
         self.add(source, identity, record)
         self.reused += 1
 
@@ -314,20 +301,19 @@ class RecordSink:
         }
         write_json_atomic(self.staging / PROGRESS, progress)
 
-    def close(self) -> tuple[list[dict[str, Any]], int]:
-        """Close the writer and journal; the manifest's shard list and total bytes."""
+    def close(self) -> list[dict[str, Any]]:
+        """Close the writer and journal; the data files the writer wrote (``{file, count, bytes}``)."""
         try:
-            shards = self.writer.close()
+            return self.writer.close()
         finally:
             self.journal.close()
-        return shards, self.writer.total_bytes()
 
 
 def fill(
     sink: RecordSink,
     found: Scan,
     done: int,
-    results: Iterable[tuple[Result, bool]],
+    results: Iterable[tuple[Result | Kept, bool]],
     options: BuildOptions,
     raw: Path,
     progress: Progress,
@@ -337,7 +323,7 @@ def fill(
     ``--on-error fail``: BuildError at the first skip, after a checkpoint (--resume redoes that file)."""
     last = time.monotonic()
     for source, identity, (result, reused) in zip(found.sources[done:], found.identities()[done:], results):
-        if isinstance(result, Record):
+        if isinstance(result, (Record, Kept)):
             (sink.reuse if reused else sink.add)(source, identity, result)
         else:
             assert isinstance(result, Skip)
@@ -376,12 +362,13 @@ def complete(
     staging: Path, out: Path, found: Scan, options: BuildOptions, sink: RecordSink, resumed_from: int
 ) -> BuildReport:
     """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
-    shards, total = sink.close()
+    written = sink.close()
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
     blob = np.fromfile(staging / SOURCES_PART, dtype=np.uint8)
     arrays = _record_labels(found, rows, blob)
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
+    shards, total, dead, segments = data_table(staging, rows, sink.base, written)
     assert options.backend is not None, "resolved() options"
     manifest = Manifest(
         backend=options.backend,
@@ -392,7 +379,7 @@ def complete(
         count=len(rows),
         class_counts=[int(c) for c in counts],
         bytes=total,
-        digest=sink.digest.hexdigest(labels_digest),
+        digest=logical_digest(rows, labels_digest),
         shards=shards,
         scanned=found.scanned,
         skipped=sink.skipped,
@@ -406,6 +393,8 @@ def complete(
         targets=found.target_names,
         labels_digest=labels_digest,
         sources_digest=index_digest(blob),
+        dead_bytes=dead,
+        segments=segments,
     )
     finalize(staging, out, manifest, arrays)
     return BuildReport.of(out, manifest, resumed_from=resumed_from, reused=sink.reused)
@@ -431,7 +420,7 @@ def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.
     for name, a in arrays.items():
         np.save(staging / name, a, allow_pickle=False)
     for name in (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART):
-        (staging / name).unlink()
+        (staging / name).unlink(missing_ok=True)  # packer compact writes no build state
     (staging / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
     for p in staging.iterdir():
         fsync_path(p)

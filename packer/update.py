@@ -22,7 +22,8 @@ from .format import MANIFEST, DatasetError, Manifest, load_index
 from .preprocess import Options, Record, Result, process_chunk
 from .read import check_lmdb_tree
 from .scan import Scan, Source
-from .walk import walk
+from .segments import Base
+from .walk import InOrder
 from .workers import results
 
 
@@ -54,60 +55,77 @@ def previous_dataset(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndar
 
 @dataclass
 class Cache:
-    """The records of the dataset being replaced that --update copies instead of decoding again."""
+    """The records of the dataset being replaced that --update reuses instead of decoding again."""
 
     root: Path
     manifest: Manifest
     index: np.ndarray
     old_of: np.ndarray  # per source in scan order: its record number in the old dataset, or -1
+    #: set once the old data files are linked into the staging folder (packer.segments): records are
+    #: then kept where they lie, not copied
+    base: Optional[Base] = None
+
+    def kept(self, j: int) -> Optional[Kept]:
+        """Old record ``j`` left in its data file, when that file is linked (versions 1 and 2 key LMDB
+        record j as j); None when the record is to be copied."""
+        row = self.index[j]
+        legacy_lmdb = self.manifest.backend == "lmdb" and self.manifest.format_version < 3
+        shard, offset = (0, j) if legacy_lmdb else (int(row["shard"]), int(row["offset"]))
+        if self.base is None or shard >= len(self.base.entries):
+            return None
+        return Kept(shard, offset, int(row["length"]), int(row["height"]), int(row["width"]), int(row["crc32"]))
+
+
+@dataclass(frozen=True)
+class Kept:
+    """An old record that stays in its (linked) data file: where it lies, and its index row's facts."""
+
+    shard: int
+    offset: int
+    length: int
+    height: int
+    width: int
+    crc32: int
 
 
 class _OldRecords:
-    """The old dataset's records by number, read in one sequential walk (packer.walk: readahead, the
-    disk's speed) while the numbers asked for go up, as they do when the old and new scans list files
-    in the same order; a number behind the walk starts a new one."""
+    """The old dataset's records by number, copied (those of the data files a refresh does not link):
+    read in sequential walks (packer.walk.InOrder: readahead, the disk's speed)."""
 
     def __init__(self, cache: Cache) -> None:
         self._cache = cache
-        self._walk: Optional[Generator[tuple[int, Optional[bytes], int], None, None]] = None
-        self._at = -1  # the record the walk read last
+        self._records: Optional[InOrder] = None
+        self._checked: set[int] = set()  # LMDB data files whose pages were checked
         self._broken = False
 
     def record(self, j: int) -> Optional[Record]:
-        """Old record ``j`` as its index row describes it, or None when its bytes are missing or differ
-        from the row (damaged since they were written: the file is decoded again)."""
+        """Old record ``j`` as its index row describes it, or None when its bytes are missing, differ
+        from the row (damaged since they were written: the file is decoded again) or cannot be read
+        (a damaged old dataset: then every later record is decoded again too)."""
         row = self._cache.index[j]
-        data, crc = self._get(j)
+        if self._broken:
+            return None
+        try:
+            c = self._cache
+            if self._records is None:
+                self._records = InOrder(c.root, c.manifest, c.index)
+            k = int(self._records.number[j])
+            if c.manifest.backend == "lmdb" and k not in self._checked and k < len(self._records.files):
+                check_lmdb_tree(c.root / self._records.files[k])  # liblmdb must not walk a damaged file
+                self._checked.add(k)
+            data, crc = self._records.get(j)
+        except (DatasetError, OSError):
+            self.close()
+            self._broken = True
+            return None
         if data is None or len(data) != int(row["length"]) or crc != int(row["crc32"]):
             return None
         return Record(data, int(row["height"]), int(row["width"]), crc)
 
-    def _get(self, j: int) -> tuple[Optional[bytes], int]:
-        """Record ``j``'s bytes and their CRC-32; None when missing or unreadable (a damaged old
-        dataset: then every later record is decoded again too)."""
-        if self._broken:
-            return None, 0
-        try:
-            if self._walk is None or j <= self._at:
-                self.close()
-                c = self._cache
-                if c.manifest.backend == "lmdb":
-                    check_lmdb_tree(c.root)  # liblmdb must not walk a damaged file
-                shard_files = [str(s["file"]) for s in c.manifest.shards]
-                self._walk, self._at = walk(c.root, c.manifest.backend, c.index, shard_files=shard_files), -1
-            for i, data, crc in self._walk:
-                self._at = i
-                if i == j:
-                    return data, crc
-        except (DatasetError, OSError):
-            self.close()
-            self._broken = True
-        return None, 0
-
     def close(self) -> None:
-        if self._walk is not None:
-            self._walk.close()
-            self._walk = None
+        if self._records is not None:
+            self._records.close()
+            self._records = None
 
 
 def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]:
@@ -129,6 +147,38 @@ def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]
     return ", ".join(changed) or None
 
 
+def _old_paths(index: np.ndarray, paths: np.ndarray, start: int, stop: int) -> list[str]:
+    """The source paths of old rows ``start:stop``."""
+    view = np.ascontiguousarray(paths).data
+    spans = zip(index["src_offset"][start:stop].tolist(), index["src_length"][start:stop].tolist())
+    return [bytes(view[o : o + n]).decode("utf-8", "surrogateescape") for o, n in spans]
+
+
+def _same_paths(index: np.ndarray, paths: np.ndarray, rels: list[str], step: int = 1 << 16) -> np.ndarray:
+    """Per path of ``rels``, the old row with that source path, or -1. A join on the paths' 64-bit
+    hashes (a sort and a binary search), each match then confirmed on the path itself: ~30 bytes a
+    file where a dict of the old paths took ~540 (docs/PERFORMANCE.md, "Refresh cost with segments");
+    the old paths are decoded a chunk at a time. A hash shared by two old paths (~1e-8 at 1M files)
+    leaves one of them unmatched: its file is decoded again, the result the same."""
+    hashes = np.empty(len(index), np.int64)
+    for start in range(0, len(index), step):
+        hashes[start : start + step] = [hash(p) for p in _old_paths(index, paths, start, start + step)]
+    order = np.argsort(hashes, kind="stable")
+    hashes = hashes[order]
+    wanted = np.fromiter((hash(r) for r in rels), np.int64, count=len(rels))
+    at = np.minimum(np.searchsorted(hashes, wanted), max(len(hashes) - 1, 0))
+    hit = np.flatnonzero(hashes[at] == wanted) if len(hashes) else np.zeros(0, np.int64)
+    del hashes, wanted
+    candidate = np.full(len(rels), -1, np.int64)
+    for start in range(0, len(hit), step):
+        part = hit[start : start + step]
+        rows = order[at[part]]
+        for k, j, p in zip(part.tolist(), rows.tolist(), _old_paths(index[rows], paths, 0, len(rows))):
+            if p == rels[k]:
+                candidate[k] = j
+    return candidate
+
+
 def reuse_plan(
     out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], found: Scan, settings: dict[str, Any], quiet: bool
 ) -> Optional[Cache]:
@@ -139,12 +189,7 @@ def reuse_plan(
     if why:
         _say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
         return None
-    blob = bytes(paths)
-    old = {
-        blob[o : o + n].decode("utf-8", "surrogateescape"): j
-        for j, (o, n) in enumerate(zip(index["src_offset"].tolist(), index["src_length"].tolist()))
-    }
-    candidate = np.array([old.get(s.rel, -1) for s in found.sources], dtype=np.int64)
+    candidate = _same_paths(index, paths, [s.rel for s in found.sources])
     known = np.flatnonzero(candidate >= 0)
     same = np.ones(len(known), dtype=bool)
     for name in ("src_size", "src_hash") if settings["checksum"] else ("src_size", "src_mtime_ns"):
@@ -162,18 +207,21 @@ def ordered_results(
     opts: Options,
     workers: int,
     fresh: Optional[Generator[Result, None, None]] = None,
-) -> Generator[tuple[Result, bool], None, None]:
-    """Each source's result in scan order, and whether it was reused: copied from the old dataset when
-    ``old_of`` names a record, else from ``fresh``: the results of the files to decode, in order (by
-    default this machine's worker pool, which sees only those files; a --dask build passes its own)."""
+) -> Generator[tuple[Result | Kept, bool], None, None]:
+    """Each source's result in scan order, and whether it was reused: when ``old_of`` names an old
+    record, that record left in place (a :class:`Kept`, its data file being linked) or copied, else
+    from ``fresh``: the results of the files to decode, in order (by default this machine's worker
+    pool, which sees only those files; a --dask build passes its own)."""
     if fresh is None:
         rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies
         fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
     old = _OldRecords(cache) if cache is not None else None
     try:
         for source, j in zip(todo, old_of.tolist()):
-            if j < 0 or old is None:
+            if j < 0 or cache is None or old is None:
                 yield next(fresh), False
+            elif (kept := cache.kept(j)) is not None:
+                yield kept, True
             elif (record := old.record(j)) is not None:
                 yield record, True
             else:

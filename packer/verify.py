@@ -29,11 +29,24 @@ from typing import Optional
 
 import numpy as np
 
-from .format import INDEX, LABELS, MANIFEST, SOURCES, DatasetError, Digest, Manifest, index_digest, source_path
+from .format import (
+    INDEX,
+    LABELS,
+    MANIFEST,
+    SOURCES,
+    DatasetError,
+    Digest,
+    Manifest,
+    data_files,
+    index_digest,
+    logical_digest,
+    record_places,
+    source_path,
+)
 from .labels import arrays_digest, class_counts
 from .pin import pin
 from .read import check_lmdb_pages
-from .walk import walk
+from .walk import walk_dataset
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -95,31 +108,45 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     )
     result = Verification(str(root), manifest.count, "", limit=limit)
     _check_metadata(result, manifest, index, sources, multi, targets)
-    digest = Digest()
+    segmented = manifest.format_version >= 3
+    digest = Digest()  # versions 1 and 2 digest the bytes; 3 the index (logical_digest)
     if manifest.backend == "lmdb":
-        check_lmdb_pages(root)  # before liblmdb maps the file: a damaged page must not crash verify
+        for name in data_files(manifest):  # before liblmdb maps a file: a damaged page must not crash verify
+            check_lmdb_pages(Path(root) / name)
     else:
         _check_shard_files(result, Path(root), manifest)
     labels = index["label"].tolist()
+    unused: list[tuple[str, int, int]] = []  # LMDB: (file, records, bytes) no row names
+
+    def extra_keys(name: str, n: int, nbytes: int) -> None:
+        if segmented:  # records a refresh replaced or deleted: their bytes are the manifest's dead_bytes
+            unused.append((name, n, nbytes))
+        else:
+            result.add(f"{name} holds {n} records the index does not name")
+
     try:
-        shard_files = [str(s["file"]) for s in manifest.shards]
-        for i, data, crc in walk(
-            root,
-            manifest.backend,
-            index,
-            shard_files=shard_files,
-            extra_keys=lambda n: result.add(f"data.mdb holds {n} records the index does not name"),
-        ):
+        for i, data, crc in walk_dataset(root, manifest, index, extra_keys):
             why = _record_problem(manifest, index[i], data, crc)
             if why:
                 result.bad_records += 1
                 result.add(f"record {i} ({source_path(sources, index[i])}): {why}")
-            digest.update(labels[i], data if data is not None else b"")
+            if not segmented:
+                digest.update(labels[i], data if data is not None else b"")
     except OSError as e:
         raise DatasetError(f"{root}: read failed ({e})") from None
-    result.digest = digest.hexdigest(arrays_digest(multi, targets))
+    labels_digest = arrays_digest(multi, targets)
+    result.digest = logical_digest(index, labels_digest) if segmented else digest.hexdigest(labels_digest)
     if result.digest != manifest.digest:
         result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
+    if segmented and manifest.backend == "lmdb":
+        found = {name: (n, nbytes) for name, n, nbytes in unused}
+        for s in manifest.shards:
+            n, nbytes = found.get(str(s["file"]), (0, 0))
+            if nbytes != int(s.get("dead", 0)):
+                result.add(
+                    f"{s['file']} holds {n} records the index does not name ({nbytes} bytes), "
+                    f"the manifest says {int(s.get('dead', 0))} dead bytes"
+                )
     _check_digests(result, manifest, index, sources)  # last: the problems found above say more
     return result
 
@@ -197,25 +224,48 @@ def _check_metadata(
     gap = _first_gap(index["src_offset"], index["src_length"], len(sources))
     if gap is not None:
         result.add(f"{INDEX}: source paths are not laid out back to back (at record {gap})")
-    if manifest.backend == "memmap":
+    if manifest.backend == "memmap" or manifest.format_version >= 3:
         _check_shards(result, manifest, index)
 
 
 def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -> None:
-    """Shards are filled in index order, records back to back, sizes as listed in the manifest."""
-    shard = index["shard"].astype(np.int64)
-    backwards = np.flatnonzero(np.diff(shard) < 0)
-    if len(backwards):
-        result.add(f"{INDEX}: shard numbers go backwards at record {int(backwards[0]) + 1}")
-    counts = np.bincount(shard, minlength=len(manifest.shards)).tolist()
+    """Record counts and sizes as the manifest lists them per data file. Versions 1 and 2: memmap
+    shards filled in index order, records back to back. Version 3 (segments): no two rows share bytes
+    or a key, and a memmap dataset's bytes no row points to add up to ``dead_bytes``."""
+    files = data_files(manifest)
+    number, position = record_places(manifest, index)
+    counts = np.bincount(number, minlength=len(files)).tolist()
     listed = [int(s["count"]) for s in manifest.shards]
     if counts != listed:
-        result.add(f"manifest: shard record counts {listed} differ from the index's {counts}")
+        result.add(f"manifest: data file record counts {listed} differ from the index's {counts}")
     total = sum(int(s["bytes"]) for s in manifest.shards)
     if total != manifest.bytes:
-        result.add(f"manifest: bytes {manifest.bytes} differ from the shards' total {total}")
+        result.add(f"manifest: bytes {manifest.bytes} differ from the data files' total {total}")
+    if manifest.format_version >= 3:
+        order = np.lexsort((position, number))
+        n, at = number[order], position[order]
+        ends = at + (index["length"][order].astype(np.int64) if manifest.backend == "memmap" else 1)
+        shared = np.flatnonzero((n[1:] == n[:-1]) & (at[1:] < ends[:-1]))
+        if len(shared):
+            result.add(f"{INDEX}: record {int(order[shared[0] + 1])} shares its bytes or key with another record")
+        dead = [int(s.get("dead", 0)) for s in manifest.shards]
+        if sum(dead) != manifest.dead_bytes:
+            result.add(f"manifest: dead_bytes {manifest.dead_bytes} differ from the data files' total {sum(dead)}")
+        segments = len({int(s.get("segment", 0)) for s in manifest.shards}) or 1
+        if segments != manifest.segments:
+            result.add(f"manifest: segments {manifest.segments} differ from the data files' {segments}")
+        if manifest.backend == "memmap":  # LMDB: the walk counts the unused records' bytes
+            live = np.zeros(len(files), np.int64)
+            np.add.at(live, number, index["length"].astype(np.int64))
+            for s, n, d in zip(manifest.shards, live.tolist(), dead):
+                if int(s["bytes"]) - n != d:
+                    result.add(f"{s['file']}: {int(s['bytes']) - n} bytes no record uses, the manifest says {d}")
+        return
+    backwards = np.flatnonzero(np.diff(number) < 0)
+    if len(backwards):
+        result.add(f"{INDEX}: shard numbers go backwards at record {int(backwards[0]) + 1}")
     for k, s in enumerate(manifest.shards):
-        rows = np.flatnonzero(shard == k)
+        rows = np.flatnonzero(number == k)
         gap = _first_gap(index["offset"][rows], index["length"][rows], int(s["bytes"]))
         if gap is not None:
             where = f"record {int(rows[gap])}" if gap < len(rows) else "its end"

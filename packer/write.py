@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, Optional
 
 import lmdb
 
-from .format import lmdb_key, shard_name
+from .format import lmdb_key, lmdb_segment_name, shard_name
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -61,12 +61,19 @@ class LmdbWriter:
         map_size: int = 1 << 30,
         batch_records: int = 1000,
         batch_bytes: int = 64 << 20,
+        segment: int = 0,
     ) -> None:
-        self.path = str(path)
+        # segment k of the dataset at ``path`` (docs/FORMAT.md "Segments"): one LMDB file of its own,
+        # without a lock file (packer's readers open data files lock-free; the build lock keeps out
+        # a second writer)
+        self.root, self.segment, self.name = Path(path), segment, lmdb_segment_name(segment)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.path = str(self.root / self.name)
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
-            subdir=True,
+            subdir=False,
+            lock=False,
             sync=False,
             metasync=False,
             meminit=False,
@@ -87,11 +94,13 @@ class LmdbWriter:
                     pass
 
     def append(self, data: bytes) -> tuple[int, int]:
+        """Where the record goes: (segment, key number)."""
+        key = self.count + len(self._batch)
         self._batch.append(data)
         self._batch_size += len(data)
         if len(self._batch) >= self.batch_records or self._batch_size >= self.batch_bytes:
             self._commit()
-        return 0, 0
+        return self.segment, key
 
     def _commit(self) -> None:
         if not self._batch:
@@ -113,24 +122,28 @@ class LmdbWriter:
         return {"count": self.count}
 
     def close(self) -> list[dict[str, Any]]:
+        """The data file written: ``[{"file", "count", "bytes"}]`` (the manifest's ``shards``)."""
         self.checkpoint()
         self.env.close()
-        return []
-
-    def total_bytes(self) -> int:
-        return os.path.getsize(os.path.join(self.path, "data.mdb"))
+        return [{"file": self.name, "count": self.count, "bytes": os.path.getsize(self.path)}]
 
 
 class MemmapWriter:
     """Plain files of concatenated records, ``shard_size`` records each, written sequentially."""
 
-    def __init__(self, path: str | os.PathLike, state: dict[str, Any] | None = None, shard_size: int = 10_000) -> None:
+    def __init__(
+        self, path: str | os.PathLike, state: dict[str, Any] | None = None, shard_size: int = 10_000, first: int = 0
+    ) -> None:
+        # ``first``: the number of this writer's first shard; a refresh's new segment numbers its
+        # shards after the old ones (linked into the staging folder, never written to again)
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.shard_size = shard_size
+        self.shard_size, self.first = shard_size, first
         self.shards: list[dict[str, Any]] = [dict(s) for s in state["shards"]] if state else []
-        for extra in sorted(self.root.glob("shard-*.bin"))[len(self.shards) :]:
-            extra.unlink()  # written after the last checkpoint
+        for extra in self.root.glob("shard-*.bin"):
+            number = extra.name[len("shard-") : -len(".bin")]
+            if number.isdigit() and int(number) >= first + len(self.shards):
+                extra.unlink()  # written after the last checkpoint
         self._file: Optional[BinaryIO] = None
         if self.shards:
             last = self.shards[-1]
@@ -147,13 +160,13 @@ class MemmapWriter:
         f.write(data)
         shard["bytes"] += len(data)
         shard["count"] += 1
-        return len(self.shards) - 1, offset
+        return self.first + len(self.shards) - 1, offset
 
     def _next_shard(self) -> BinaryIO:
         if self._file is not None:
             _sync(self._file)
             self._file.close()
-        name = shard_name(len(self.shards))
+        name = shard_name(self.first + len(self.shards))
         self._file = f = open(self.root / name, "wb", buffering=8 << 20)
         self.shards.append({"file": name, "count": 0, "bytes": 0})
         return f
@@ -169,13 +182,12 @@ class MemmapWriter:
             self._file.close()
         return [dict(s) for s in self.shards]
 
-    def total_bytes(self) -> int:
-        return sum(int(s["bytes"]) for s in self.shards)
-
 
 def open_writer(
-    backend: str, path: str | os.PathLike, state: dict[str, Any] | None, shard_size: int
+    backend: str, path: str | os.PathLike, state: dict[str, Any] | None, shard_size: int, first: int = 0
 ) -> LmdbWriter | MemmapWriter:
+    """A writer of the data files of the dataset being staged at ``path``, numbered from ``first``
+    (a refresh's new segment: after the old data files, see packer.segments)."""
     if backend == "lmdb":
-        return LmdbWriter(path, state)
-    return MemmapWriter(path, state, shard_size=shard_size)
+        return LmdbWriter(path, state, segment=first)
+    return MemmapWriter(path, state, shard_size=shard_size, first=first)

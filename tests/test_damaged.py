@@ -177,10 +177,20 @@ def test_index_out_of_range_is_refused_on_open(pristine, tmp_path: Path, field: 
     assert run.returncode == 1 and message.split()[0] in run.stderr and "Traceback" not in run.stderr
 
 
-def test_lmdb_index_with_offsets_or_wrong_length_is_refused(pristine, tmp_path: Path) -> None:
+def test_lmdb_index_with_bad_keys_or_wrong_length_is_refused(pristine, tmp_path: Path) -> None:
+    """Version 3 LMDB rows name (segment, key): a key its file cannot hold is refused on open, one it
+    does not hold when read, another record's key by its length, and verify names both records."""
     root = copy(pristine("lmdb", "jpeg"), tmp_path / "a.lmdb")
-    set_index(root, "offset", 3, 4096)
-    with pytest.raises(DatasetError, match="shard 0 and offset 0"):
+    set_index(root, "offset", 3, 10**9)
+    with pytest.raises(DatasetError, match="record 3: key beyond"):
+        open_and_read_all(root)
+    root = copy(pristine("lmdb", "jpeg"), tmp_path / "k.lmdb")
+    set_index(root, "offset", 3, 1000)
+    with pytest.raises(DatasetError, match=r"record 3: missing from data\.mdb"):
+        open_and_read_all(root)
+    root = copy(pristine("lmdb", "jpeg"), tmp_path / "s.lmdb")
+    set_index(root, "shard", 3, 1)
+    with pytest.raises(DatasetError, match="beyond the 1 listed"):
         open_and_read_all(root)
     root = copy(pristine("lmdb", "jpeg"), tmp_path / "b.lmdb")
     set_index(root, "length", 3, np.load(root / INDEX)[3]["length"] + 1)
@@ -208,7 +218,7 @@ def tamper_manifest(root: Path, change: Callable[[dict], object]) -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda m: m.update(format_version=3), "format_version 3 is not supported"),
+        (lambda m: m.update(format_version=4), "format_version 4 is not supported"),
         (lambda m: m.update(format_version=True), "format_version True is not supported"),
         (lambda m: m.update(label_kind="regression"), "field label_kind is invalid"),
         (lambda m: m.update(targets=["a", "a"]), "field targets is invalid"),
@@ -249,7 +259,7 @@ def test_tampered_manifest_is_refused(pristine, tmp_path: Path, change, message:
         (lambda m: m.update(digest="sha256:" + "0" * 64), "dataset digest"),
         (lambda m: m.update(class_counts=[1, 2, 17]), "class_counts"),
         (lambda m: m.update(scanned=99), "scanned 99"),
-        (lambda m: m["shards"][0].update(count=6), "shard record counts"),
+        (lambda m: m["shards"][0].update(count=6), "data file record counts"),
     ],
 )
 def test_manifest_inconsistent_with_the_data_is_reported_by_verify(
@@ -472,9 +482,11 @@ def test_damaged_node_size_with_restored_mtime_is_an_error_not_sigbus(pristine, 
     )
 
 
-def test_update_over_a_damaged_lmdb_with_restored_mtime_decodes_again(pristine, tmp_path: Path) -> None:
-    """--update walks the old data.mdb with a cursor (every key): its whole tree is checked first,
-    whatever the mtime, so a damaged old dataset is decoded again instead of crashing the build."""
+def test_update_over_a_damaged_lmdb_with_restored_mtime_keeps_or_decodes_again(pristine, tmp_path: Path) -> None:
+    """A refresh that links the old data.mdb never reads it: the build cannot crash on it, the damage
+    stays (verify names it, a reader refuses the record). One that rewrites every record (here: a third
+    of the files deleted, too much dead) walks the old file with a cursor: its whole tree is checked
+    first, whatever the mtime, so a damaged old dataset is decoded again instead of crashing the build."""
     raw = copy(pristine("lmdb", "raw").parent / "raw", tmp_path / "raw")
     out = tmp_path / "d.lmdb"
     build(raw, out, format="raw", workers=1, quiet=True)
@@ -490,11 +502,26 @@ def test_update_over_a_damaged_lmdb_with_restored_mtime_decodes_again(pristine, 
         "r = build(sys.argv[1], sys.argv[2], format='raw', workers=1, quiet=True, update=True)\n"
         "print(r.count, r.reused)\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", script, str(raw), str(out)], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, (run.returncode, run.stderr[-1500:])
-    assert run.stdout.split() == ["21", "0"] and verify(out).ok
+
+    def refresh() -> list[str]:
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(raw), str(out)], capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, (run.returncode, run.stderr[-1500:])
+        return run.stdout.split()
+
+    assert refresh() == ["21", "20"]
+    assert any("damaged LMDB structure" in p or "not a valid LMDB" in p for p in _verify_problems(out))
+    for path in sorted(p for p in raw.rglob("*.png") if p.name != "new.png")[:7]:
+        path.unlink()
+    assert refresh() == ["14", "1"] and verify(out).ok  # new.png's record, from the sound data-00001.mdb
+
+
+def _verify_problems(root: Path) -> list[str]:
+    try:
+        return verify(root).problems
+    except DatasetError as e:
+        return [str(e)]
 
 
 CROP_DECODE_FUZZ = r"""

@@ -386,7 +386,7 @@ def test_format_1_dataset_still_opens(tmp_path: Path) -> None:
     assert labels == [0, 0, 1]
     assert verify(V1).ok and json.loads(cli("info", V1, "--json").stdout)["label_kind"] == "class"
 
-    # --update rewrites it as version 2, copying its records (sources recreated with the same size and mtime)
+    # --update writes it as version 3, keeping its records (sources recreated with the same size and mtime)
     raw, out = tmp_path / "raw", shutil.copytree(V1, tmp_path / "v1")
     index = np.load(V1 / "index.npy")
     same = 0
@@ -398,7 +398,8 @@ def test_format_1_dataset_still_opens(tmp_path: Path) -> None:
     (raw / "notes.txt").write_text("x")
     got = build(raw, out, backend="memmap", format="raw", update=True, workers=1, quiet=True)
     assert got.reused == same  # all 3 unless this Pillow's PNG encoder writes other bytes
-    assert got.digest == m.digest and Manifest.load(out).format_version == 2  # raw pixels: same records
+    full = build(raw, tmp_path / "full", backend="memmap", format="raw", workers=1, quiet=True)
+    assert got.digest == full.digest and Manifest.load(out).format_version == 3 and verify(out).ok
 
 
 def test_damaged_label_arrays_are_refused(tmp_path: Path) -> None:
@@ -435,7 +436,7 @@ def test_damaged_label_arrays_are_refused(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"targets\.npy: missing"):
         ShardDataset(edited)
     data = json.loads((good / MANIFEST).read_text())
-    assert data["format_version"] == 2 and data["label_kind"] == "multi" and data["targets"] == ["v"]
+    assert data["format_version"] == 3 and data["label_kind"] == "multi" and data["targets"] == ["v"]
 
 
 def test_pack_unpack_and_weights_roundtrip() -> None:

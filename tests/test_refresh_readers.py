@@ -145,8 +145,9 @@ def test_spawn_workers_keep_the_version_or_say_it_was_replaced(
 
 
 def test_two_datasets_on_one_lmdb_path_read_their_own_versions(raw: Path, tmp_path: Path) -> None:
-    """One process, the old and the new version of one path open at once (one LMDB environment
-    each: they are different files), reads interleaved, in the main thread and the fetch threads."""
+    """One process, the old and the new version of one path open at once, reads interleaved, in the
+    main thread and the fetch threads. They share data.mdb (the refresh linked it, and wrote the new
+    records into data-00001.mdb): one environment for it, its page guard covering both versions' keys."""
     out = tmp_path / "d.lmdb"
     build(raw, out, workers=1, quiet=True)
     old = ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8)

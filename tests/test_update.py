@@ -15,8 +15,10 @@ from PIL import Image
 
 import packer.preprocess
 from packer import BuildError, build
-from packer.format import Manifest, load_index, source_path
+from packer.format import INDEX_DTYPE, Manifest, load_index, source_path
+from packer.read import open_reader
 from packer.split import split_of
+from packer.verify import verify
 
 REPO = Path(__file__).resolve().parents[1]
 PACKER = [sys.executable, "-m", "packer.cli"]
@@ -59,15 +61,22 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+LOGICAL = [name for name in INDEX_DTYPE.names or () if name not in ("shard", "offset")]
+
+
 def same_dataset(a: Path, b: Path) -> None:
-    """Same records, index rows (identities included), paths, report and manifest facts."""
+    """Same records, index rows (identities included; where a record lies may differ: a refresh keeps
+    old records in their data files), paths, report and manifest facts, and both verify."""
     ma, mb = Manifest.load(a), Manifest.load(b)
     assert ma.digest == mb.digest
     for key in ("count", "classes", "class_counts", "scanned", "skipped", "ignored", "inputs", "options"):
         assert getattr(ma, key) == getattr(mb, key), key
     (ia, sa), (ib, sb) = load_index(a, ma), load_index(b, mb)
-    assert (np.asarray(ia) == np.asarray(ib)).all() and (np.asarray(sa) == np.asarray(sb)).all()
+    assert all((ia[name] == ib[name]).all() for name in LOGICAL) and (np.asarray(sa) == np.asarray(sb)).all()
+    ra, rb = open_reader(a), open_reader(b)
+    assert all(bytes(ra.get(i)) == bytes(rb.get(i)) for i in range(ma.count))
     assert (a / "report.jsonl").read_bytes() == (b / "report.jsonl").read_bytes()
+    assert verify(a).ok and verify(b).ok
 
 
 def change_tree(raw: Path) -> None:
@@ -159,7 +168,12 @@ def test_checksum_sees_a_content_change_that_keeps_size_and_mtime(raw: Path, tmp
     assert build(raw, plain, workers=1, quiet=True, update=True).up_to_date
 
 
-def test_a_damaged_old_record_is_decoded_again(raw: Path, tmp_path: Path, decoded: list[str]) -> None:
+def test_a_damaged_old_record_is_kept_by_a_linking_refresh_and_decoded_again_by_a_rewrite(
+    raw: Path, tmp_path: Path, decoded: list[str]
+) -> None:
+    """A refresh that links the old data files never reads the records it keeps (that is what makes it
+    cheap): damage stays where it is and verify names it. One that rewrites every record (here: the
+    shard size changes) checks each against its CRC-32 and decodes a damaged one's file again."""
     out = tmp_path / "out"
     build(raw, out, backend="memmap", workers=1, quiet=True)
     index, sources = load_index(out, Manifest.load(out))
@@ -171,9 +185,14 @@ def test_a_damaged_old_record_is_decoded_again(raw: Path, tmp_path: Path, decode
     write_image(raw / "cat" / "new0.jpg", 500)
     decoded.clear()
     report = build(raw, out, backend="memmap", workers=1, quiet=True, update=True)
-    assert victim in decoded and report.reused == 18
+    assert victim not in decoded and report.reused == 19
+    found = verify(out)
+    assert found.bad_records == 1 and victim in found.problems[0]
+    decoded.clear()
+    report = build(raw, out, backend="memmap", workers=1, quiet=True, update=True, shard_size=7)
+    assert victim in decoded and report.reused == 19
     full = tmp_path / "full"
-    build(raw, full, backend="memmap", workers=1, quiet=True)
+    build(raw, full, backend="memmap", workers=1, quiet=True, shard_size=7)
     same_dataset(out, full)
 
 

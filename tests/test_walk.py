@@ -61,7 +61,7 @@ def test_missing_and_extra_lmdb_keys_are_holes_and_a_count(built, tmp_path: Path
     manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
     extra: list[int] = []
-    got = {i: data for i, data, _ in walk(out, manifest.backend, index, extra_keys=extra.append)}
+    got = {i: data for i, data, _ in walk(out, manifest.backend, index, extra_keys=lambda _, n, __: extra.append(n))}
     assert sorted(got) == list(range(len(index))) and got[3] is None and extra == [2]
     result = verify(out)
     assert not result.ok

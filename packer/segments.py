@@ -1,0 +1,236 @@
+"""Segments: a refresh (``build --update``) that costs what changed, and ``packer compact``.
+
+A dataset's data files (memmap shards, LMDB files) are written once and never changed (docs/FORMAT.md,
+"Segments"). A refresh hard-links the old version's data files into its staging folder, writes only
+the records of added and changed files into a new segment (new shards, or a new LMDB file
+``data-NNNNN.mdb``) and a new index in scan order whose rows point into old and new files alike: the
+record work is the change's, plus a pass over the metadata. The records of deleted and changed files
+stay behind in the old files as dead bytes, counted in the manifest's ``dead_bytes``; a refresh
+rewrites everything into one segment instead when that would leave too much dead (:data:`MAX_DEAD`)
+or too many segments (:data:`MAX_SEGMENTS`), and ``packer compact`` does the same on demand.
+
+Readers of the old version are untouched: its files keep their inodes and bytes (the old directory
+is swapped out and deleted, the links in the new one keep the shared files), and packer.pin holds
+every file of the version a reader opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from .format import (
+    FORMAT_VERSION,
+    LABELS,
+    REPORT,
+    TARGETS,
+    Manifest,
+    data_files,
+    index_digest,
+    logical_digest,
+    record_places,
+    source_path,
+)
+from .pin import pin
+from .read import check_lmdb_tree
+from .walk import InOrder
+from .write import open_writer
+
+#: A refresh rewrites every record into one segment when, after it, more than this share of the record
+#: bytes in the old data files would be dead (records of deleted or changed files)...
+MAX_DEAD = 0.25
+#: ... or when the dataset would come from more than this many segments (files to open and map).
+MAX_SEGMENTS = 16
+
+
+@dataclass(frozen=True)
+class Base:
+    """The old version's data files that a refresh links into its staging folder: the new version's
+    first data files, numbered as before (a kept record's row keeps its ``shard`` and ``offset``).
+    Each entry: ``file``, ``segment`` and ``stored``, its record bytes live or dead."""
+
+    entries: list[dict[str, Any]]
+
+    @property
+    def files(self) -> list[str]:
+        return [str(e["file"]) for e in self.entries]
+
+
+def _say(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"packer: {message}", file=sys.stderr, flush=True)
+
+
+def _per_file(number: np.ndarray, lengths: np.ndarray, files: int) -> np.ndarray:
+    """Bytes of ``lengths`` per data file ``number`` (int64: float weights would round big sums)."""
+    total = np.zeros(files, np.int64)
+    np.add.at(total, number, lengths.astype(np.int64))
+    return total
+
+
+def old_files(manifest: Manifest, index: np.ndarray) -> list[dict[str, Any]]:
+    """The old version's data files in order: ``file``, ``segment`` (0 before version 3) and ``stored``
+    (record bytes in it: its rows' lengths plus its ``dead``)."""
+    files = data_files(manifest)
+    live = _per_file(record_places(manifest, index)[0], index["length"], len(files))
+    listed = manifest.shards if manifest.format_version >= 3 else [{} for _ in files]
+    return [
+        {"file": name, "segment": int(e.get("segment", 0)), "stored": int(n) + int(e.get("dead", 0))}
+        for name, e, n in zip(files, listed, live.tolist())
+    ]
+
+
+def plan(manifest: Manifest, index: np.ndarray, kept: np.ndarray, backend: str, shard_size: int) -> tuple[int, str]:
+    """How many of the old data files (a prefix) a refresh that keeps the old records ``kept`` (their
+    old row numbers) links rather than rewrites; with a message saying why it rewrites, "" when it
+    links them all. All of them normally; those of the first segment when one more segment would be
+    over :data:`MAX_SEGMENTS` (the later, smaller segments' live records are rewritten into the new
+    one); none when what it keeps would be over :data:`MAX_DEAD` dead, or the layout changes."""
+    if manifest.backend != backend:
+        return 0, f"rewriting every record into one segment (the backend changes: {manifest.backend} -> {backend})"
+    if backend == "memmap" and manifest.options.get("shard_size") != shard_size:
+        was = manifest.options.get("shard_size")
+        return 0, f"rewriting every record into one segment (the shard size changes: {was} -> {shard_size})"
+    files = old_files(manifest, index)
+    keep, why = len(files), ""
+    if manifest.segments + 1 > MAX_SEGMENTS:
+        keep = sum(1 for f in files if f["segment"] == files[0]["segment"])
+        why = (
+            f"rewriting the live records of its last {manifest.segments - 1} segments into one "
+            f"(over {MAX_SEGMENTS} segments otherwise)"
+        )
+    live = _per_file(record_places(manifest, index)[0][kept], index["length"][kept], len(files))
+    stored = sum(f["stored"] for f in files[:keep])
+    dead = stored - int(live[:keep].sum())
+    if stored and dead > MAX_DEAD * stored:
+        return (
+            0,
+            f"rewriting every record into one segment ({dead / stored:.0%} of them would be dead, over {MAX_DEAD:.0%})",
+        )
+    return keep, why
+
+
+def link_base(old: Path, staging: Path, entries: list[dict[str, Any]], quiet: bool) -> Optional[Base]:
+    """Hard-link the old data files ``entries`` (:func:`old_files`) into ``staging`` (already there from
+    an interrupted run: kept); None, after saying why, where the filesystem cannot (then every record
+    is rewritten)."""
+    files = [str(e["file"]) for e in entries]
+    try:
+        for name in files:
+            target = staging / name
+            if target.exists() and os.path.samestat(os.stat(target), os.stat(old / name)):
+                continue
+            target.unlink(missing_ok=True)
+            os.link(old / name, target)
+    except OSError as e:
+        for name in files:
+            (staging / name).unlink(missing_ok=True)
+        why = "another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
+        _say(f"cannot hard-link the data files of {old} into {staging} ({why}): rewriting every record", quiet)
+        return None
+    return Base(entries)
+
+
+def data_table(
+    staging: Path, rows: np.ndarray, base: Optional[Base], written: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], int, int, int]:
+    """The manifest's ``shards``, ``bytes``, ``dead_bytes`` and ``segments`` for the rows of a dataset
+    staged over ``base`` (None: written in one go) plus the data files ``written`` by this build (the
+    next segment). Each data file's entry: ``file``, ``count`` (rows pointing into it), ``bytes`` (its
+    size), ``segment`` and ``dead`` (its record bytes no row points to). A new LMDB segment that got
+    no record is dropped."""
+    old = base.entries if base is not None else []
+    names = [str(e["file"]) for e in old] + [str(s["file"]) for s in written]
+    number = rows["shard"].astype(np.int64)
+    counts: list[int] = np.bincount(number, minlength=len(names)).tolist()
+    live: list[int] = _per_file(number, rows["length"], len(names)).tolist()
+    segment = max((int(e["segment"]) for e in old), default=-1) + 1
+    table: list[dict[str, Any]] = []
+    for k, name in enumerate(names):
+        if k >= len(old) and counts[k] == 0 and base is not None:  # LMDB's writer made the file up front
+            (staging / name).unlink()
+            continue
+        dead = int(old[k]["stored"]) - live[k] if k < len(old) else 0
+        size = os.path.getsize(staging / name)
+        table.append(
+            {
+                "file": name,
+                "count": counts[k],
+                "bytes": size,
+                "segment": old[k]["segment"] if k < len(old) else segment,
+                "dead": dead,
+            }
+        )
+    total = sum(int(e["bytes"]) for e in table)
+    return table, total, sum(int(e["dead"]) for e in table), len({int(e["segment"]) for e in table}) or 1
+
+
+def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Manifest]:
+    """Rewrite the dataset at ``out`` into one segment (no dead bytes), every record copied as it is
+    and checked against its CRC-32 on the way; (old manifest, new manifest). Same records, labels and
+    ``digest`` (a version-1 or 2 dataset becomes version 3, whose digest is defined otherwise)."""
+    from .options import BuildError
+    from .pipeline import build_lock, dataset_path
+    from .staging import INDEX_PART, SOURCES_PART, finalize, staging_path
+
+    out = dataset_path(out)
+    with build_lock(out):
+        pinned = pin(str(out.resolve()))
+        old, index = pinned.manifest, pinned.index
+        staging = staging_path(out)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        if old.backend == "lmdb":
+            for name in data_files(old):  # liblmdb must not walk a damaged file
+                check_lmdb_tree(out / name)
+        writer = open_writer(old.backend, staging, None, int(old.options.get("shard_size", 10_000)))
+        rows = np.array(index)
+        records = InOrder(out, old, index)
+        try:
+            for j in range(len(index)):
+                data, crc = records.get(j)
+                if data is None or len(data) != int(index[j]["length"]) or crc != int(index[j]["crc32"]):
+                    raise BuildError(
+                        f"{out}: record {j} ({source_path(pinned.sources, index[j])}) is missing or damaged; "
+                        f"compact copies records as they are (rebuild with build --force)"
+                    )
+                rows[j]["shard"], rows[j]["offset"] = writer.append(data)
+        except BaseException:
+            writer.close()
+            shutil.rmtree(staging)
+            raise
+        finally:
+            records.close()
+        shards = writer.close()
+        rows.tofile(staging / INDEX_PART)
+        np.asarray(pinned.sources).tofile(staging / SOURCES_PART)
+        if (out / REPORT).is_file():
+            shutil.copyfile(out / REPORT, staging / REPORT)
+        arrays = {
+            name: np.asarray(a) for name, a in ((LABELS, pinned.multi), (TARGETS, pinned.targets)) if a is not None
+        }
+        table, total, dead, segments = data_table(staging, rows, None, shards)
+        new = dataclasses.replace(
+            old,
+            format_version=FORMAT_VERSION,
+            shards=table,
+            bytes=total,
+            dead_bytes=dead,
+            segments=segments,
+            digest=logical_digest(rows, old.labels_digest),
+            index_digest=index_digest(rows),
+            sources_digest=index_digest(pinned.sources),
+        )
+        del pinned, index, records
+        finalize(staging, out, new, arrays)
+    _say(f"{out}: compacted {old.bytes / 1e6:.1f} MB in {old.segments} segment(s) into {total / 1e6:.1f} MB", quiet)
+    return old, new
