@@ -26,15 +26,17 @@ def stored_images(out: Path) -> tuple[Manifest, np.ndarray, np.ndarray, list[np.
     manifest = Manifest.load(out)
     index, sources = load_index(out, manifest)
     blobs: list[bytes] = []
-    if manifest.backend == "lmdb":
-        close_lmdb(out)  # packer's shared handle, if an earlier test read this dataset through packer
-        env = lmdb.open(str(out), readonly=True, lock=False)
-        with env.begin() as txn:
-            for i in range(manifest.count):
-                value = txn.get(lmdb_key(i))
-                assert value is not None, f"record {i} is missing"
-                blobs.append(value)
-        env.close()
+    if manifest.backend == "lmdb":  # row i: key offset of the data file shards[shard] (one per segment)
+        close_lmdb(out)  # packer's shared handles, if an earlier test read this dataset through packer
+        envs = [lmdb.open(str(out / s["file"]), subdir=False, readonly=True, lock=False) for s in manifest.shards]
+        txns = [env.begin() for env in envs]
+        for i, row in enumerate(index):
+            value = txns[row["shard"]].get(lmdb_key(int(row["offset"])))
+            assert value is not None, f"record {i} is missing"
+            blobs.append(value)
+        for txn, env in zip(txns, envs):
+            txn.abort()
+            env.close()
     else:
         maps = [np.memmap(out / s["file"], dtype=np.uint8, mode="r") for s in manifest.shards]
         blobs = [maps[r["shard"]][r["offset"] : r["offset"] + r["length"]].tobytes() for r in index]
