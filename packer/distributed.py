@@ -12,10 +12,11 @@ nothing that counts; a retried or duplicated task just rewrites the same bytes. 
 metadata travels back to the driver.
 
 The driver then feeds every source's record to the record sink in scan order: from the fragments, or
-from the dataset being replaced (--update). LMDB gets one sequential pass; for memmap without reused
-records each non-empty fragment is renamed into a ``shard-NNNNN.bin`` (a memmap shard holds one
-task's records), with reused records the fragments are copied into ``shard_size``-record shards. The
-digest is computed in that pass over (label, bytes) in record order, so it equals a local build's.
+from the dataset being replaced (--update: kept in its linked data files, see packer.segments). LMDB
+gets one sequential pass; for memmap without reused records each non-empty fragment is renamed into a
+``shard-NNNNN.bin`` (a memmap shard holds one task's records), with reused records the fragments are
+copied into ``shard_size``-record shards of the new segment. The digest is the index's (the local
+build's complete()), so it equals a local build's.
 """
 
 from __future__ import annotations

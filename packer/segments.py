@@ -5,9 +5,11 @@ A dataset's data files (memmap shards, LMDB files) are written once and never ch
 the records of added and changed files into a new segment (new shards, or a new LMDB file
 ``data-NNNNN.mdb``) and a new index in scan order whose rows point into old and new files alike: the
 record work is the change's, plus a pass over the metadata. The records of deleted and changed files
-stay behind in the old files as dead bytes, counted in the manifest's ``dead_bytes``; a refresh
-rewrites everything into one segment instead when that would leave too much dead (:data:`MAX_DEAD`)
-or too many segments (:data:`MAX_SEGMENTS`), and ``packer compact`` does the same on demand.
+stay behind in the old files as dead bytes, counted per data file (``dead``) and in the manifest's
+``dead_bytes``. A refresh that would make too many segments (:data:`MAX_SEGMENTS`) links only the
+first segment's files and rewrites the later ones' live records into its new segment; one that would
+leave too much dead (:data:`MAX_DEAD`) rewrites everything into one segment, as ``packer compact``
+does on demand (see :func:`plan`).
 
 Readers of the old version are untouched: its files keep their inodes and bytes (the old directory
 is swapped out and deleted, the links in the new one keep the shared files), and packer.pin holds

@@ -72,7 +72,7 @@ class BuildReport:
     seconds: float
     resumed_from: int = 0
     processed: int = 0  # sources decoded by this run (skipped ones included)
-    reused: int = 0  # records copied from the previous dataset by --update
+    reused: int = 0  # records of the previous dataset kept (linked) or copied by --update
     up_to_date: bool = False  # --update found nothing to do and left OUT untouched
     splits: dict[str, BuildReport] = field(default_factory=dict)  # --split: one report per dataset
 
