@@ -217,6 +217,7 @@ def test_update_equals_local_update(client, mixed_raw: Path, tmp_path: Path, bac
     report = build_dask(raw, out, address=client.scheduler.address, update=True, **kw)
     assert_same_dataset(out, local)
     assert (report.processed, report.reused, report.count) == (3, 28, 30)
+    assert Manifest.load(out).segments == Manifest.load(local).segments == 2  # old data files kept, linked
     again = build_dask(raw, out, address=client.scheduler.address, update=True, **kw)
     assert again.up_to_date and build(raw, out, workers=1, update=True, **kw).up_to_date
 
