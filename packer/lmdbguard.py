@@ -95,6 +95,8 @@ class PageGuard:
     def reserve(self, count: int) -> None:
         """Keep lengths for key numbers below ``count`` too (another version of the dataset, sharing
         this file, names more of its keys): leaves are walked again to fill them in."""
+        if count <= len(self.lengths):  # the usual case, without the lock
+            return
         with self.lock:
             if count > len(self.lengths):
                 self.lengths = np.concatenate([self.lengths, np.full(count - len(self.lengths), -1, np.int64)])

@@ -27,7 +27,7 @@ from typing import Optional
 import lmdb
 import numpy as np
 
-from .format import DatasetError, Manifest, lmdb_key, open_regular, record_places
+from .format import DatasetError, Manifest, lmdb_key, open_regular
 from .lmdbguard import Damaged, PageGuard
 from .pin import Pinned, pin
 
@@ -208,17 +208,27 @@ class Reader:
 
 
 class LmdbReader(Reader):
-    """Records from the LMDB data files: row ``i`` is key ``keys[i]`` of segment ``segments[i]``
-    (:func:`packer.format.record_places`)."""
+    """Records from the LMDB data files: row ``i`` is key ``offset`` of segment ``shard`` (versions 1
+    and 2: key ``i`` of data.mdb; :func:`packer.format.record_places`), looked up per batch."""
 
     def __init__(self, pinned: Pinned, index: Optional[np.ndarray] = None) -> None:
         super().__init__(pinned, index)
-        self.segments, self.keys = record_places(self.manifest, self.index)
-        top = np.zeros(len(pinned.data_fds), np.int64)
-        np.maximum.at(top, self.segments, self.keys + 1)
+        self._legacy = self.manifest.format_version < 3
+        top = np.zeros(len(pinned.data_fds), np.int64)  # per data file: the largest key named, plus one
+        if len(self.index) and self._legacy:
+            top[0] = len(self.index)
+        elif len(self.index):
+            np.maximum.at(top, self.index["shard"], self.index["offset"].astype(np.int64) + 1)
         # PageGuard keeps a length per key number: as many as this version names, and no more than
         # the file can hold (a leaf entry takes over 16 bytes), so a tampered key allocates nothing
         self._guard_keys = [min(int(n), os.fstat(fd).st_size // 16 + 1) for n, fd in zip(top, pinned.data_fds)]
+
+    def _places(self, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``at``'s (data file, key number)."""
+        if self._legacy:
+            return np.zeros(len(at), np.int64), at
+        rows = self.index[at]
+        return rows["shard"].astype(np.int64), rows["offset"].astype(np.int64)
 
     def _env(self, k: int) -> _Env:
         return _lmdb_env(self.pinned, k, self._guard_keys[k])
@@ -242,7 +252,7 @@ class LmdbReader(Reader):
         """Refuse a record whose way through its data file is damaged, or whose value is not as long
         as the index says, before liblmdb touches it (see packer.lmdbguard)."""
         at = np.asarray(indices, dtype=np.int64)
-        segments, keys = self.segments[at], self.keys[at]
+        segments, keys = self._places(at)
         wanted = self.index["length"][at].astype(np.int64)
         for k in np.unique(segments).tolist():
             guard = self._env(k).guard
@@ -263,11 +273,11 @@ class LmdbReader(Reader):
         self._check_pages(indices)
         values: list[Buffer] = []
         entries: dict[int, _Env] = {}
-        for i in indices:
-            k = int(self.segments[i])
+        segments, keys = self._places(np.asarray(indices, dtype=np.int64))
+        for i, k, key in zip(indices, segments.tolist(), keys.tolist()):
             entry = entries.get(k) or entries.setdefault(k, self._env(k))
             try:
-                value = _thread_txn(entry).get(lmdb_key(int(self.keys[i])))
+                value = _thread_txn(entry).get(lmdb_key(key))
             except lmdb.Error as e:  # a damaged B-tree (MDB_PAGE_NOTFOUND, MDB_CORRUPTED, ...)
                 _forget_txn(entry)
                 raise self._bad(i, f"unreadable in {self.pinned.data_names[k]} ({e})") from None
