@@ -46,7 +46,7 @@ from .format import (
 from .labels import arrays_digest, class_counts
 from .pin import pin
 from .read import check_lmdb_pages
-from .walk import walk_dataset
+from .walk import walk
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -125,7 +125,7 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
             result.add(f"{name} holds {n} records the index does not name")
 
     try:
-        for i, data, crc in walk_dataset(root, manifest, index, extra_keys):
+        for i, data, crc in walk(root, manifest, index, extra_keys):
             why = _record_problem(manifest, index[i], data, crc)
             if why:
                 result.bad_records += 1

@@ -28,7 +28,7 @@ from typing import Optional
 import lmdb
 import numpy as np
 
-from .format import LMDB_DATA, DatasetError, Manifest, data_files, lmdb_key, record_places, shard_name
+from .format import DatasetError, Manifest, data_files, lmdb_key, record_places
 
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
 Record = tuple[int, Optional[bytes], int]  # the same, copied, and the bytes' CRC-32 (0 when missing)
@@ -38,48 +38,18 @@ CHUNK_BYTES, CHUNK_RECORDS = 4 << 20, 1024  # records handed from the reading th
 
 def walk(
     root: str | os.PathLike,
-    backend: str,
-    index: np.ndarray,
-    *,
-    files: Optional[list[str]] = None,
-    places: Optional[tuple[np.ndarray, np.ndarray]] = None,
-    extra_keys: Optional[Callable[[str, int, int], None]] = None,
-) -> Generator[Record, None, None]:
-    """Every record of the dataset (or staging folder) at ``root``, ``(i, bytes, crc32)``, in the order
-    they lie on disk: data file by data file (``files``, numbered as the rows' ``places[0]``), each by
-    position (``places[1]``: byte offset or LMDB key number); for a dataset written in one go, index
-    order. Bytes ``None`` (and CRC 0) for a record whose bytes are missing. Defaults: memmap shards of
-    the standard names at the rows' ``shard``/``offset``, LMDB data.mdb with row ``i`` at key ``i``
-    (:func:`walk_dataset` takes them from a manifest). For LMDB, ``extra_keys(file, n, nbytes)`` is
-    told of the keys of a file that no row names. The caller checks the LMDB pages first where the
-    file is not one packer wrote itself (packer.read)."""
-    if places is None:
-        places = (
-            (index["shard"].astype(np.int64), index["offset"].astype(np.int64))
-            if backend == "memmap"
-            else (np.zeros(len(index), np.int64), np.arange(len(index), dtype=np.int64))
-        )
-    if files is None:
-        top = int(places[0].max()) + 1 if len(index) else 0
-        files = [shard_name(k) for k in range(top)] if backend == "memmap" else [LMDB_DATA]
-    return _ahead(_by_file(Path(root), backend, index, files, places, extra_keys))
-
-
-def walk_dataset(
-    root: str | os.PathLike,
     manifest: Manifest,
     index: np.ndarray,
     extra_keys: Optional[Callable[[str, int, int], None]] = None,
 ) -> Generator[Record, None, None]:
-    """:func:`walk` over the dataset at ``root`` as its ``manifest`` lays it out."""
-    return walk(
-        root,
-        manifest.backend,
-        index,
-        files=data_files(manifest),
-        places=record_places(manifest, index),
-        extra_keys=extra_keys,
-    )
+    """Every record of the dataset at ``root`` (laid out as ``manifest`` says), ``(i, bytes, crc32)``,
+    in the order they lie on disk: data file by data file, each by position (byte offset or LMDB key
+    number, :func:`packer.format.record_places`); for a dataset written in one go, index order. Bytes
+    ``None`` (and CRC 0) for a record whose bytes are missing. For LMDB, ``extra_keys(file, n, nbytes)``
+    is told of the keys of a file that no row names. The caller checks the LMDB pages first where the
+    file is not one packer wrote itself (packer.read)."""
+    places = record_places(manifest, index)
+    return _ahead(_by_file(Path(root), manifest.backend, index, data_files(manifest), places, extra_keys))
 
 
 def _by_file(

@@ -33,7 +33,7 @@ from packer.format import (
 )
 from packer.read import close_lmdb, open_reader
 from packer.verify import verify
-from packer.walk import InOrder, walk_dataset
+from packer.walk import InOrder, walk
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 BACKENDS = ["lmdb", "memmap"]
@@ -129,7 +129,7 @@ def test_walks_read_every_record_of_a_segmented_dataset_once(raw: Path, tmp_path
     close_lmdb(out)
     unused: list[tuple[str, int, int]] = []
     seen = {}
-    for i, data, crc in walk_dataset(out, manifest, index, lambda *a: unused.append(a)):
+    for i, data, crc in walk(out, manifest, index, lambda *a: unused.append(a)):
         assert data is not None and bytes(data) == expected[i] and crc == zlib.crc32(data) == int(index[i]["crc32"])
         seen[i] = True
     assert sorted(seen) == list(range(len(index)))

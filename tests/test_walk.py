@@ -29,7 +29,7 @@ def test_walk_yields_every_record_as_the_reader_does(built, backend: str, fmt: s
     expected = [bytes(reader.get(i)) for i in range(len(index))]
     close_lmdb(out)  # one open per file and process (py-lmdb): the walk opens its own, with readahead
     seen = []
-    for i, data, crc in walk(out, manifest.backend, index):
+    for i, data, crc in walk(out, manifest, index):
         assert data is not None and bytes(data) == expected[i]
         assert crc == zlib.crc32(data) == int(index[i]["crc32"])
         seen.append(i)
@@ -41,7 +41,7 @@ def test_a_caller_that_stops_early_releases_the_lmdb_environment(built, tmp_path
     out = shutil.copytree(built("lmdb", "jpeg"), tmp_path / "ds.lmdb")
     manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
-    records = walk(out, manifest.backend, index)
+    records = walk(out, manifest, index)
     next(records)
     records.close()
     env = lmdb.open(str(out), readonly=True, lock=False)  # raises "already open" if the walk's env leaked
@@ -61,7 +61,7 @@ def test_missing_and_extra_lmdb_keys_are_holes_and_a_count(built, tmp_path: Path
     manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
     extra: list[int] = []
-    got = {i: data for i, data, _ in walk(out, manifest.backend, index, extra_keys=lambda _, n, __: extra.append(n))}
+    got = {i: data for i, data, _ in walk(out, manifest, index, lambda _, n, __: extra.append(n))}
     assert sorted(got) == list(range(len(index))) and got[3] is None and extra == [2]
     result = verify(out)
     assert not result.ok
