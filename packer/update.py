@@ -8,9 +8,10 @@ only added or changed files and still writes what a full rebuild would.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import sys
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -65,15 +66,20 @@ class Cache:
     #: then kept where they lie, not copied
     base: Optional[Base] = None
 
-    def kept(self, j: int) -> Optional[Kept]:
-        """Old record ``j`` left in its data file, when that file is linked (versions 1 and 2 key LMDB
-        record j as j); None when the record is to be copied."""
-        row = self.index[j]
+    def kept(self, old: np.ndarray) -> list[Optional[Kept]]:
+        """Old records ``old`` (record numbers, -1 for none) left in their data files, where those are
+        linked (versions 1 and 2 key LMDB record j as j); None where a record is to be copied. A chunk
+        at a time, in columns: a refresh of a million files asks for a million of them."""
+        if self.base is None:
+            return [None] * len(old)
+        at = np.maximum(old, 0)
+        rows = self.index[at]
         legacy_lmdb = self.manifest.backend == "lmdb" and self.manifest.format_version < 3
-        shard, offset = (0, j) if legacy_lmdb else (int(row["shard"]), int(row["offset"]))
-        if self.base is None or shard >= len(self.base.entries):
-            return None
-        return Kept(shard, offset, int(row["length"]), int(row["height"]), int(row["width"]), int(row["crc32"]))
+        shard = np.zeros(len(at), np.int64) if legacy_lmdb else rows["shard"].astype(np.int64)
+        offset = at if legacy_lmdb else rows["offset"]
+        linked = (old >= 0) & (shard < len(self.base.entries))
+        columns = (shard, offset, rows["length"], rows["height"], rows["width"], rows["crc32"])
+        return [Kept(*facts) if keep else None for keep, *facts in zip(linked.tolist(), *(c.tolist() for c in columns))]
 
 
 @dataclass(frozen=True)
@@ -216,12 +222,18 @@ def ordered_results(
         rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies
         fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
     old = _OldRecords(cache) if cache is not None else None
+    step = 4096
+    kept: Iterator[Optional[Kept]] = (
+        itertools.chain.from_iterable(cache.kept(old_of[at : at + step]) for at in range(0, len(old_of), step))
+        if cache is not None
+        else itertools.repeat(None)
+    )
     try:
-        for source, j in zip(todo, old_of.tolist()):
+        for source, j, keep in zip(todo, old_of.tolist(), kept):
             if j < 0 or cache is None or old is None:
                 yield next(fresh), False
-            elif (kept := cache.kept(j)) is not None:
-                yield kept, True
+            elif keep is not None:
+                yield keep, True
             elif (record := old.record(j)) is not None:
                 yield record, True
             else:
