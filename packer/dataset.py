@@ -321,10 +321,14 @@ class ShardDataset(Dataset):
 
     def _keyed(self, indices: Sequence[int]) -> tuple[list[int], Any, Optional[list[int]]]:
         """(records, epoch, keys): plain indices are keyed by record in the dataset's epoch (keys
-        None); :class:`~packer.sampler.Draw` indices by their own epoch and draw number."""
+        None); :class:`~packer.sampler.Draw` indices by their own epoch and draw number. The blocks
+        a Draw says come next (``ahead``) are asked of the disk here, before this batch is read."""
         records = [self._check(i) for i in indices]
         if not any(type(i) is Draw for i in indices):
             return records, self.epoch, None
+        ahead = [r for i in indices if type(i) is Draw for r in i.ahead]
+        if ahead:
+            self._reader.prefetch(ahead)
         epochs = np.array([i.epoch if type(i) is Draw else self.epoch for i in indices], dtype=np.int64)
         return records, epochs, [i.draw if type(i) is Draw else r for i, r in zip(indices, records)]
 

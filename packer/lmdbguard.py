@@ -52,6 +52,8 @@ class PageGuard:
         self.size = size
         #: per record (up to ``count``): its value's length once the path to it was checked, else -1
         self.lengths = np.full(count, -1, dtype=np.int64)
+        #: per record: where its value's bytes start in the file, once known (as ``lengths``)
+        self.offsets = np.full(count, -1, dtype=np.int64)
         self.pages: dict[int, tuple] = {}  # page number -> its checked contents (a leaf's: once read)
         self.lock = threading.Lock()
         self.root, self.psize, self.last = self._meta()
@@ -99,7 +101,9 @@ class PageGuard:
             return
         with self.lock:
             if count > len(self.lengths):
-                self.lengths = np.concatenate([self.lengths, np.full(count - len(self.lengths), -1, np.int64)])
+                more = np.full(count - len(self.lengths), -1, np.int64)
+                self.offsets = np.concatenate([self.offsets, more])  # first: never shorter than lengths
+                self.lengths = np.concatenate([self.lengths, more])
                 self.pages = {page: entry for page, entry in self.pages.items() if entry[0] != P_LEAF}
 
     def length(self, i: int) -> Optional[int]:
@@ -110,6 +114,18 @@ class PageGuard:
             return int(self.lengths[i])
         with self.lock:
             return self._walk(i)
+
+    def extents(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file offsets, lengths) of the values of key numbers ``keys`` whose way is sound (walked
+        first where not known yet); keys missing or damaged are left out: their read will say so."""
+        keys = keys[keys < len(self.lengths)]
+        for i in keys[self.lengths[keys] < 0].tolist():
+            try:
+                self.length(i)
+            except Damaged:
+                pass
+        known = keys[self.lengths[keys] >= 0]
+        return self.offsets[known], self.lengths[known]
 
     def check_tree(self) -> None:
         """Check every branch and leaf page reachable from the root, each once (what a cursor over
@@ -145,9 +161,10 @@ class PageGuard:
             page = targets[j]
         raise Damaged(f"the B-tree is deeper than {MAX_DEPTH} levels (a cycle?)")
 
-    def _remember(self, keys: list[bytes], lengths: list[int], lo: bytes, hi: Optional[bytes]) -> None:
-        """Keep the lengths of the records this leaf holds for liblmdb's search (keys in [lo, hi))."""
-        for key, length in zip(keys, lengths):
+    def _remember(self, keys: list[bytes], values: list[tuple[int, int]], lo: bytes, hi: Optional[bytes]) -> None:
+        """Keep the lengths and offsets of the records this leaf holds for liblmdb's search (keys in
+        [lo, hi))."""
+        for key, (length, offset) in zip(keys, values):
             if (
                 lo <= key
                 and (hi is None or key < hi)
@@ -155,10 +172,10 @@ class PageGuard:
                 and key.isdigit()
                 and int(key) < len(self.lengths)
             ):
-                self.lengths[int(key)] = length
+                self.lengths[int(key)], self.offsets[int(key)] = length, offset
 
     def _page(self, page: int) -> tuple:
-        """(flags, keys, child pages or value lengths) of a branch or leaf page, checked whole."""
+        """(flags, keys, child pages or values' (length, offset)) of a branch or leaf page, checked whole."""
         entry = self.pages.get(page)
         if entry is None:
             entry = self.pages[page] = self._read_page(page)
@@ -201,14 +218,14 @@ class PageGuard:
             raise Damaged(f"page {page} has keys out of order")
         return kind, keys, targets
 
-    def _value(self, page: int, nflags: int, length: int, start: int, page_end: int) -> int:
-        """A leaf value's length, once its bytes are known to lie inside the file."""
+    def _value(self, page: int, nflags: int, length: int, start: int, page_end: int) -> tuple[int, int]:
+        """A leaf value's (length, file offset), once its bytes are known to lie inside the file."""
         if nflags & ~F_BIGDATA:
             raise Damaged(f"leaf page {page} has a node with flags {nflags:#x} (packer writes none)")
         if not nflags & F_BIGDATA:
             if start + length > page_end:
                 raise Damaged(f"leaf page {page} has a value running past the page")
-            return length
+            return length, start
         if start + 8 > page_end:
             raise Damaged(f"leaf page {page} has an overflow node running past the page")
         (first,) = struct.unpack_from("<Q", self.mm, start)
@@ -219,4 +236,4 @@ class PageGuard:
             raise Damaged(
                 f"leaf page {page} has a value of {length} bytes on overflow page {first}: past the end of the file"
             )
-        return length
+        return length, first * self.psize + HEADER

@@ -26,25 +26,30 @@ import numpy as np
 from torch.utils.data import Sampler
 
 ORDERS = ("random", "sequential", "block")
+Ranges = tuple[tuple[int, int], ...]  # record ranges (first, end)
 
 
 class Draw(int):
     """A record index drawn by :class:`ShardSampler`, carrying the key of its augmentation: the
-    epoch and its position ``draw`` in the epoch's global sequence. ``int(d)`` is the record."""
+    epoch and its position ``draw`` in the epoch's global sequence. ``int(d)`` is the record.
+    ``ahead``: record ranges ``(first, end)`` that will be read soon (``order="block"``: the blocks
+    of the next window, on the window's first draw), for the dataset to ask of the disk at once."""
 
     epoch: int
     draw: int
+    ahead: Ranges
 
-    def __new__(cls, record: int, epoch: int, draw: int) -> Draw:
+    def __new__(cls, record: int, epoch: int, draw: int, ahead: Ranges = ()) -> Draw:
         self = int.__new__(cls, record)
-        self.epoch, self.draw = epoch, draw
+        self.epoch, self.draw, self.ahead = epoch, draw, ahead
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Draw, (int(self), self.epoch, self.draw)
+        return Draw, (int(self), self.epoch, self.draw, *((self.ahead,) if self.ahead else ()))
 
     def __repr__(self) -> str:
-        return f"Draw(record={int(self)}, epoch={self.epoch}, draw={self.draw})"
+        more = f", ahead={self.ahead}" if self.ahead else ""
+        return f"Draw(record={int(self)}, epoch={self.epoch}, draw={self.draw}{more})"
 
 
 class ShardSampler(Sampler[Draw]):
@@ -88,6 +93,7 @@ class ShardSampler(Sampler[Draw]):
         drop_last: bool = False,
         block_size: Optional[int] = None,
         window: int = 16,
+        prefetch: int = 1,
     ) -> None:
         order = order or ("random" if shuffle else "sequential")
         if order not in ORDERS:
@@ -109,8 +115,8 @@ class ShardSampler(Sampler[Draw]):
             if order == "block":
                 raise ValueError('order="block" draws every record once; it does not take weights')
             self.weights = w / w.sum()
-        if repeats < 1 or (num_samples is not None and num_samples < 1) or window < 1:
-            raise ValueError("repeats, num_samples and window must be positive")
+        if repeats < 1 or (num_samples is not None and num_samples < 1) or window < 1 or prefetch < 0:
+            raise ValueError("repeats, num_samples and window must be positive, prefetch not negative")
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 
@@ -130,6 +136,7 @@ class ShardSampler(Sampler[Draw]):
         self.drop_last = drop_last
         self.block_size = block_size or _default_block(dataset)
         self.window = window
+        self.prefetch = prefetch
         self.epoch = 0
         self._resume: Optional[int] = None  # global position the next iteration starts at
         self._base = 0  # global position the current iteration started at
@@ -145,28 +152,61 @@ class ShardSampler(Sampler[Draw]):
 
     def sequence(self, epoch: Optional[int] = None) -> np.ndarray:
         """The record of every global draw of ``epoch`` (default: the current one), all ranks'."""
-        rng = np.random.default_rng([self.seed & (2**63 - 1), int(self.epoch if epoch is None else epoch)])
+        return self._plan(self.epoch if epoch is None else epoch)[0]
+
+    def _plan(self, epoch: int) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """The record of every global draw of ``epoch``, and with ``order="block"`` the window of
+        each (numbered through the epoch, ascending along the sequence); else None."""
+        rng = np.random.default_rng([self.seed & (2**63 - 1), int(epoch)])
         n = self.size
+        windows = None
         if self.weights is not None:
             picks = rng.choice(n, size=self.num_samples, replace=True, p=self.weights)
         elif self.replacement:
             picks = rng.integers(0, n, self.num_samples)
         elif self.order == "sequential":
             picks = np.arange(self.num_samples) % n
+        elif self.order == "block":
+            parts = [self._block_permutation(rng) for _ in range(-(-self.num_samples // n))]
+            per_round = -(-n // (self.block_size * self.window))  # windows in one permutation
+            picks = np.concatenate([perm for perm, _ in parts])[: self.num_samples]
+            windows = np.concatenate([w + k * per_round for k, (_, w) in enumerate(parts)])[: self.num_samples]
         else:
             rounds = -(-self.num_samples // n)
-            block = self.order == "block"
-            perms = [self._block_permutation(rng) if block else rng.permutation(n) for _ in range(rounds)]
-            picks = np.concatenate(perms)[: self.num_samples]
-        return np.repeat(picks, self.repeats) if self.repeats > 1 else picks
+            picks = np.concatenate([rng.permutation(n) for _ in range(rounds)])[: self.num_samples]
+        if self.repeats > 1:
+            picks = np.repeat(picks, self.repeats)
+            windows = None if windows is None else np.repeat(windows, self.repeats)
+        return picks, windows
 
-    def _block_permutation(self, rng: np.random.Generator) -> np.ndarray:
+    def _block_permutation(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Blocks of ``block_size`` consecutive records in random order; records shuffled within
-        each run of ``window`` consecutive blocks of that order."""
+        each run of ``window`` consecutive blocks of that order. Also each draw's window."""
         records = np.arange(self.size)
         block_rank = np.argsort(rng.permutation(-(-self.size // self.block_size)))
         window_of = block_rank[records // self.block_size] // self.window
-        return np.lexsort((rng.random(self.size), window_of))
+        perm = np.lexsort((rng.random(self.size), window_of))
+        return perm, window_of[perm]
+
+    def _ahead(self, records: np.ndarray, windows: np.ndarray, positions: np.ndarray) -> dict[int, Ranges]:
+        """order="block": what the dataset should ask of the disk, by global position. This rank's
+        first draw of window ``w`` carries the record ranges of the blocks of window ``w +
+        prefetch`` (the iteration's first draw: of windows ``w`` to ``w + prefetch``), so that
+        each block is read whole, in few requests, ahead of its draws (docs/PERFORMANCE.md, "Block
+        order")."""
+        mine = windows[positions]
+        firsts = np.flatnonzero(np.diff(mine, prepend=-1))
+        ahead: dict[int, Ranges] = {}
+        for j, at in enumerate(firsts.tolist()):
+            w = int(mine[at]) + self.prefetch
+            lo, hi = np.searchsorted(windows, [w - self.prefetch if j == 0 else w, w + 1])
+            blocks = np.unique(records[lo:hi] // self.block_size)
+            if len(blocks):
+                cut = np.flatnonzero(np.diff(blocks) != 1) + 1
+                first, last = blocks[np.r_[0, cut]], blocks[np.r_[cut - 1, len(blocks) - 1]]
+                ends = np.minimum((last + 1) * self.block_size, self.size)
+                ahead[int(positions[at])] = tuple(zip((first * self.block_size).tolist(), ends.tolist()))
+        return ahead
 
     # --- iteration -------------------------------------------------------------------------------
 
@@ -195,10 +235,11 @@ class ShardSampler(Sampler[Draw]):
         self._base, self._yielded = start, 0
         first, end = self._span(start)
         positions = np.arange(first, end, self.num_replicas)
-        records = self.sequence(epoch)[positions].tolist()
-        for k, record in zip(positions.tolist(), records):
+        sequence, windows = self._plan(epoch)
+        ahead = self._ahead(sequence, windows, positions) if windows is not None and self.prefetch else {}
+        for k, record in zip(positions.tolist(), sequence[positions].tolist()):
             self._yielded += 1
-            yield Draw(record, epoch, k)
+            yield Draw(record, epoch, k, ahead.get(k, ()))
         self._done_epoch = epoch
 
     def set_epoch(self, epoch: int) -> None:
