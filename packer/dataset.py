@@ -129,10 +129,10 @@ class ShardDataset(Dataset):
     Batches are channels-last by default (``memory_format=torch.channels_last``: shape B x C x H x W,
     pixels H x W x C in memory), the layout decoders and resize kernels produce and the one
     NVIDIA recommends for convolutions on tensor cores; ``torch.contiguous_format`` costs a
-    transposing copy per sample (~70 us for a 224 crop).
+    transposing copy per sample (its cost: docs/PERFORMANCE.md, "Read speed").
 
     ``verify`` checks each record's CRC-32 before decoding. It defaults to on for JPEG records
-    (about 2% of a decode) and off for raw ones (it would cost more than the crop); the record
+    (a small share of a decode) and off for raw ones (it would cost more than the crop); the record
     length and, for JPEG, a clean decode to the indexed size are always checked. Any failure raises
     :class:`~packer.format.DatasetError` naming the dataset, the record index and its source file.
 
@@ -364,7 +364,7 @@ class ShardDataset(Dataset):
         heights, widths, crcs = rows["height"].tolist(), rows["width"].tolist(), rows["crc32"].tolist()
         fmt = self.manifest.format
         collecting = gc.isenabled()
-        gc.disable()  # the loop frees what it allocates; collections during it cost 3-4% here
+        gc.disable()  # the loop frees what it allocates; collections during it only cost time
         try:
             for k, i in enumerate(indices):  # per sample: as few Python steps as possible
                 try:
