@@ -57,6 +57,12 @@ def reference(raw: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _as_a_foreground_job() -> None:
+    """SIGINT handled as in a terminal's job: a shell without job control starts background commands
+    (``make test &``, nohup) with SIGINT ignored, and a child inherits that, so Ctrl-C would never land."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_build(raw: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         PACKER + ["build", str(raw), str(out), "--workers", "2", "--quiet", "--checkpoint-seconds", "0.2", *extra],
@@ -64,6 +70,7 @@ def start_build(raw: Path, out: Path, *extra: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_as_a_foreground_job,
     )
 
 
