@@ -39,16 +39,17 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from . import __version__
+from .backends import BACKENDS
 from .codec import can_decode_region, codec_name
 from .errors import PackerError
-from .format import INDEX_DTYPE, lmdb_segment_name, shard_name
+from .format import INDEX_DTYPE, shard_name
 from .options import DASK_TASK_SIZE, BuildError, BuildOptions
 from .pipeline import run_build
 from .preprocess import Options, Record, Result, Skip, process_chunk
 from .scan import Scan
 from .staging import PROGRESS, BuildReport, Progress, RecordSink, Writer, fill, write_json_atomic
 from .update import Cache, ordered_results
-from .write import LmdbWriter, fsync_path, open_writer, write_atomic
+from .write import fsync_path, write_atomic
 
 FRAGMENTS = "fragments"
 CONNECT_TIMEOUT = 10  # seconds; an unreachable scheduler should fail fast, not hang
@@ -455,8 +456,7 @@ class DaskEngine:
         assert backend is not None and shard_size is not None
         base = cache.base if cache is not None else None
         first = len(base.files) if base is not None else 0  # the old data files a refresh linked come first
-        mine = [p for p in staging.glob("shard-*.bin") if int(p.name[len("shard-") : -len(".bin")]) >= first]
-        for stale in [*mine, staging / lmdb_segment_name(first)]:
+        for stale in BACKENDS[backend].written_from(staging, first):
             stale.unlink(missing_ok=True)  # left by an interrupted assembly; rebuilt below
         fresh_bytes = sum(int(m["bytes"]) for m in metas)
         if not self.quiet:
@@ -464,11 +464,11 @@ class DaskEngine:
         expected = fresh_bytes + (int(cache.manifest.bytes) if cache is not None else 0)
 
         def writer(state: Optional[dict[str, Any]]) -> Writer:
-            if backend == "lmdb":
-                return LmdbWriter(staging, map_size=max(1 << 30, int(expected * 1.25) + (64 << 20)), segment=first)
-            if cache is None:
+            if cache is None and BACKENDS[backend].concatenated:  # each fragment is a shard: renamed into place
                 return _AdoptedShards(staging, fragments, metas)
-            return open_writer(backend, staging, None, shard_size, first)  # reused records interleave
+            return BACKENDS[backend].open_writer(
+                staging, None, shard_size, first, expected
+            )  # reused records interleave
 
         sink = RecordSink(staging, found, None, writer, base)
         old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)

@@ -18,11 +18,14 @@ import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from .errors import PackerError
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 FORMAT_VERSION = 3
 #: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS);
@@ -67,6 +70,14 @@ INDEX_DTYPE = np.dtype(
 IDENTITY_FIELDS = ("src_size", "src_mtime_ns", "src_hash")
 #: A source file's identity (see :func:`packer.scan.identify`); ``src_hash`` is 0 unless built with --checksum.
 IDENTITY_DTYPE = np.dtype([(name, INDEX_DTYPE[name]) for name in IDENTITY_FIELDS])
+
+
+def _backend(name: str) -> Backend:
+    """The backend ``name`` (a known one: Manifest checks it first); packer.backends imports this
+    module, hence the import here."""
+    from . import backends
+
+    return backends.BACKENDS[name]
 
 
 class DatasetError(PackerError):
@@ -241,8 +252,8 @@ class Manifest:
                 and size(s.get("dead", 0))
             ):
                 raise bad("shards")
-        if self.backend == "lmdb" and self.format_version >= 3 and not self.shards:
-            raise bad("shards")  # version 3 lists an LMDB dataset's data files (data.mdb first)
+        if not _backend(self.backend).check_manifest(self):
+            raise bad("shards")
 
 
 class Digest:
@@ -288,22 +299,6 @@ def logical_digest(index: np.ndarray, labels_digest: str = "") -> str:
             packed[name] = rows[name]
         h.update(packed.data)
     return with_labels("sha256:" + h.hexdigest(), labels_digest)
-
-
-def data_files(manifest: Manifest) -> list[str]:
-    """The dataset's data files, numbered as index rows' ``shard`` numbers them: memmap shards, or
-    LMDB segments (version 3; before it data.mdb alone)."""
-    if manifest.backend == "lmdb" and manifest.format_version < 3:
-        return [LMDB_DATA]
-    return [str(s["file"]) for s in manifest.shards]
-
-
-def record_places(manifest: Manifest, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's data file number and position in it: (shard, byte offset) for memmap, (segment,
-    key number) for LMDB, where versions 1 and 2 key record ``i`` as ``i`` in data.mdb."""
-    if manifest.backend == "lmdb" and manifest.format_version < 3:
-        return np.zeros(len(index), np.int64), np.arange(len(index), dtype=np.int64)
-    return index["shard"].astype(np.int64), index["offset"].astype(np.int64)
 
 
 def manifest_digest(fields: dict[str, Any]) -> str:
@@ -424,23 +419,7 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
             f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
             f"or a JPEG edge over {MAX_EDGE})"
         )
-    if manifest.backend == "lmdb" and manifest.format_version < 3:
-        if index["shard"].any() or index["offset"].any():
-            raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
-        return
-    sizes = np.array([int(s["bytes"]) for s in manifest.shards] + [0], dtype=np.uint64)
-    shard = index["shard"]
-    if shard.max() >= len(manifest.shards):
-        raise DatasetError(f"{root}: index names data files beyond the {len(manifest.shards)} listed")
-    if manifest.backend == "lmdb":  # offset: the record's key number; a leaf entry takes over 16 bytes
-        beyond = index["offset"] >= sizes[shard] // 16
-        if beyond.any():
-            raise DatasetError(f"{root}: record {int(np.flatnonzero(beyond)[0])}: key beyond what its segment can hold")
-        return
-    end = index["offset"] + index["length"]
-    if (end < index["offset"]).any() or (end > sizes[shard]).any():
-        first = int(np.flatnonzero((end < index["offset"]) | (end > sizes[shard]))[0])
-        raise DatasetError(f"{root}: record {first} points outside its shard")
+    _backend(manifest.backend).check_places(root, index, manifest)
 
 
 def load_label_arrays(

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
+from .backends import BACKENDS as TABLE
 from .codec import codec_name
 from .errors import PackerError
 from .format import BACKENDS, FORMATS
@@ -214,7 +215,9 @@ def flag(name: str) -> str:
 
 
 def default_backend(out: str | os.PathLike) -> str:
-    return "lmdb" if str(out).rstrip("/").endswith(".lmdb") else "memmap"
+    """The backend of the longest suffix OUT ends with (``out.lmdb``: LMDB; every name ends with memmap's "")."""
+    name = str(out).rstrip("/")
+    return max((b for b in TABLE.values() if name.endswith(b.suffix)), key=lambda b: len(b.suffix)).name
 
 
 def cli_fields() -> list[Any]:

@@ -19,17 +19,15 @@ size, mtime) with the version its parent pinned: a dataset replaced since is ref
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import mmap
 import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from .backends import BACKENDS, data_files
 from .format import (
     INDEX,
     MANIFEST,
@@ -37,14 +35,15 @@ from .format import (
     DatasetError,
     Manifest,
     check_index,
-    data_files,
     load_label_arrays,
     map_npy,
     open_regular,
 )
 
+if TYPE_CHECKING:
+    from .backends.memmap import Shard
+
 FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
-Shard = tuple[np.ndarray, Optional["Mapping"]]
 
 
 class DatasetReplaced(DatasetError):
@@ -63,7 +62,7 @@ class Pinned:
     """Manifest, index, source paths, label arrays and data files of one version of the dataset at
     ``root``. ``files`` names each file's identity; ``multi``/``targets`` are the label arrays the
     dataset has (else None); ``data_fds`` hold the LMDB data files open, in segment order
-    (:func:`packer.format.data_files`); ``shards`` are the memmap shards' mappings, in order."""
+    (:func:`packer.backends.data_files`); ``shards`` are the memmap shards' mappings, in order."""
 
     def __init__(
         self,
@@ -165,12 +164,7 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
         index, sources = (_map_npy_file(root, name, open_file) for name in (INDEX, SOURCES))
         check_index(Path(root), index, sources, manifest)
         multi, targets = load_label_arrays(root, manifest, open_file)
-        shards: list[Shard] = []
-        if manifest.backend == "lmdb":
-            for name in data_files(manifest):
-                data_fds.append(open_file(name))
-        else:
-            shards = [_map_shard(root, info, open_file) for info in manifest.shards]
+        data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, open_file)
     except BaseException:
         _close_all(data_fds)
         raise
@@ -186,57 +180,3 @@ def _map_npy_file(root: str, name: str, open_file: Callable[[str], int]) -> np.n
         return map_npy(fd, os.path.join(root, name))
     finally:
         os.close(fd)
-
-
-def _map_shard(root: str, info: dict, open_file) -> Shard:
-    """A memmap shard, mapped whole with the kernel's readahead off (see MemmapReader), its
-    descriptor closed: the mapping alone keeps the file readable. A truncated shard is mapped as far
-    as it goes: the reader refuses the records past its end (and ``packer verify`` names them)."""
-    name = str(info["file"])
-    fd = open_file(name)
-    try:
-        nbytes = min(int(info["bytes"]), os.fstat(fd).st_size)
-        if nbytes == 0:
-            return np.zeros(0, np.uint8), None
-        try:
-            mapping = Mapping(fd, nbytes)
-        except OSError as e:
-            why = "too many shards mapped (vm.max_map_count)" if e.errno == errno.ENOMEM else e.strerror
-            raise DatasetError(f"{root}: shard {name} cannot be mapped ({why})") from None
-    finally:
-        os.close(fd)
-    mapping.madvise(mmap.MADV_RANDOM)
-    return np.asarray(mapping), mapping
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
-class Mapping:
-    """A read-only shared mapping of a file that, unlike ``mmap.mmap`` (before Python 3.13's
-    ``trackfd=False``), keeps no duplicate of the file's descriptor: 1,200 shards hold 1,200
-    mappings and no descriptor, whatever ``ulimit -n`` is. Arrays made from it (``np.asarray``) keep
-    it alive; it is unmapped when the last of them goes."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        self.addr, self.size = addr, size
-        self.__array_interface__ = {"data": (addr, True), "shape": (size,), "typestr": "|u1", "version": 3}
-
-    def __len__(self) -> int:
-        return self.size
-
-    def madvise(self, advice: int, start: int = 0, length: Optional[int] = None) -> None:
-        """As ``mmap.mmap.madvise``; advice only, so a refusal is ignored."""
-        page = start - start % mmap.PAGESIZE
-        _libc.madvise(self.addr + page, (self.size - start if length is None else length) + start - page, advice)
-
-    def __del__(self) -> None:
-        _libc.munmap(self.addr, self.size)

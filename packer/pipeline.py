@@ -29,10 +29,10 @@ from typing import Any, Optional, Protocol
 import lmdb
 import numpy as np
 
+from .backends import BACKENDS, close_all
 from .format import MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
-from .read import close_lmdb
 from .scan import Scan, ScanError, confusable, identify, scan
 from .segments import link_base, old_files, plan
 from .split import TRAIN, split_path, split_scan
@@ -48,7 +48,6 @@ from .staging import (
     staging_path,
 )
 from .update import Cache, inputs_digest, ordered_results, previous_dataset, reuse_plan
-from .write import open_writer
 
 __all__ = ["BuildError", "BuildOptions", "BuildReport", "build", "clean", "prepare", "run_build"]
 
@@ -337,7 +336,7 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
             sink, resumed_from = engine.pack(staging, found, options, state, cache)
         finally:
             if cache is not None:
-                close_lmdb(out)  # our handle on the old OUT, before the rename replaces it
+                close_all(out)  # our handles on the old OUT, before the rename replaces it
         report = complete(staging, out, found, options, sink, resumed_from)
     except (lmdb.Error, OSError) as e:  # LMDB reports a full disk as a bare "Input/output error"
         if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
@@ -380,7 +379,9 @@ class LocalEngine:
         done = int(state["sources_done"]) if state else 0
         base = cache.base if cache is not None else None
         first = len(base.files) if base is not None else 0  # a refresh's new segment: after the linked files
-        sink = RecordSink(staging, found, state, lambda s: open_writer(backend, staging, s, shard_size, first), base)
+        sink = RecordSink(
+            staging, found, state, lambda s: BACKENDS[backend].open_writer(staging, s, shard_size, first), base
+        )
         todo = found.sources[done:]
         old_of = cache.old_of[done:] if cache is not None else np.full(len(todo), -1, dtype=np.int64)
         results = ordered_results(self.raw, todo, old_of, cache, options.preprocess, options.processes)

@@ -29,22 +29,19 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .backends import BACKENDS, data_files, record_places
 from .format import (
     FORMAT_VERSION,
     LABELS,
     REPORT,
     TARGETS,
     Manifest,
-    data_files,
     index_digest,
     logical_digest,
-    record_places,
     source_path,
 )
 from .pin import pin
-from .read import check_lmdb_tree
 from .walk import InOrder
-from .write import open_writer
 
 #: A refresh rewrites every record into one segment when, after it, more than this share of the record
 #: bytes in the old data files would be dead (records of deleted or changed files)...
@@ -98,7 +95,7 @@ def plan(manifest: Manifest, index: np.ndarray, kept: np.ndarray, backend: str, 
     one); none when what it keeps would be over :data:`MAX_DEAD` dead, or the layout changes."""
     if manifest.backend != backend:
         return 0, f"rewriting every record into one segment (the backend changes: {manifest.backend} -> {backend})"
-    if backend == "memmap" and manifest.options.get("shard_size") != shard_size:
+    if BACKENDS[backend].concatenated and manifest.options.get("shard_size") != shard_size:
         was = manifest.options.get("shard_size")
         return 0, f"rewriting every record into one segment (the shard size changes: {was} -> {shard_size})"
     files = old_files(manifest, index)
@@ -191,10 +188,10 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        if old.backend == "lmdb":
-            for name in data_files(old):  # liblmdb must not walk a damaged file
-                check_lmdb_tree(out / name)
-        writer = open_writer(old.backend, staging, None, int(old.options.get("shard_size", 10_000)))
+        backend = BACKENDS[old.backend]
+        for name in data_files(old):  # LMDB: liblmdb must not walk a damaged file
+            backend.check_walkable(out / name)
+        writer = backend.open_writer(staging, None, int(old.options.get("shard_size", 10_000)))
         rows = np.array(index)
         records = InOrder(out, old, index)
         try:

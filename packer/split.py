@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .backends import BACKENDS
 from .scan import Scan
 
 TRAIN = "train"
@@ -62,4 +63,4 @@ def split_scan(found: Scan, splits: dict[str, float], seed: int) -> dict[str, Sc
 
 def split_path(out: str | os.PathLike, name: str, backend: str) -> Path:
     """Where split ``name`` goes inside OUT: ``OUT/val.lmdb`` for LMDB, ``OUT/val/`` for memmap."""
-    return Path(out) / (f"{name}.lmdb" if backend == "lmdb" else name)
+    return Path(out) / (name + BACKENDS[backend].suffix)

@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import numpy as np
 
 from . import __version__
+from .backends import Writer
 from .codec import codec_name
 from .format import (
     IDENTITY_FIELDS,
@@ -233,14 +234,6 @@ def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optio
     except OSError as e:
         raise BuildError(f"cannot write beside the output ({staging}): {e.strerror}") from None
     return None
-
-
-class Writer(Protocol):
-    """A backend's record writer (packer.write), or the Dask assembly's adopter of finished fragments."""
-
-    def append(self, data: bytes) -> tuple[int, int]: ...
-    def checkpoint(self) -> dict[str, Any]: ...
-    def close(self) -> list[dict[str, Any]]: ...
 
 
 class RecordSink:

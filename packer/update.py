@@ -19,9 +19,9 @@ from typing import Any, Optional
 import numpy as np
 
 from . import __version__
+from .backends import BACKENDS, record_places
 from .format import MANIFEST, DatasetError, Manifest, load_index
 from .preprocess import Options, Record, Result, process_chunk
-from .read import check_lmdb_tree
 from .scan import Scan, Source
 from .segments import Base
 from .walk import InOrder
@@ -74,9 +74,7 @@ class Cache:
             return [None] * len(old)
         at = np.maximum(old, 0)
         rows = self.index[at]
-        legacy_lmdb = self.manifest.backend == "lmdb" and self.manifest.format_version < 3
-        shard = np.zeros(len(at), np.int64) if legacy_lmdb else rows["shard"].astype(np.int64)
-        offset = at if legacy_lmdb else rows["offset"]
+        shard, offset = record_places(self.manifest, self.index, at)
         linked = (old >= 0) & (shard < len(self.base.entries))
         columns = (shard, offset, rows["length"], rows["height"], rows["width"], rows["crc32"])
         return [Kept(*facts) if keep else None for keep, *facts in zip(linked.tolist(), *(c.tolist() for c in columns))]
@@ -101,7 +99,7 @@ class _OldRecords:
     def __init__(self, cache: Cache) -> None:
         self._cache = cache
         self._records: Optional[InOrder] = None
-        self._checked: set[int] = set()  # LMDB data files whose pages were checked
+        self._checked: set[int] = set()  # data files checked before a walk reads them (LMDB: their pages)
         self._broken = False
 
     def record(self, j: int) -> Optional[Record]:
@@ -116,8 +114,8 @@ class _OldRecords:
             if self._records is None:
                 self._records = InOrder(c.root, c.manifest, c.index)
             k = int(self._records.number[j])
-            if c.manifest.backend == "lmdb" and k not in self._checked and k < len(self._records.files):
-                check_lmdb_tree(c.root / self._records.files[k])  # liblmdb must not walk a damaged file
+            if k not in self._checked and k < len(self._records.files):
+                BACKENDS[c.manifest.backend].check_walkable(c.root / self._records.files[k])
                 self._checked.add(k)
             data, crc = self._records.get(j)
         except (DatasetError, OSError):

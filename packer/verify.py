@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from .backends import BACKENDS, data_files, record_places
 from .format import (
     INDEX,
     LABELS,
@@ -37,15 +38,12 @@ from .format import (
     DatasetError,
     Digest,
     Manifest,
-    data_files,
     index_digest,
     logical_digest,
-    record_places,
     source_path,
 )
 from .labels import arrays_digest, class_counts
 from .pin import pin
-from .read import check_lmdb_pages
 from .walk import walk
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
@@ -110,11 +108,9 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     _check_metadata(result, manifest, index, sources, multi, targets)
     segmented = manifest.format_version >= 3
     digest = Digest()  # versions 1 and 2 digest the bytes; 3 the index (logical_digest)
-    if manifest.backend == "lmdb":
-        for name in data_files(manifest):  # before liblmdb maps a file: a damaged page must not crash verify
-            check_lmdb_pages(Path(root) / name)
-    else:
-        _check_shard_files(result, Path(root), manifest)
+    backend = BACKENDS[manifest.backend]
+    for problem in backend.check_files(Path(root), manifest):
+        result.add(problem)
     labels = index["label"].tolist()
     unused: list[tuple[str, int, int]] = []  # LMDB: (file, records, bytes) no row names
 
@@ -138,7 +134,7 @@ def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     result.digest = logical_digest(index, labels_digest) if segmented else digest.hexdigest(labels_digest)
     if result.digest != manifest.digest:
         result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
-    if segmented and manifest.backend == "lmdb":
+    if segmented and backend.keyed:
         found = {name: (n, nbytes) for name, n, nbytes in unused}
         for s in manifest.shards:
             n, nbytes = found.get(str(s["file"]), (0, 0))
@@ -224,7 +220,7 @@ def _check_metadata(
     gap = _first_gap(index["src_offset"], index["src_length"], len(sources))
     if gap is not None:
         result.add(f"{INDEX}: source paths are not laid out back to back (at record {gap})")
-    if manifest.backend == "memmap" or manifest.format_version >= 3:
+    if BACKENDS[manifest.backend].lists_files(manifest):
         _check_shards(result, manifest, index)
 
 
@@ -232,7 +228,7 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
     """Record counts and sizes as the manifest lists them per data file. Versions 1 and 2: memmap
     shards filled in index order, records back to back. Version 3 (segments): no two rows share bytes
     or a key, and a memmap dataset's bytes no row points to add up to ``dead_bytes``."""
-    files = data_files(manifest)
+    backend, files = BACKENDS[manifest.backend], data_files(manifest)
     number, position = record_places(manifest, index)
     counts = np.bincount(number, minlength=len(files)).tolist()
     listed = [int(s["count"]) for s in manifest.shards]
@@ -244,7 +240,7 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
     if manifest.format_version >= 3:
         order = np.lexsort((position, number))
         n, at = number[order], position[order]
-        ends = at + (index["length"][order].astype(np.int64) if manifest.backend == "memmap" else 1)
+        ends = at + (1 if backend.keyed else index["length"][order].astype(np.int64))
         shared = np.flatnonzero((n[1:] == n[:-1]) & (at[1:] < ends[:-1]))
         if len(shared):
             result.add(f"{INDEX}: record {int(order[shared[0] + 1])} shares its bytes or key with another record")
@@ -254,7 +250,7 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
         segments = len({int(s.get("segment", 0)) for s in manifest.shards}) or 1
         if segments != manifest.segments:
             result.add(f"manifest: segments {manifest.segments} differ from the data files' {segments}")
-        if manifest.backend == "memmap":  # LMDB: the walk counts the unused records' bytes
+        if not backend.keyed:  # keyed (LMDB): the walk counts the unused records' bytes
             live = np.zeros(len(files), np.int64)
             np.add.at(live, number, index["length"].astype(np.int64))
             for s, n, d in zip(manifest.shards, live.tolist(), dead):
@@ -270,13 +266,3 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
         if gap is not None:
             where = f"record {int(rows[gap])}" if gap < len(rows) else "its end"
             result.add(f"{s['file']}: records are not back to back filling {s['bytes']} bytes (at {where})")
-
-
-def _check_shard_files(result: Verification, root: Path, manifest: Manifest) -> None:
-    """Each shard file holds the bytes the manifest lists (a missing shard's records read as missing)."""
-    for s in manifest.shards:
-        path = root / str(s["file"])
-        size = path.stat().st_size if path.is_file() else None
-        if size != int(s["bytes"]):
-            what = "missing" if size is None else f"{size} bytes"
-            result.add(f"{s['file']}: shard is {what}, the manifest says {s['bytes']} (truncated or replaced)")

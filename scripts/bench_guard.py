@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from packer import build  # noqa: E402
+from packer.backends.lmdb import LmdbReader  # noqa: E402
 from packer.lmdbguard import P_LEAF, PageGuard  # noqa: E402
 from packer.pin import pin  # noqa: E402
-from packer.read import LmdbReader  # noqa: E402
 
 
 def main(base: Path, n: int) -> None:

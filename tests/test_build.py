@@ -14,9 +14,9 @@ import pytest
 from PIL import Image, ImageOps
 
 from packer import BuildError, build
+from packer.backends.lmdb import close_lmdb
 from packer.format import INDEX_DTYPE, Manifest, lmdb_key, load_index, source_path
 from packer.preprocess import target_size
-from packer.read import close_lmdb
 
 from .conftest import COMBOS, PHOTOS
 

@@ -571,17 +571,17 @@ def test_crop_on_decode_of_damaged_records_never_crashes(pristine) -> None:
 
 
 def test_threaded_lmdb_fetch_matches_serial_names_bad_records_and_survives_fork(pristine, tmp_path: Path) -> None:
-    """A batch's LMDB records are fetched by packer.read's fetch threads (each with its own read
+    """A batch's LMDB records are fetched by packer.backends.lmdb's fetch threads (each with its own read
     transaction): the same bytes in the same order as one at a time, a bad record named by its index,
     and a forked child (whose parent's threads did not survive the fork) fetching with its own."""
-    from packer import read
+    from packer.backends import lmdb as backend
 
     root = copy(pristine("lmdb", "raw"), tmp_path / "d.lmdb")
     manifest = Manifest.load(root)
     index, _ = load_index(root, manifest)
     reader = open_reader(root, manifest, index)
     order = [19, 3, 3, 0, 7, 12, 5, 5, 18, 1, 2, 4, 6, 8, 9, 10, 11, 13, 14, 15, 16, 17]
-    assert len(order) >= 2 * read.FETCH_THREADS
+    assert len(order) >= 2 * backend.FETCH_THREADS
     serial = [bytes(reader.get(i)) for i in order]
     assert [bytes(b) for b in reader.get_many(order)] == serial
 

@@ -20,18 +20,19 @@ from torch.utils.data import DataLoader
 
 import packer.segments
 from packer import ShardDataset, build
+from packer.backends import data_files
+from packer.backends.lmdb import close_lmdb
 from packer.format import (
     INDEX,
     MANIFEST,
     Digest,
     Manifest,
-    data_files,
     index_digest,
     load_index,
     manifest_digest,
     source_path,
 )
-from packer.read import close_lmdb, open_reader
+from packer.read import open_reader
 from packer.verify import verify
 from packer.walk import InOrder, walk
 

@@ -12,8 +12,9 @@ import lmdb
 import pytest
 
 from packer import ShardDataset
+from packer.backends.lmdb import close_lmdb
 from packer.format import Manifest, lmdb_key, load_index
-from packer.read import close_lmdb, open_reader
+from packer.read import open_reader
 from packer.verify import verify
 from packer.walk import walk
 
