@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .backends import BACKENDS
 from .format import disk_bytes
 
 #: Sweep points within this fraction of the best throughput count as "not growing any more".
@@ -259,11 +260,9 @@ def advice(
         )
     if share.get("resize", 0) > 25 and resize != "packer":
         notes.append(_resize_advice(resize))
-    if fits_in_page_cache is False and (fmt == "raw" or backend == "lmdb"):
-        better = [
-            *(["JPEG records are ~14x smaller than raw ones (`--format jpeg`)"] if fmt == "raw" else []),
-            *(["memmap shards read from disk faster than LMDB (`--backend memmap`)"] if backend == "lmdb" else []),
-        ]
+    cold = BACKENDS[backend].cold_advice
+    if fits_in_page_cache is False and (fmt == "raw" or cold):
+        better = [*(["JPEG records are ~14x smaller than raw ones (`--format jpeg`)"] if fmt == "raw" else []), *cold]
         notes.append(
             "the dataset does not fit in the page cache, so every epoch reads it from disk: "
             + "; ".join(better)

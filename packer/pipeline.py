@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-import lmdb
 import numpy as np
 
-from .backends import BACKENDS, close_all
+from .backends import BACKENDS, WRITE_ERRORS, close_all
 from .format import MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
@@ -338,7 +337,7 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
             if cache is not None:
                 close_all(out)  # our handles on the old OUT, before the rename replaces it
         report = complete(staging, out, found, options, sink, resumed_from)
-    except (lmdb.Error, OSError) as e:  # LMDB reports a full disk as a bare "Input/output error"
+    except WRITE_ERRORS as e:  # LMDB reports a full disk as a bare "Input/output error"
         if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
             raise
         raise BuildError(

@@ -22,12 +22,13 @@ from .scan import Scan
 
 TRAIN = "train"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_SUFFIXES = tuple(b.suffix for b in BACKENDS.values() if b.suffix)  # a split named val.lmdb would clash
 
 
 def check_splits(splits: dict[str, float]) -> None:
     """Raise ValueError unless the names are usable folder names and the fractions leave room for train."""
     for name, fraction in splits.items():
-        if not _NAME.fullmatch(name) or name == TRAIN or name.endswith(".lmdb"):
+        if not _NAME.fullmatch(name) or name == TRAIN or name.endswith(_SUFFIXES):
             raise ValueError(
                 f"--split name {name!r} must be a plain name other than {TRAIN!r} "
                 f"(letters, digits, '_', '-', '.'); {TRAIN} is the remainder"

@@ -44,3 +44,22 @@ def test_every_subpackage_is_packaged() -> None:
     packages = re.findall(r'"([^"]+)"', line.group(1))
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
     assert set(packages) == found
+
+
+def test_one_backend_table_and_no_branch_on_a_backend_name() -> None:
+    """packer.backends' table names the backends a manifest may name, and only packer/backends/
+    compares a backend's name (every other module looks the backend up in the table)."""
+    from packer import format
+    from packer.backends import BACKENDS
+
+    assert tuple(BACKENDS) == format.BACKENDS
+    assert all(name == b.name for name, b in BACKENDS.items())
+    branch = re.compile(r"""(==|!=)\s*["'](lmdb|memmap)["']|["'](lmdb|memmap)["']\s*(==|!=)""")
+    outside = [f for f in PACKAGE.rglob("*.py") if "backends" not in f.parts]
+    found = [
+        f"{f.relative_to(ROOT)}: {line.strip()}"
+        for f in outside
+        for line in f.read_text().splitlines()
+        if branch.search(line)
+    ]
+    assert found == []

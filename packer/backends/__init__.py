@@ -15,10 +15,22 @@ from .base import Backend, Buffer, Reader, Writer
 from .lmdb import Lmdb
 from .memmap import Memmap
 
-__all__ = ["BACKENDS", "Backend", "Buffer", "Reader", "Writer", "close_all", "data_files", "record_places"]
+__all__ = [
+    "BACKENDS",
+    "WRITE_ERRORS",
+    "Backend",
+    "Buffer",
+    "Reader",
+    "Writer",
+    "close_all",
+    "data_files",
+    "record_places",
+]
 
 #: Every backend by the name manifests and ``--backend`` use (packer.format.BACKENDS lists the same).
 BACKENDS: dict[str, Backend] = {b.name: b for b in (Lmdb(), Memmap())}
+#: What the backends' writers raise on a full disk (a build turns it into one clear error).
+WRITE_ERRORS: tuple[type[Exception], ...] = (OSError, *(e for b in BACKENDS.values() for e in b.write_errors))
 
 
 def data_files(manifest: Manifest) -> list[str]:

@@ -83,10 +83,13 @@ class Backend:
     unnamed bytes are what the rows do not cover (memmap). ``concatenated``: data files are shards of
     ``shard_size`` records back to back (memmap), so the shard size shapes them and a file of records
     written elsewhere (a Dask fragment) is a shard as it is. ``suffix``: the output name that makes it
-    the default (``out.lmdb``)."""
+    the default (``out.lmdb``). ``cold_advice``: what ``packer bench`` suggests for a dataset of this
+    backend bigger than the page cache. ``write_errors``: what its writer raises besides OSError."""
 
     name = ""
     suffix = ""
+    cold_advice: tuple[str, ...] = ()
+    write_errors: tuple[type[Exception], ...] = ()
     keyed = False
     concatenated = False
     reader: type[Reader] = Reader

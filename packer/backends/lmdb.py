@@ -419,6 +419,8 @@ class Lmdb(Backend):
     file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
 
     name, suffix, keyed = "lmdb", ".lmdb", True
+    write_errors = (lmdb.Error,)
+    cold_advice = ("memmap shards read from disk faster than LMDB (`--backend memmap`)",)
     reader = LmdbReader
 
     def data_name(self, k: int) -> str:
