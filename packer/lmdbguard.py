@@ -231,7 +231,7 @@ class PageGuard:
         (first,) = struct.unpack_from("<Q", self.mm, start)
         # liblmdb reads a big value from right after its first overflow page's header, without
         # looking at that header; the overflow pages themselves are not read here (a cold dataset's
-        # first read of each record stays in the fetch threads, see packer.read)
+        # first read of each record stays in the fetch threads, see packer.backends.lmdb)
         if not 2 <= first <= self.last or first * self.psize + HEADER + length > (self.last + 1) * self.psize:
             raise Damaged(
                 f"leaf page {page} has a value of {length} bytes on overflow page {first}: past the end of the file"

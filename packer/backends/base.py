@@ -18,7 +18,8 @@ import numpy as np
 from ..format import DatasetError, Manifest
 
 if TYPE_CHECKING:
-    from ..pin import Pinned, Shard
+    from ..pin import Pinned
+    from .memmap import Shard
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
@@ -93,10 +94,6 @@ class Backend:
     keyed = False
     concatenated = False
     reader: type[Reader] = Reader
-
-    def data_name(self, k: int) -> str:
-        """The name of data file ``k`` (the index rows' ``shard`` number)."""
-        raise NotImplementedError
 
     def data_files(self, manifest: Manifest) -> list[str]:
         """The dataset's data files, numbered as index rows' ``shard`` numbers them."""

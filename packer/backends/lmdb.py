@@ -1,7 +1,6 @@
 """The LMDB backend: writer, per-process readers, the sequential walk over a data file, and the checks
 of its pages and keys.
 
-Readers.
 py-lmdb refuses to open the same file twice in a process (it keys on its device and inode) and an
 environment must not be used across fork(), so LMDB environments live in a per-process registry
 keyed by each data file's identity (a dataset of several segments has several: ``data.mdb``,
@@ -35,7 +34,8 @@ from ..lmdbguard import Damaged, PageGuard
 from .base import Backend, Buffer, ExtraKeys, Raw, Reader, listed_sizes
 
 if TYPE_CHECKING:
-    from ..pin import Pinned, Shard
+    from ..pin import Pinned
+    from .memmap import Shard
 
 
 EnvKey = tuple[int, int]  # (st_dev, st_ino) of an LMDB data file: what py-lmdb's "already open" guard keys on
@@ -422,9 +422,6 @@ class Lmdb(Backend):
     write_errors = (lmdb.Error,)
     cold_advice = ("memmap shards read from disk faster than LMDB (`--backend memmap`)",)
     reader = LmdbReader
-
-    def data_name(self, k: int) -> str:
-        return lmdb_segment_name(k)
 
     def data_files(self, manifest: Manifest) -> list[str]:
         return [LMDB_DATA] if manifest.format_version < 3 else super().data_files(manifest)

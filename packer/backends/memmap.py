@@ -174,9 +174,6 @@ class Memmap(Backend):
     name, concatenated = "memmap", True
     reader = MemmapReader
 
-    def data_name(self, k: int) -> str:
-        return shard_name(k)
-
     def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
         sizes = listed_sizes(root, index, manifest)
         end = index["offset"] + index["length"]
