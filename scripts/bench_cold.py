@@ -43,9 +43,9 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagecache import cached_fraction, evict, files
 
+from packer.backends.lmdb import close_lmdb
 from packer.bench import cores, disk_bytes
 from packer.dataset import ShardDataset
-from packer.read import close_lmdb
 from packer.sample import make_folder
 from packer.sampler import ShardSampler
 

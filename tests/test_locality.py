@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from packer import ShardSampler, locality
+from packer.backends.lmdb import LmdbReader, close_lmdb
 from packer.dataset import ShardDataset
 from packer.format import lmdb_key
-from packer.read import LmdbReader, close_lmdb
 
 from . import _sampler_run as run
 
