@@ -97,7 +97,7 @@ def close_lmdb(path: str | os.PathLike | None = None, file: Optional[EnvKey] = N
 
 def check_lmdb_pages(path: str | os.PathLike, label: str | os.PathLike = "") -> None:
     """Refuse a data.mdb with malformed pages anywhere, using py-lmdb's pure-Python verifier
-    (py-lmdb >= 3.0): ``packer verify``'s whole-file check (~16 us per record). ``path`` is the
+    (py-lmdb >= 3.0): ``packer verify``'s whole-file check (a pass over every page). ``path`` is the
     environment directory, or the data file itself; ``label`` names it in errors."""
     try:
         from lmdb.verify import VerifyError
@@ -136,8 +136,8 @@ def check_lmdb_tree(data: str | os.PathLike) -> None:
 #: Threads per process that fetch a batch's LMDB records together. py-lmdb's ``get`` touches every
 #: page of a value (with the GIL released), and packer opens LMDB without readahead (random reads
 #: of data bigger than RAM), so a record not in the page cache is read one page after another:
-#: fetching in threads keeps that many reads in flight. Measured on a cold dataset here, 8 threads:
-#: raw records 4.3x, JPEG 4.2x faster to fetch; no slower once cached.
+#: fetching in threads keeps that many reads in flight: much faster cold, no slower once cached
+#: (measured: docs/PERFORMANCE.md, "Cold reads").
 FETCH_THREADS = 8
 
 _TXNS = threading.local()  # per thread: {id(environment): (_Env, txn)}, the thread's own read transactions

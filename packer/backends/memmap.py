@@ -26,9 +26,9 @@ class MemmapReader(Reader):
     """Records from the memmap shards. Each shard is mapped with the kernel's readahead off
     (MADV_RANDOM), and each record fetched is asked for whole (MADV_WILLNEED on its exact byte range)
     before it is read: a batch's reads are then in flight together, and nothing beyond them is read.
-    With readahead on, one page fault read 8 MB around it here (the disk's read_ahead_kb): fine for a
-    dataset that fits in RAM, which keeps the over-read, but ~7x slower for JPEG records (and 2x for
-    raw ones) once the dataset is bigger than the page cache (docs/PERFORMANCE.md, "Cold reads").
+    With readahead on, one page fault read the disk's read_ahead_kb around it: fine for a dataset that
+    fits in RAM, which keeps the over-read, but several times slower once the dataset is bigger than
+    the page cache (docs/PERFORMANCE.md, "Cold reads").
 
     A shard truncated in place after it was mapped would fault (SIGBUS) on the lost pages, so before
     a batch is read each shard it touches is looked up once (one stat): the pinned file, still at its
