@@ -409,8 +409,8 @@ class DaskEngine:
         for tmp in fragments.glob(".*.tmp-*"):
             tmp.unlink()  # from attempts killed mid-write
         old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)
-        rels = [s.rel for s, j in zip(found.sources, old_of.tolist()) if j < 0]  # only the files to decode
-        tasks = [rels[start : start + options.shard_size] for start in range(0, len(rels), options.shard_size)]
+        rels = found.sources.paths.select(old_of < 0)  # only the files to decode
+        tasks = [list(rels[start : start + options.shard_size]) for start in range(0, len(rels), options.shard_size)]
         finished = {k: _finished(fragments, k, files) for k, files in enumerate(tasks)}
         if options.on_error == "fail":  # a fragment with skipped files is redone: the files may have been fixed
             finished = {k: m if m is None or not m["skipped"] else None for k, m in finished.items()}

@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from .backends import BACKENDS
 from .scan import Scan
 
@@ -53,13 +55,15 @@ def split_of(rel: str, splits: dict[str, float], seed: int) -> str:
 
 def split_scan(found: Scan, splits: dict[str, float], seed: int) -> dict[str, Scan]:
     """One sub-scan per split, ``train`` first; all share ``found.classes`` (the same label ids)."""
-    rels = [s.rel for s in found.sources] + [rel for rel, _ in found.ignored + found.missing]
-    where = {rel: split_of(rel.rstrip("/"), splits, seed) for rel in rels}  # hashed once per file
+    names = [TRAIN, *splits]
+    number = {name: k for k, name in enumerate(names)}
+    of = np.fromiter((number[split_of(rel, splits, seed)] for rel in found.sources.paths), np.int16, len(found.sources))
+    where = {rel: split_of(rel.rstrip("/"), splits, seed) for rel, _ in found.ignored + found.missing}
 
     def member(name: str) -> Callable[[str], bool]:
         return lambda rel: where[rel] == name
 
-    return {name: found.subset(member(name)) for name in (TRAIN, *splits)}
+    return {name: found.subset(of == k, member(name)) for k, name in enumerate(names)}
 
 
 def split_path(out: str | os.PathLike, name: str, backend: str) -> Path:

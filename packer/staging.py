@@ -17,6 +17,7 @@ manifest, with the digest of the index's logical content (docs/FORMAT.md, "The d
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -332,7 +333,16 @@ def fill(
     sink.checkpoint(done)
 
 
-def _record_labels(found: Scan, rows: np.ndarray, blob: np.ndarray) -> dict[str, np.ndarray]:
+def _file_digest(path: Path) -> str:
+    """:func:`~packer.format.index_digest` of the array a journal file holds, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def _record_labels(found: Scan, rows: np.ndarray, staging: Path) -> dict[str, np.ndarray]:
     """The per-record label arrays (LABELS, TARGETS) the scan has for this dataset's records.
 
     Records are the packed sources in scan order, so a merge walk over their source paths (the
@@ -341,11 +351,11 @@ def _record_labels(found: Scan, rows: np.ndarray, blob: np.ndarray) -> dict[str,
     per_source = {name: a for name, a in ((LABELS, found.multi), (TARGETS, found.targets)) if a is not None}
     if not per_source:
         return {}
+    blob = (staging / SOURCES_PART).read_bytes()
     at = np.empty(len(rows), dtype=np.int64)
     j = 0
     for k, (o, n) in enumerate(zip(rows["src_offset"].tolist(), rows["src_length"].tolist())):
-        rel = bytes(blob[o : o + n]).decode("utf-8", "surrogateescape")
-        while found.sources[j].rel != rel:
+        while found.sources.paths.encoded(j) != blob[o : o + n]:
             j += 1
         at[k], j = j, j + 1
     return {name: a[at] for name, a in per_source.items()}
@@ -357,8 +367,7 @@ def complete(
     """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
     written = sink.close()
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
-    blob = np.fromfile(staging / SOURCES_PART, dtype=np.uint8)
-    arrays = _record_labels(found, rows, blob)
+    arrays = _record_labels(found, rows, staging)
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
     shards, total, dead, segments = data_table(staging, rows, sink.base, written)
@@ -385,7 +394,7 @@ def complete(
         label_kind=found.kind,
         targets=found.target_names,
         labels_digest=labels_digest,
-        sources_digest=index_digest(blob),
+        sources_digest=_file_digest(staging / SOURCES_PART),
         dead_bytes=dead,
         segments=segments,
     )
@@ -402,14 +411,21 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
+def _npy_from(part: Path, npy: Path, dtype: np.dtype) -> None:
+    """The journal file ``part`` (an array's bytes) as the .npy ``np.save`` would write, copied in
+    blocks rather than loaded whole."""
+    count = part.stat().st_size // dtype.itemsize
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
+    with open(npy, "wb") as f, open(part, "rb") as src:
+        np.lib.format.write_array_header_1_0(f, header)
+        shutil.copyfileobj(src, f, 1 << 20)
+
+
 def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.ndarray]) -> None:
     """Journal -> .npy (and the label ``arrays``), manifest last, everything fsynced, then one rename
     makes OUT appear whole."""
-    index = np.lib.format.open_memmap(staging / INDEX, mode="w+", dtype=INDEX_DTYPE, shape=(manifest.count,))
-    index[:] = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
-    index.flush()
-    del index
-    np.save(staging / SOURCES, np.fromfile(staging / SOURCES_PART, dtype=np.uint8), allow_pickle=False)
+    _npy_from(staging / INDEX_PART, staging / INDEX, INDEX_DTYPE)
+    _npy_from(staging / SOURCES_PART, staging / SOURCES, np.dtype(np.uint8))
     for name, a in arrays.items():
         np.save(staging / name, a, allow_pickle=False)
     for name in (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART):

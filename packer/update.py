@@ -11,7 +11,7 @@ import hashlib
 import itertools
 import json
 import sys
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -22,7 +22,7 @@ from . import __version__
 from .backends import BACKENDS, record_places
 from .format import MANIFEST, DatasetError, Manifest, load_index
 from .preprocess import Options, Record, Result, process_chunk
-from .scan import Scan, Source
+from .scan import Scan, Sources
 from .segments import Base
 from .walk import InOrder
 from .workers import results
@@ -158,7 +158,7 @@ def _old_paths(index: np.ndarray, paths: np.ndarray, start: int, stop: int) -> l
     return [bytes(view[o : o + n]).decode("utf-8", "surrogateescape") for o, n in spans]
 
 
-def _same_paths(index: np.ndarray, paths: np.ndarray, rels: list[str], step: int = 1 << 16) -> np.ndarray:
+def _same_paths(index: np.ndarray, paths: np.ndarray, rels: Sequence[str], step: int = 1 << 16) -> np.ndarray:
     """Per path of ``rels``, the old row with that source path, or -1. A join on the paths' 64-bit
     hashes (a sort and a binary search), each match then confirmed on the path itself: ~30 bytes a
     file where a dict of the old paths took ~540 (docs/PERFORMANCE.md, "Refresh cost with segments");
@@ -193,7 +193,7 @@ def reuse_plan(
     if why:
         _say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
         return None
-    candidate = _same_paths(index, paths, [s.rel for s in found.sources])
+    candidate = _same_paths(index, paths, found.sources.paths)
     known = np.flatnonzero(candidate >= 0)
     same = np.ones(len(known), dtype=bool)
     for name in ("src_size", "src_hash") if settings["checksum"] else ("src_size", "src_mtime_ns"):
@@ -205,7 +205,7 @@ def reuse_plan(
 
 def ordered_results(
     raw: Path,
-    todo: list[Source],
+    todo: Sources,
     old_of: np.ndarray,
     cache: Optional[Cache],
     opts: Options,
@@ -217,7 +217,7 @@ def ordered_results(
     from ``fresh``: the results of the files to decode, in order (by default this machine's worker
     pool, which sees only those files; a --dask build passes its own)."""
     if fresh is None:
-        rels = [s.rel for s, j in zip(todo, old_of) if j < 0]  # the scan's own strings: no copies
+        rels = todo.paths.select(old_of < 0)
         fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
     old = _OldRecords(cache) if cache is not None else None
     step = 4096

@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 import signal
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, SpawnContext
 
@@ -96,7 +96,7 @@ def _isolated(path: str, opts: Options, ctx: Context) -> Result:
         worker.stop(now=False)
 
 
-def results(root: str, rels: list[str], opts: Options, workers: int, chunk: int) -> Generator[Result, None, None]:
+def results(root: str, rels: Sequence[str], opts: Options, workers: int, chunk: int) -> Generator[Result, None, None]:
     """Preprocess the files ``rels`` (relative to ``root``) in order with a bounded window of in-flight
     chunks (flat memory: a chunk's full paths are made when it is handed over, not a million at once).
 
