@@ -73,11 +73,12 @@ class Paths(Sequence[str]):
     ~90 (a million-file scan: docs/PERFORMANCE.md, "A million files"). Items are decoded as they are
     read; a slice shares the blob."""
 
-    __slots__ = ("blob", "offsets")
+    __slots__ = ("_at", "blob", "offsets")
 
     def __init__(self, blob: bytes, offsets: np.ndarray) -> None:
         self.blob = blob
         self.offsets = offsets  # int64, len + 1 entries: item i is blob[offsets[i]:offsets[i + 1]]
+        self._at = offsets.data  # a memoryview: a Python int per read, ~20x faster than numpy indexing
 
     @classmethod
     def of(cls, rels: Iterable[str]) -> Paths:
@@ -102,11 +103,12 @@ class Paths(Sequence[str]):
 
     def encoded(self, i: int) -> bytes:
         """Item ``i`` as the journal stores it."""
+        at = self._at
         if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
+            i += len(at) - 1
+        if not 0 <= i < len(at) - 1:
             raise IndexError(i)
-        return self.blob[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        return self.blob[at[i] : at[i + 1]]
 
     def encoded_items(self) -> Iterator[bytes]:
         for start in range(0, len(self), _CHUNK):
