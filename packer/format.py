@@ -50,7 +50,7 @@ TARGETS = "targets.npy"  # with manifest ``targets``: float32, count x len(targe
 #: One row per record. ``shard``/``offset`` locate memmap records (0 for LMDB, where the key is the
 #: zero-padded record number). ``src_offset``/``src_length`` slice the UTF-8 source-path blob.
 #: ``src_size``/``src_mtime_ns``/``src_hash`` identify the source file as it was packed, so that
-#: ``build --update`` can tell an unchanged file (its record is copied) from a changed one.
+#: ``build --update`` can tell an unchanged file (its record is kept) from a changed one.
 INDEX_DTYPE = np.dtype(
     [
         ("shard", "<u4"),

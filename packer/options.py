@@ -114,7 +114,8 @@ class BuildOptions:
     )
     update: bool = _flag(
         "Refresh OUT: decode only files added or changed since it was built (same path, size and "
-        "mtime = unchanged), drop deleted ones, copy the other records. Unchanged input: says so, "
+        "mtime = unchanged), drop deleted ones, keep the other records (their data files are linked, "
+        "not copied). Unchanged input: says so, "
         "writes nothing. Changed build options: rebuilds everything. Builds OUT if absent.",
     )
     checksum: bool = _flag("With --update: compare file contents (a hash; reads every file) instead of mtimes.")
