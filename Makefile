@@ -84,7 +84,7 @@ test-sanitize: setup
 	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) scripts/fuzz_native.py --seconds $(SANITIZE_SECONDS) \
 	  --seed $(SANITIZE_SEED) --module $(SANITIZE_DIR)/_native.so
 
-# packer itself compares RAW with what OUT was built from: unchanged files are copied, not decoded,
+# packer itself compares RAW with what OUT was built from: unchanged files keep their records (linked),
 # and an unchanged RAW is a fast no-op. ARGS passes more build options, e.g. ARGS="--split val=0.05".
 dataset: setup
 	$(VENV)/bin/packer build "$(RAW)" "$(OUT)" --update --format $(FORMAT) $(ARGS)
