@@ -28,7 +28,6 @@ import mmap
 import os
 import shutil
 import socket
-import sys
 import uuid
 from collections.abc import Generator
 from contextlib import ExitStack
@@ -41,7 +40,7 @@ import numpy as np
 from . import __version__
 from .backends import BACKENDS
 from .codec import can_decode_region, codec_name
-from .errors import PackerError
+from .errors import PackerError, say
 from .format import INDEX_DTYPE, shard_name
 from .options import DASK_TASK_SIZE, BuildError, BuildOptions
 from .pipeline import run_build
@@ -459,8 +458,7 @@ class DaskEngine:
         for stale in BACKENDS[backend].written_from(staging, first):
             stale.unlink(missing_ok=True)  # left by an interrupted assembly; rebuilt below
         fresh_bytes = sum(int(m["bytes"]) for m in metas)
-        if not self.quiet:
-            print(f"packer: assembling {len(metas)} shards ({fresh_bytes / 1e6:.1f} MB)", file=sys.stderr, flush=True)
+        say(f"assembling {len(metas)} shards ({fresh_bytes / 1e6:.1f} MB)", self.quiet)
         expected = fresh_bytes + (int(cache.manifest.bytes) if cache is not None else 0)
 
         def writer(state: Optional[dict[str, Any]]) -> Writer:

@@ -18,7 +18,6 @@ import errno
 import fcntl
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from .backends import BACKENDS, WRITE_ERRORS, close_all
+from .errors import say
 from .format import MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
@@ -90,22 +90,13 @@ def _acquire(path: Path, out: Path, wait: bool, quiet: bool) -> Optional[int]:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 if e.errno not in (errno.EACCES, errno.EAGAIN):
-                    print(
-                        f"packer: warning: cannot lock {path} ({e.strerror}); nothing stops a second build "
-                        f"of {out} meanwhile",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    say(f"warning: cannot lock {path} ({e.strerror}); nothing stops a second build of {out} meanwhile")
                     os.close(fd)
                     return None
                 if not wait:
                     raise BuildError(f"{out} is being built by pid {_lock_holder(fd)}") from None
-                if not announced and not quiet:
-                    print(
-                        f"packer: waiting for pid {_lock_holder(fd)}, which is building {out}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                if not announced:
+                    say(f"waiting for pid {_lock_holder(fd)}, which is building {out}", quiet)
                 announced = True
                 fcntl.lockf(fd, fcntl.LOCK_EX)  # Ctrl-C and SIGTERM interrupt the wait
             if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a file its last holder removed
@@ -213,15 +204,14 @@ def _built_otherwise(out: Path) -> BuildError:
 def _warn_class_changes(out: Path, old: list[str], new: list[str], quiet: bool) -> None:
     """A refresh that renumbers classes says so (a class folder deleted or added shifts the ids after it)."""
     moved = [f"{name!r} {i} -> {new.index(name)}" for i, name in enumerate(old) if name in new and new.index(name) != i]
-    if moved and not quiet:
+    if moved:
         gone = [name for name in old if name not in new]
-        print(
-            f"packer: warning: class ids change from those of {out}"
+        say(
+            f"warning: class ids change from those of {out}"
             + (f" (gone: {', '.join(map(repr, gone))})" if gone else "")
             + f": {', '.join(moved[:5])}"
             + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""),
-            file=sys.stderr,
-            flush=True,
+            quiet,
         )
 
 
@@ -256,15 +246,12 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet:
             f"--on-error skip to build without them)"
         )
     for a, b in confusable(found.classes):
-        if not quiet:
-            print(
-                f"packer: warning: class names {a!r} and {b!r} differ only in Unicode normalization or "
-                f"case: they are two classes",
-                file=sys.stderr,
-                flush=True,
-            )
-    for note in found.notes if not quiet else ():
-        print(f"packer: {note}", file=sys.stderr, flush=True)
+        say(
+            f"warning: class names {a!r} and {b!r} differ only in Unicode normalization or case: they are two classes",
+            quiet,
+        )
+    for note in found.notes:
+        say(note, quiet)
     if not found.sources:
         hint = "" if options.labels or labelling.unlabeled else "; for a flat folder of unlabeled images, --unlabeled"
         raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside{hint})")
@@ -355,8 +342,8 @@ def _link_old_files(out: Path, staging: Path, cache: Cache, options: BuildOption
     assert options.backend is not None and options.shard_size is not None
     kept = cache.old_of[cache.old_of >= 0]
     keep, why = plan(cache.manifest, cache.index, kept, options.backend, options.shard_size)
-    if why and not quiet:
-        print(f"packer: {out}: {why}", file=sys.stderr, flush=True)
+    if why:
+        say(f"{out}: {why}", quiet)
     if keep:
         cache.base = link_base(out, staging, old_files(cache.manifest, cache.index)[:keep], quiet)
 

@@ -22,7 +22,6 @@ import dataclasses
 import errno
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +29,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .backends import BACKENDS, data_files, record_places
+from .errors import say
 from .format import (
     FORMAT_VERSION,
     LABELS,
@@ -61,11 +61,6 @@ class Base:
     @property
     def files(self) -> list[str]:
         return [str(e["file"]) for e in self.entries]
-
-
-def _say(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"packer: {message}", file=sys.stderr, flush=True)
 
 
 def _per_file(number: np.ndarray, lengths: np.ndarray, files: int) -> np.ndarray:
@@ -133,7 +128,7 @@ def link_base(old: Path, staging: Path, entries: list[dict[str, Any]], quiet: bo
         for name in files:
             (staging / name).unlink(missing_ok=True)
         why = "another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
-        _say(f"cannot hard-link the data files of {old} into {staging} ({why}): rewriting every record", quiet)
+        say(f"cannot hard-link the data files of {old} into {staging} ({why}): rewriting every record", quiet)
         return None
     return Base(entries)
 
@@ -231,5 +226,5 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         )
         del pinned, index, records
         finalize(staging, out, new, arrays)
-    _say(f"{out}: compacted {old.bytes / 1e6:.1f} MB in {old.segments} segment(s) into {total / 1e6:.1f} MB", quiet)
+    say(f"{out}: compacted {old.bytes / 1e6:.1f} MB in {old.segments} segment(s) into {total / 1e6:.1f} MB", quiet)
     return old, new

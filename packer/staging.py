@@ -33,6 +33,7 @@ import numpy as np
 from . import __version__
 from .backends import Writer
 from .codec import codec_name
+from .errors import say
 from .format import (
     IDENTITY_FIELDS,
     INDEX,
@@ -199,12 +200,7 @@ class Progress:
             self.last = now
             rate = (self.done - self.start_done) / (now - self.start)
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            print(
-                f"packer: {self.done}/{self.total} files{', ' + note if note else ''}, {rate:.1f} images/s, "
-                f"ETA {eta:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"{self.done}/{self.total} files{', ' + note if note else ''}, {rate:.1f} images/s, ETA {eta:.0f} s")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import sys
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 
 from . import __version__
 from .backends import BACKENDS, record_places
+from .errors import say
 from .format import MANIFEST, DatasetError, Manifest, load_index
 from .preprocess import Options, Record, Result, process_chunk
 from .scan import Scan, Sources
@@ -36,11 +36,6 @@ def inputs_digest(found: Scan, settings: dict[str, Any]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _say(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"packer: {message}", file=sys.stderr, flush=True)
-
-
 def previous_dataset(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndarray, np.ndarray]]:
     """The dataset already at ``out`` (manifest, index, source paths), or None when there is none or it
     cannot be read (then it is rebuilt in full)."""
@@ -50,7 +45,7 @@ def previous_dataset(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndar
         manifest = Manifest.load(out)
         return (manifest, *load_index(out, manifest))
     except DatasetError as e:
-        _say(f"cannot reuse {out} ({e}); rebuilding every record", quiet)
+        say(f"cannot reuse {out} ({e}); rebuilding every record", quiet)
         return None
 
 
@@ -191,7 +186,7 @@ def reuse_plan(
     manifest, index, paths = previous
     why = _stale_reason(manifest, settings)
     if why:
-        _say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
+        say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
         return None
     candidate = _same_paths(index, paths, found.sources.paths)
     known = np.flatnonzero(candidate >= 0)
