@@ -69,16 +69,16 @@ def _encode(rel: str) -> bytes:
 
 
 class Paths(Sequence[str]):
-    """Relative paths held as one UTF-8 blob plus offsets: ~35 bytes a file, where a list of str costs
-    ~90 (a million-file scan: docs/PERFORMANCE.md, "A million files"). Items are decoded as they are
-    read; a slice shares the blob."""
+    """Relative paths held as one UTF-8 blob plus offsets: a fraction of a list of str's memory (a
+    million-file scan: docs/PERFORMANCE.md, "Compact scan"). Items are decoded as they are read; a
+    slice shares the blob."""
 
     __slots__ = ("_at", "blob", "offsets")
 
     def __init__(self, blob: bytes, offsets: np.ndarray) -> None:
         self.blob = blob
         self.offsets = offsets  # int64, len + 1 entries: item i is blob[offsets[i]:offsets[i + 1]]
-        self._at = offsets.data  # a memoryview: a Python int per read, ~20x faster than numpy indexing
+        self._at = offsets.data  # a memoryview: a Python int per read, far cheaper than numpy indexing
 
     @classmethod
     def of(cls, rels: Iterable[str]) -> Paths:
