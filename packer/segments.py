@@ -171,7 +171,7 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
     """Rewrite the dataset at ``out`` into one segment (no dead bytes), every record copied as it is
     and checked against its CRC-32 on the way; (old manifest, new manifest). Same records, labels and
     ``digest`` (a version-1 or 2 dataset becomes version 3, whose digest is defined otherwise)."""
-    from .options import BuildError
+    from .options import SHARD_SIZE, BuildError
     from .pipeline import build_lock, dataset_path
     from .staging import INDEX_PART, SOURCES_PART, finalize, staging_path
 
@@ -186,13 +186,13 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         backend = BACKENDS[old.backend]
         for name in data_files(old):  # LMDB: liblmdb must not walk a damaged file
             backend.check_walkable(out / name)
-        writer = backend.open_writer(staging, None, int(old.options.get("shard_size", 10_000)))
+        writer = backend.open_writer(staging, None, int(old.options.get("shard_size", SHARD_SIZE)))
         rows = np.array(index)
         records = InOrder(out, old, index)
         try:
             for j in range(len(index)):
-                data, crc = records.get(j)
-                if data is None or len(data) != int(index[j]["length"]) or crc != int(index[j]["crc32"]):
+                data = records.intact(j)
+                if data is None:
                     raise BuildError(
                         f"{out}: record {j} ({source_path(pinned.sources, index[j])}) is missing or damaged; "
                         f"compact copies records as they are (rebuild with build --force)"

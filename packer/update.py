@@ -112,14 +112,12 @@ class _OldRecords:
             if k not in self._checked and k < len(self._records.files):
                 BACKENDS[c.manifest.backend].check_walkable(c.root / self._records.files[k])
                 self._checked.add(k)
-            data, crc = self._records.get(j)
+            data = self._records.intact(j)
         except (DatasetError, OSError):
             self.close()
             self._broken = True
             return None
-        if data is None or len(data) != int(row["length"]) or crc != int(row["crc32"]):
-            return None
-        return Record(data, int(row["height"]), int(row["width"]), crc)
+        return None if data is None else Record(data, int(row["height"]), int(row["width"]), int(row["crc32"]))
 
     def close(self) -> None:
         if self._records is not None:
@@ -155,8 +153,8 @@ def _old_paths(index: np.ndarray, paths: np.ndarray, start: int, stop: int) -> l
 
 def _same_paths(index: np.ndarray, paths: np.ndarray, rels: Sequence[str], step: int = 1 << 16) -> np.ndarray:
     """Per path of ``rels``, the old row with that source path, or -1. A join on the paths' 64-bit
-    hashes (a sort and a binary search), each match then confirmed on the path itself: ~30 bytes a
-    file where a dict of the old paths took ~540 (docs/PERFORMANCE.md, "Refresh cost with segments");
+    hashes (a sort and a binary search), each match then confirmed on the path itself: a few numpy
+    arrays, not a dict of a million old paths (measured: docs/PERFORMANCE.md, "Refresh cost with segments");
     the old paths are decoded a chunk at a time. A hash shared by two old paths (~1e-8 at 1M files)
     leaves one of them unmatched: its file is decoded again, the result the same."""
     hashes = np.empty(len(index), np.int64)

@@ -137,6 +137,13 @@ class InOrder:
                 return data, crc
         return None, 0
 
+    def intact(self, j: int) -> Optional[bytes]:
+        """Row ``j``'s bytes when they are there with the length and CRC-32 its index row says, else
+        None (missing or damaged since they were written)."""
+        data, crc = self.get(j)
+        row = self.index[j]
+        return data if data is not None and len(data) == int(row["length"]) and crc == int(row["crc32"]) else None
+
     def _close(self, k: int) -> None:
         held = self._walks.pop(k, None)
         if held is not None:
