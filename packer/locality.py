@@ -4,7 +4,7 @@ ShardSampler's ``order="block"`` knows, a window ahead, which blocks of records 
 epoch reads next (:attr:`packer.sampler.Draw.ahead`). Asked of the disk record by record, a block
 is many small reads (and in random order within the window); asked as the byte runs its records
 cover, it is a few large sequential ones with a deep queue, issued while the current window's
-records are decoded. The readers (packer.read) turn a block's records into file extents and give
+records are decoded. The readers (packer.backends) turn a block's records into file extents and give
 :func:`runs` of them to ``madvise``/``posix_fadvise(WILLNEED)``, which start the reads and return,
 in :func:`pieces` no longer than the kernel reads for one such call (Linux cuts a WILLNEED at the
 disk's readahead or largest request size, whichever is larger; the rest would be read page by page
