@@ -24,7 +24,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("build", "BuildOptions", "BuildReport", "BuildError"):
-        from . import pipeline as _pipeline
+        from .builder import pipeline as _pipeline
 
         return getattr(_pipeline, name)
     if name == "PackerError":
@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
 
         return PackerError
     if name == "Labelling":
-        from .labels import Labelling
+        from .builder.labels import Labelling
 
         return Labelling
     if name == "DatasetError":
@@ -40,11 +40,11 @@ def __getattr__(name: str) -> Any:
 
         return DatasetError
     if name == "ShardDataset":
-        from .dataset import ShardDataset
+        from .read.dataset import ShardDataset
 
         return ShardDataset
     if name == "ShardSampler":
-        from .sampler import ShardSampler
+        from .read.sampler import ShardSampler
 
         return ShardSampler
     raise AttributeError(f"module 'packer' has no attribute {name!r}")

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from packer import rng
-from packer.dataset import ShardDataset
-from packer.sampler import ShardSampler
+from packer.read import rng
+from packer.read.dataset import ShardDataset
+from packer.read.sampler import ShardSampler
 
 CROP, BATCH, SEED, EPOCHS = 32, 2, 5, 3
 

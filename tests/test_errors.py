@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import packer
-from packer.distributed import ShardError
+from packer.builder.dask import ShardError
+from packer.builder.labels import LabelError
+from packer.builder.pipeline import BuildError
+from packer.builder.scan import ScanError
 from packer.format import DatasetError
-from packer.labels import LabelError
-from packer.pipeline import BuildError
-from packer.scan import ScanError
 
 
 def test_every_expected_error_is_a_packer_error() -> None:

@@ -20,7 +20,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from packer import DatasetError, ShardDataset, build
-from packer.pin import DatasetReplaced
+from packer.read.pin import DatasetReplaced
 
 CLASSES = 3
 PER_CLASS = 7

@@ -18,7 +18,7 @@ import numpy as np
 from ..format import DatasetError, Manifest
 
 if TYPE_CHECKING:
-    from ..pin import Pinned
+    from ..read.pin import Pinned
     from .memmap import Shard
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
@@ -54,7 +54,7 @@ class Reader:
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Ask the disk now for the records of ``ranges`` (first, end), each run of them stored
         together in as few requests as the kernel takes, and return without waiting
-        (packer.locality): a hint, so nothing is checked or raised here; the records' reads later
+        (packer.backends.locality): a hint, so nothing is checked or raised here; the records' reads later
         check them. This base reader asks nothing."""
 
     def _bad(self, i: int, why: str) -> DatasetError:
@@ -122,7 +122,7 @@ class Backend:
         self, path: str | os.PathLike, state: Optional[dict[str, Any]], shard_size: int, first: int = 0, size: int = 0
     ) -> Writer:
         """A writer of the data files of the dataset staged at ``path``, numbered from ``first`` (a
-        refresh's new segment: after the old data files, see packer.segments); ``size``: the bytes it
+        refresh's new segment: after the old data files, see packer.builder.segments); ``size``: the bytes it
         is expected to write, when known."""
         raise NotImplementedError
 
@@ -133,7 +133,7 @@ class Backend:
     def pin_files(
         self, root: str, manifest: Manifest, open_file: Callable[[str], int]
     ) -> tuple[list[int], list[Shard]]:
-        """Hold the data files of the version being pinned (packer.pin): descriptors, or mappings."""
+        """Hold the data files of the version being pinned (packer.read.pin): descriptors, or mappings."""
         raise NotImplementedError
 
     def walk_file(

@@ -11,7 +11,7 @@ environment's PageGuard is per file too. An environment is opened from the reade
 descriptor, so it is the version the reader pinned, even once deleted. A batch's LMDB records are
 fetched by a few threads per process (see :data:`FETCH_THREADS`); every thread, the caller's
 included, reads through its own read transaction, as LMDB wants one transaction per thread. Before
-liblmdb is asked for a record, packer.lmdbguard has checked the pages the lookup will touch.
+liblmdb is asked for a record, packer.backends.lmdbguard has checked the pages the lookup will touch.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import lmdb
 import numpy as np
 
-from .. import locality
 from ..format import LMDB_DATA, DatasetError, Manifest, lmdb_key, lmdb_segment_name, open_regular
-from ..lmdbguard import Damaged, PageGuard
+from . import locality
 from .base import Backend, Buffer, ExtraKeys, Raw, Reader, listed_sizes
+from .lmdbguard import Damaged, PageGuard
 
 if TYPE_CHECKING:
-    from ..pin import Pinned
+    from ..read.pin import Pinned
     from .memmap import Shard
 
 
@@ -119,8 +119,8 @@ def check_lmdb_pages(path: str | os.PathLike, label: str | os.PathLike = "") -> 
 
 def check_lmdb_tree(data: str | os.PathLike) -> None:
     """Refuse the LMDB data file ``data`` unless every branch and leaf page is sound and every value
-    lies inside the file (packer.lmdbguard; cost in docs/PERFORMANCE.md): what must hold before a
-    cursor walks all its keys (packer.walk), whatever the file's mtime."""
+    lies inside the file (packer.backends.lmdbguard; cost in docs/PERFORMANCE.md): what must hold before a
+    cursor walks all its keys (packer.backends.walk), whatever the file's mtime."""
     try:
         fd = open_regular(data)
     except FileNotFoundError:
@@ -229,7 +229,7 @@ class LmdbReader(Reader):
 
     def _check_pages(self, indices: Sequence[int]) -> None:
         """Refuse a record whose way through its data file is damaged, or whose value is not as long
-        as the index says, before liblmdb touches it (see packer.lmdbguard)."""
+        as the index says, before liblmdb touches it (see packer.backends.lmdbguard)."""
         at = np.asarray(indices, dtype=np.int64)
         segments, keys = self._places(at)
         wanted = self.index["length"][at].astype(np.int64)
@@ -268,7 +268,7 @@ class LmdbReader(Reader):
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Records written in key order (packer's builds append) lie in key order in their data
-        file: a block's values (their overflow pages, the places packer.lmdbguard's walk finds) are
+        file: a block's values (their overflow pages, the places packer.backends.lmdbguard's walk finds) are
         one run of it, asked of the pinned descriptor with posix_fadvise."""
         advise = getattr(os, "posix_fadvise", None)
         if advise is None:

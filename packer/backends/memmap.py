@@ -13,10 +13,10 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from .. import locality
 from ..format import DatasetError, Manifest, shard_name
-from ..write import sync_file
+from . import locality
 from .base import Backend, Buffer, ExtraKeys, Raw, Reader, listed_sizes
+from .write import sync_file
 
 Shard = tuple[np.ndarray, Optional["Mapping"]]  # a shard's bytes, and their mapping (None when empty)
 READ_BLOCK = 8 << 20  # bytes per buffered read of a shard in a walk

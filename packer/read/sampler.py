@@ -4,7 +4,7 @@ Each epoch is one global sequence of draws, a pure function of (seed, epoch, dat
 permutation of the records (``repeats`` times each, copies adjacent), or weighted picks with
 replacement, or ``order="block"``'s locality order. Draw ``k`` of the sequence is yielded as a
 :class:`Draw`: an ``int`` (the record index, so any Dataset or collate works with it) that also
-carries ``(epoch, k)``, which :class:`~packer.dataset.ShardDataset` uses instead of the record index
+carries ``(epoch, k)``, which :class:`~packer.read.dataset.ShardDataset` uses instead of the record index
 to key the crop and the transform's random state. So a record drawn twice in an epoch gets two
 crops, and ``set_epoch`` on the sampler is all a loop needs.
 

@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import PackerError
+from ..errors import PackerError
 
 SEPARATOR = ";"  # between the labels of one image in --multi-label mode
 #: Integer CSV labels become ids 0..max, one class each: refuse ids that would list millions of classes.

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from .errors import PackerError
+from ..errors import PackerError
 
 if TYPE_CHECKING:
-    from .backends import Backend
+    from ..backends import Backend
 
 FORMAT_VERSION = 3
 #: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS);
@@ -41,7 +41,7 @@ FORMATS = ("jpeg", "raw")
 MAX_EDGE = 65_535  # the largest edge a JPEG can have
 MAX_MANIFEST = 64 << 20  # bytes of manifest.json read at most (a real one is a few KB per 100 classes)
 BACKENDS = ("lmdb", "memmap")
-#: manifest ``label_kind`` (see packer.labels): one class id per record in ``label``; several classes per
+#: manifest ``label_kind`` (see packer.builder.labels): one class id per record in ``label``; several classes per
 #: record, a bit-packed multi-hot row each in LABELS (``label`` -1); no labels (``label`` -1, no classes).
 LABEL_KINDS = ("class", "multi", "none")
 LABELS = "labels.npy"  # "multi": uint8, count x ceil(len(classes) / 8), little-endian bit order
@@ -68,14 +68,14 @@ INDEX_DTYPE = np.dtype(
     ]
 )
 IDENTITY_FIELDS = ("src_size", "src_mtime_ns", "src_hash")
-#: A source file's identity (see :func:`packer.scan.identify`); ``src_hash`` is 0 unless built with --checksum.
+#: A source file's identity (see :func:`packer.builder.scan.identify`); ``src_hash`` is 0 unless built with --checksum.
 IDENTITY_DTYPE = np.dtype([(name, INDEX_DTYPE[name]) for name in IDENTITY_FIELDS])
 
 
 def _backend(name: str) -> Backend:
     """The backend ``name`` (a known one: Manifest checks it first); packer.backends imports this
     module, hence the import here."""
-    from . import backends
+    from .. import backends
 
     return backends.BACKENDS[name]
 
@@ -427,7 +427,7 @@ def load_label_arrays(
 ) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """The multi-hot rows (LABELS, "multi" datasets) and TARGETS, memory-mapped and checked: shape,
     dtype, no bits beyond the last class, finite targets. None for what the dataset does not have.
-    ``open_file(name)`` opens them (packer.pin: the pinned version's), else :func:`open_regular`."""
+    ``open_file(name)`` opens them (packer.read.pin: the pinned version's), else :func:`open_regular`."""
     root = Path(root)
     wanted = [
         (LABELS, np.uint8, (len(manifest.classes) + 7) // 8, manifest.label_kind == "multi"),

@@ -1,4 +1,4 @@
-"""Record readers over one pinned version of a dataset (see packer.pin): the reader of its backend
+"""Record readers over one pinned version of a dataset (see packer.read.pin): the reader of its backend
 (packer.backends.lmdb, packer.backends.memmap)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Optional
 
 import numpy as np
 
-from .backends import BACKENDS, Reader
-from .format import DatasetError, Manifest
+from ..backends import BACKENDS, Reader
+from ..format import DatasetError, Manifest
 from .pin import Pinned, pin
 
 

@@ -12,7 +12,7 @@ leave too much dead (:data:`MAX_DEAD`) rewrites everything into one segment, as 
 does on demand (see :func:`plan`).
 
 Readers of the old version are untouched: its files keep their inodes and bytes (the old directory
-is swapped out and deleted, the links in the new one keep the shared files), and packer.pin holds
+is swapped out and deleted, the links in the new one keep the shared files), and packer.read.pin holds
 every file of the version a reader opened.
 """
 
@@ -28,9 +28,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .backends import BACKENDS, data_files, record_places
-from .errors import say
-from .format import (
+from ..backends import BACKENDS, data_files, record_places
+from ..backends.walk import InOrder
+from ..errors import say
+from ..format import (
     FORMAT_VERSION,
     LABELS,
     REPORT,
@@ -40,8 +41,7 @@ from .format import (
     logical_digest,
     source_path,
 )
-from .pin import pin
-from .walk import InOrder
+from ..read.pin import pin
 
 #: A refresh rewrites every record into one segment when, after it, more than this share of the record
 #: bytes in the old data files would be dead (records of deleted or changed files)...

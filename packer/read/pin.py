@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from .backends import BACKENDS, data_files
-from .format import (
+from ..backends import BACKENDS, data_files
+from ..format import (
     INDEX,
     MANIFEST,
     SOURCES,
@@ -41,7 +41,7 @@ from .format import (
 )
 
 if TYPE_CHECKING:
-    from .backends.memmap import Shard
+    from ..backends.memmap import Shard
 
 FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
 

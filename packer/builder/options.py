@@ -13,10 +13,10 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from .backends import BACKENDS as TABLE
-from .codec import codec_name
-from .errors import PackerError
-from .format import BACKENDS, FORMATS
+from ..backends import BACKENDS as TABLE
+from ..codec import codec_name
+from ..errors import PackerError
+from ..format import BACKENDS, FORMATS
 from .labels import Labelling
 from .preprocess import Options
 from .split import check_splits
@@ -95,7 +95,7 @@ class BuildOptions:
         "labels are numbered in sorted order.",
         "file",
     )
-    #: --classes, --unlabeled, --multi-label, --targets (its own fields: see packer.labels)
+    #: --classes, --unlabeled, --multi-label, --targets (its own fields: see packer.builder.labels)
     labelling: Labelling = field(default=Labelling())
     on_error: Optional[str] = _option(
         None,
