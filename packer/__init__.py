@@ -7,15 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__
+from .errors import BuildError, DatasetError, DatasetReplaced, LabelError, PackerError, ScanError, ShardError
+
 __all__ = [
     "BuildError",
     "BuildOptions",
     "BuildReport",
     "DatasetError",
+    "DatasetReplaced",
+    "LabelError",
     "Labelling",
     "PackerError",
+    "ScanError",
     "ShardDataset",
+    "ShardError",
     "ShardSampler",
     "__version__",
     "build",
@@ -23,22 +29,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("build", "BuildOptions", "BuildReport", "BuildError"):
+    if name in ("build", "BuildOptions", "BuildReport"):
         from .builder import pipeline as _pipeline
 
         return getattr(_pipeline, name)
-    if name == "PackerError":
-        from .errors import PackerError
-
-        return PackerError
     if name == "Labelling":
         from .builder.labels import Labelling
 
         return Labelling
-    if name == "DatasetError":
-        from .format import DatasetError
-
-        return DatasetError
     if name == "ShardDataset":
         from .read.dataset import ShardDataset
 

@@ -37,11 +37,11 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..backends import BACKENDS
 from ..backends.write import fsync_path, write_atomic
 from ..codec import can_decode_region, codec_name
-from ..errors import PackerError, say
+from ..errors import ShardError, say
 from ..format import INDEX_DTYPE, shard_name
 from .options import DASK_TASK_SIZE, BuildError, BuildOptions
 from .pipeline import run_build
@@ -54,10 +54,6 @@ FRAGMENTS = "fragments"
 CONNECT_TIMEOUT = 10  # seconds; an unreachable scheduler should fail fast, not hang
 WORKER_WAIT = 300  # seconds to wait for a first worker (a batch-queued cluster may still be starting)
 RETRIES = 2  # re-runs of a task that raised (e.g. a transient NFS error); lost workers are separate
-
-
-class ShardError(PackerError):
-    """A task failed; the message names the shard and the file being processed."""
 
 
 def fragment_stem(k: int) -> str:

@@ -28,17 +28,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import PackerError
+from ..errors import LabelError
 
 SEPARATOR = ";"  # between the labels of one image in --multi-label mode
 #: Integer CSV labels become ids 0..max, one class each: refuse ids that would list millions of classes.
 MAX_INTEGER_ID = 1_000_000
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INTEGER = re.compile(r"0|[1-9][0-9]*")  # no sign, no leading zeros: "007" stays a name
-
-
-class LabelError(PackerError):
-    """The labels CSV or class list cannot be used as given; the message names the file and line."""
 
 
 @dataclass(frozen=True)

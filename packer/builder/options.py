@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..backends import BACKENDS as TABLE
 from ..codec import codec_name
-from ..errors import PackerError
+from ..errors import BuildError
 from ..format import BACKENDS, FORMATS
 from .labels import Labelling
 from .preprocess import Options
@@ -32,10 +32,6 @@ ON_ERROR = ("skip", "fail")
 # fast build, the clock makes even a small or slow build resumable after a few seconds.
 CHECKPOINT_RECORDS = 2000
 PREPROCESS_FIELDS = tuple(f.name for f in fields(Options))  # each a BuildOptions field of the same name
-
-
-class BuildError(PackerError):
-    """An expected failure (bad arguments, existing OUT, unusable raw/); the CLI prints it in one line."""
 
 
 def parse_splits(specs: tuple[str, ...]) -> Optional[dict[str, float]]:

@@ -26,7 +26,7 @@ from typing import BinaryIO, Optional, overload
 
 import numpy as np
 
-from ..errors import PackerError
+from ..errors import ScanError
 from ..format import IDENTITY_DTYPE
 from .labels import Labelling, class_list, pack, read_classes, read_csv
 
@@ -49,10 +49,6 @@ IMAGE_EXTENSIONS = frozenset(
         ".pbm",
     ]
 )
-
-
-class ScanError(PackerError):
-    """raw/ or the labels file cannot be used as given; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)

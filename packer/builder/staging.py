@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..backends import Writer
 from ..backends.write import fsync_path, write_atomic
 from ..codec import codec_name

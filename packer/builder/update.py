@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..backends import BACKENDS, record_places
 from ..backends.walk import InOrder
 from ..errors import say

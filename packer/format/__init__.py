@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from ..errors import PackerError
+from ..errors import DatasetError
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -78,15 +78,6 @@ def _backend(name: str) -> Backend:
     from .. import backends
 
     return backends.BACKENDS[name]
-
-
-class DatasetError(PackerError):
-    """A dataset on disk is missing, damaged or not one packer can read; the message says which.
-    ``record`` is the damaged record's index, when one is to blame."""
-
-    def __init__(self, message: str, record: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.record = record
 
 
 def lmdb_key(i: int) -> bytes:

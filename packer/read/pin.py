@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from ..backends import BACKENDS, data_files
+from ..errors import DatasetReplaced
 from ..format import (
     INDEX,
     MANIFEST,
@@ -44,10 +45,6 @@ if TYPE_CHECKING:
     from ..backends.memmap import Shard
 
 FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
-
-
-class DatasetReplaced(DatasetError):
-    """The dataset at a reader's path is no longer the version the reader opened."""
 
 
 class _Moved(Exception):
