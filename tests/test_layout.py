@@ -54,6 +54,7 @@ def test_one_backend_table_and_no_branch_on_a_backend_name() -> None:
 
     assert tuple(BACKENDS) == format.BACKENDS
     assert all(name == b.name for name, b in BACKENDS.items())
+    assert all(isinstance(b, type(format.LAYOUTS[name])) for name, b in BACKENDS.items())  # a backend is its layout
     branch = re.compile(r"""(==|!=)\s*["'](lmdb|memmap)["']|["'](lmdb|memmap)["']\s*(==|!=)""")
     outside = [f for f in PACKAGE.rglob("*.py") if "backends" not in f.parts]
     found = [

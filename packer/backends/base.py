@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import numpy as np
 
-from ..format import DatasetError, Manifest
+from ..format import DatasetError, Layout, Manifest
 
 if TYPE_CHECKING:
     from ..read.pin import Pinned
@@ -61,13 +61,6 @@ class Reader:
         return DatasetError(f"{self.root}: record {i}: {why}", record=i)
 
 
-def listed_sizes(root: Path, index: np.ndarray, manifest: Manifest) -> np.ndarray:
-    """Each row's data file size as the manifest lists it (rows naming a file beyond the list refused)."""
-    if index["shard"].max() >= len(manifest.shards):
-        raise DatasetError(f"{root}: index names data files beyond the {len(manifest.shards)} listed")
-    return np.array([int(s["bytes"]) for s in manifest.shards], dtype=np.uint64)[index["shard"]]
-
-
 class Writer(Protocol):
     """A backend's record writer: appends records in order, says where each landed (data file number,
     position), and makes them durable at each checkpoint (a small JSON-able state a resumed build
@@ -78,7 +71,7 @@ class Writer(Protocol):
     def close(self) -> list[dict[str, Any]]: ...
 
 
-class Backend:
+class Backend(Layout):
     """One backend's layout and code. ``keyed``: positions are key numbers, one per record, and the
     bytes no row names are counted by the walk (LMDB); otherwise byte offsets into the data file, the
     unnamed bytes are what the rows do not cover (memmap). ``concatenated``: data files are shards of
@@ -94,29 +87,6 @@ class Backend:
     keyed = False
     concatenated = False
     reader: type[Reader] = Reader
-
-    def data_files(self, manifest: Manifest) -> list[str]:
-        """The dataset's data files, numbered as index rows' ``shard`` numbers them."""
-        return [str(s["file"]) for s in manifest.shards]
-
-    def record_places(
-        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``rows``' (all when None) data file number and position in it."""
-        at = index if rows is None else index[rows]
-        return at["shard"].astype(np.int64), at["offset"].astype(np.int64)
-
-    def lists_files(self, manifest: Manifest) -> bool:
-        """Whether ``manifest.shards`` lists the data files with their counts and sizes."""
-        return True
-
-    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
-        """Refuse rows that point outside what their data files can hold (DatasetError)."""
-        raise NotImplementedError
-
-    def check_manifest(self, manifest: Manifest) -> bool:
-        """Whether the manifest's data file list is possible for this backend."""
-        return True
 
     def open_writer(
         self, path: str | os.PathLike, state: Optional[dict[str, Any]], shard_size: int, first: int = 0, size: int = 0

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import lmdb
 import numpy as np
 
-from ..format import LMDB_DATA, DatasetError, Manifest, lmdb_key, lmdb_segment_name, open_regular
+from ..format import DatasetError, LmdbLayout, Manifest, lmdb_key, lmdb_segment_name, open_regular
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader, listed_sizes
+from .base import Backend, Buffer, ExtraKeys, Raw, Reader
 from .lmdbguard import Damaged, PageGuard
 
 if TYPE_CHECKING:
@@ -414,7 +414,7 @@ def _key_number(key: bytes) -> Optional[int]:
     return int(key) if len(key) == len(lmdb_key(0)) and key.isdigit() else None
 
 
-class Lmdb(Backend):
+class Lmdb(LmdbLayout, Backend):
     """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
     file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
 
@@ -422,32 +422,6 @@ class Lmdb(Backend):
     write_errors = (lmdb.Error,)
     cold_advice = ("memmap shards read from disk faster than LMDB (`--backend memmap`)",)
     reader = LmdbReader
-
-    def data_files(self, manifest: Manifest) -> list[str]:
-        return [LMDB_DATA] if manifest.format_version < 3 else super().data_files(manifest)
-
-    def record_places(
-        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        if manifest.format_version >= 3:
-            return super().record_places(manifest, index, rows)
-        at = np.arange(len(index), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-        return np.zeros(len(at), np.int64), at
-
-    def lists_files(self, manifest: Manifest) -> bool:
-        return manifest.format_version >= 3
-
-    def check_manifest(self, manifest: Manifest) -> bool:
-        return manifest.format_version < 3 or bool(manifest.shards)  # version 3 lists data.mdb at least
-
-    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
-        if manifest.format_version < 3:
-            if index["shard"].any() or index["offset"].any():
-                raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
-            return
-        beyond = index["offset"] >= listed_sizes(root, index, manifest) // 16  # a leaf entry takes over 16 bytes
-        if beyond.any():
-            raise DatasetError(f"{root}: record {int(np.flatnonzero(beyond)[0])}: key beyond what its segment can hold")
 
     def open_writer(
         self, path: str | os.PathLike, state: Optional[dict[str, Any]], shard_size: int, first: int = 0, size: int = 0

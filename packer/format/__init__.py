@@ -18,14 +18,11 @@ import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from ..errors import DatasetError
-
-if TYPE_CHECKING:
-    from ..backends import Backend
 
 FORMAT_VERSION = 3
 #: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS);
@@ -70,14 +67,6 @@ INDEX_DTYPE = np.dtype(
 IDENTITY_FIELDS = ("src_size", "src_mtime_ns", "src_hash")
 #: A source file's identity (see :func:`packer.builder.scan.identify`); ``src_hash`` is 0 unless built with --checksum.
 IDENTITY_DTYPE = np.dtype([(name, INDEX_DTYPE[name]) for name in IDENTITY_FIELDS])
-
-
-def _backend(name: str) -> Backend:
-    """The backend ``name`` (a known one: Manifest checks it first); packer.backends imports this
-    module, hence the import here."""
-    from .. import backends
-
-    return backends.BACKENDS[name]
 
 
 def lmdb_key(i: int) -> bytes:
@@ -243,7 +232,7 @@ class Manifest:
                 and size(s.get("dead", 0))
             ):
                 raise bad("shards")
-        if not _backend(self.backend).check_manifest(self):
+        if not LAYOUTS[self.backend].check_manifest(self):
             raise bad("shards")
 
 
@@ -410,7 +399,7 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
             f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
             f"or a JPEG edge over {MAX_EDGE})"
         )
-    _backend(manifest.backend).check_places(root, index, manifest)
+    LAYOUTS[manifest.backend].check_places(root, index, manifest)
 
 
 def load_label_arrays(
@@ -464,3 +453,86 @@ def source_path(sources: np.ndarray, row: np.void) -> str:
     the build encoded them from (``surrogateescape``), so ``os.fsencode`` gives the original name."""
     start = int(row["src_offset"])
     return bytes(sources[start : start + int(row["src_length"])]).decode("utf-8", "surrogateescape")
+
+
+class Layout:
+    """One backend's layout rules, pure functions of a manifest and its index (no I/O): which data
+    files the dataset has, where each row's record lies, which manifests and rows are possible.
+    Each backend (packer.backends) is its layout plus the code that writes and reads it; the
+    checks here run while a manifest or index is loaded, before any backend code."""
+
+    def data_files(self, manifest: Manifest) -> list[str]:
+        """The dataset's data files, numbered as index rows' ``shard`` numbers them."""
+        return [str(s["file"]) for s in manifest.shards]
+
+    def record_places(
+        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``rows``' (all when None) data file number and position in it."""
+        at = index if rows is None else index[rows]
+        return at["shard"].astype(np.int64), at["offset"].astype(np.int64)
+
+    def lists_files(self, manifest: Manifest) -> bool:
+        """Whether ``manifest.shards`` lists the data files with their counts and sizes."""
+        return True
+
+    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
+        """Refuse rows that point outside what their data files can hold (DatasetError)."""
+        raise NotImplementedError
+
+    def check_manifest(self, manifest: Manifest) -> bool:
+        """Whether the manifest's data file list is possible for this backend."""
+        return True
+
+
+def listed_sizes(root: Path, index: np.ndarray, manifest: Manifest) -> np.ndarray:
+    """Each row's data file size as the manifest lists it (rows naming a file beyond the list refused)."""
+    if index["shard"].max() >= len(manifest.shards):
+        raise DatasetError(f"{root}: index names data files beyond the {len(manifest.shards)} listed")
+    return np.array([int(s["bytes"]) for s in manifest.shards], dtype=np.uint64)[index["shard"]]
+
+
+class LmdbLayout(Layout):
+    """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
+    file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
+
+    def data_files(self, manifest: Manifest) -> list[str]:
+        return [LMDB_DATA] if manifest.format_version < 3 else super().data_files(manifest)
+
+    def record_places(
+        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if manifest.format_version >= 3:
+            return super().record_places(manifest, index, rows)
+        at = np.arange(len(index), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        return np.zeros(len(at), np.int64), at
+
+    def lists_files(self, manifest: Manifest) -> bool:
+        return manifest.format_version >= 3
+
+    def check_manifest(self, manifest: Manifest) -> bool:
+        return manifest.format_version < 3 or bool(manifest.shards)  # version 3 lists data.mdb at least
+
+    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
+        if manifest.format_version < 3:
+            if index["shard"].any() or index["offset"].any():
+                raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
+            return
+        beyond = index["offset"] >= listed_sizes(root, index, manifest) // 16  # a leaf entry takes over 16 bytes
+        if beyond.any():
+            raise DatasetError(f"{root}: record {int(np.flatnonzero(beyond)[0])}: key beyond what its segment can hold")
+
+
+class MemmapLayout(Layout):
+    """memmap: shards of ``shard_size`` records, record ``i`` at byte ``offset`` of shard ``shard``."""
+
+    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
+        sizes = listed_sizes(root, index, manifest)
+        end = index["offset"] + index["length"]
+        if (end < index["offset"]).any() or (end > sizes).any():
+            first = int(np.flatnonzero((end < index["offset"]) | (end > sizes))[0])
+            raise DatasetError(f"{root}: record {first} points outside its shard")
+
+
+#: Every backend's layout by the name manifests use (packer.backends.BACKENDS: the same names).
+LAYOUTS: dict[str, Layout] = dict(zip(BACKENDS, (LmdbLayout(), MemmapLayout())))
