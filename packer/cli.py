@@ -341,7 +341,7 @@ def compact(out: Path) -> None:
     segments (docs/FORMAT.md, "Segments"). Records are copied as they are (each checked against its
     CRC-32) and the digest stays the same. Readers of the old version keep reading it.
     """
-    from .builder.segments import compact as run_compact
+    from .tools.compact import compact as run_compact
 
     run_compact(out)
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from packer import build  # noqa: E402
 from packer.backends.lmdb import LmdbReader  # noqa: E402
 from packer.backends.lmdbguard import P_LEAF, PageGuard  # noqa: E402
-from packer.read.pin import pin  # noqa: E402
+from packer.backends.pin import pin  # noqa: E402
 
 
 def main(base: Path, n: int) -> None:

@@ -23,8 +23,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from packer import BuildError, DatasetError, Labelling, ShardDataset, build
-from packer.builder.labels import pack, sample_weights, unpack
 from packer.format import LABELS, MANIFEST, TARGETS, Manifest
+from packer.format.label_arrays import pack, sample_weights, unpack
 from packer.read.dataset import collate_samples
 from packer.tools.preview import contact_sheet
 from packer.tools.verify import verify

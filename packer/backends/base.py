@@ -18,8 +18,8 @@ import numpy as np
 from ..format import DatasetError, Layout, Manifest
 
 if TYPE_CHECKING:
-    from ..read.pin import Pinned
     from .memmap import Shard
+    from .pin import Pinned
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
@@ -103,7 +103,7 @@ class Backend(Layout):
     def pin_files(
         self, root: str, manifest: Manifest, open_file: Callable[[str], int]
     ) -> tuple[list[int], list[Shard]]:
-        """Hold the data files of the version being pinned (packer.read.pin): descriptors, or mappings."""
+        """Hold the data files of the version being pinned (packer.backends.pin): descriptors, or mappings."""
         raise NotImplementedError
 
     def walk_file(

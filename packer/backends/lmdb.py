@@ -34,8 +34,8 @@ from .base import Backend, Buffer, ExtraKeys, Raw, Reader
 from .lmdbguard import Damaged, PageGuard
 
 if TYPE_CHECKING:
-    from ..read.pin import Pinned
     from .memmap import Shard
+    from .pin import Pinned
 
 
 EnvKey = tuple[int, int]  # (st_dev, st_ino) of an LMDB data file: what py-lmdb's "already open" guard keys on

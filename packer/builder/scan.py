@@ -28,7 +28,8 @@ import numpy as np
 
 from ..errors import ScanError
 from ..format import IDENTITY_DTYPE
-from .labels import Labelling, class_list, pack, read_classes, read_csv
+from ..format.label_arrays import pack
+from .labels import Labelling, class_list, read_classes, read_csv
 
 IMAGE_EXTENSIONS = frozenset(
     [

@@ -48,7 +48,7 @@ from ..format import (
     index_digest,
     logical_digest,
 )
-from .labels import arrays_digest, class_counts
+from ..format.label_arrays import arrays_digest, class_counts
 from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source

@@ -407,7 +407,7 @@ def load_label_arrays(
 ) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """The multi-hot rows (LABELS, "multi" datasets) and TARGETS, memory-mapped and checked: shape,
     dtype, no bits beyond the last class, finite targets. None for what the dataset does not have.
-    ``open_file(name)`` opens them (packer.read.pin: the pinned version's), else :func:`open_regular`."""
+    ``open_file(name)`` opens them (packer.backends.pin: the pinned version's), else :func:`open_regular`."""
     root = Path(root)
     wanted = [
         (LABELS, np.uint8, (len(manifest.classes) + 7) // 8, manifest.label_kind == "multi"),

@@ -1,7 +1,7 @@
 """ShardDataset: a map-style torch Dataset over a packer dataset (either backend, either format).
 
 Design points, each answering a known DataLoader failure:
-- ``__init__`` pins one version of the dataset (packer.read.pin): manifest, index and data files are
+- ``__init__`` pins one version of the dataset (packer.backends.pin): manifest, index and data files are
   opened together and kept, so a refresh of the path (``build --update``/``--force``) never mixes
   versions. Forked workers inherit the pinned files and read the version the parent opened to the
   end; a pickled copy (spawn) reopens by path and is refused with DatasetReplaced if the files there
@@ -33,11 +33,11 @@ from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .. import transform
-from ..builder import labels as labelling
+from ..backends.pin import FileKey, pin
 from ..format import DatasetError, source_path
+from ..format import label_arrays as labelling
 from ..transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
 from . import batchpool, rng
-from .pin import FileKey, pin
 from .reader import open_reader
 from .sampler import Draw
 
@@ -277,7 +277,7 @@ class ShardDataset(Dataset):
     def sample_weights(self) -> np.ndarray:
         """Per-record weights balancing the classes, for ``ShardSampler(ds, balanced=True)``:
         inverse class frequency; "multi": inverse of the mean frequency of the image's labels (images
-        without labels as one more class); "none": uniform. See :func:`packer.builder.labels.sample_weights`."""
+        without labels as one more class); "none": uniform. See :func:`packer.format.label_arrays.sample_weights`."""
         return labelling.sample_weights(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
 
     def label_name(self, i: int) -> str:
@@ -385,7 +385,7 @@ class ShardDataset(Dataset):
         return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
 
     def _multi_rows(self) -> np.ndarray:
-        """labels.npy's bit-packed rows, which every "multi" dataset has (packer.read.pin loads them)."""
+        """labels.npy's bit-packed rows, which every "multi" dataset has (packer.backends.pin loads them)."""
         assert self._multi is not None, "a multi-label dataset has labels.npy"
         return self._multi
 

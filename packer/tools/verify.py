@@ -30,8 +30,8 @@ from typing import Optional
 import numpy as np
 
 from ..backends import BACKENDS, data_files, record_places
+from ..backends.pin import pin
 from ..backends.walk import walk
-from ..builder.labels import arrays_digest, class_counts
 from ..format import (
     INDEX,
     LABELS,
@@ -44,7 +44,7 @@ from ..format import (
     logical_digest,
     source_path,
 )
-from ..read.pin import pin
+from ..format.label_arrays import arrays_digest, class_counts
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}

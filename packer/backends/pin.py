@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from ..backends import BACKENDS, data_files
 from ..errors import DatasetReplaced
 from ..format import (
     INDEX,
@@ -40,9 +39,10 @@ from ..format import (
     map_npy,
     open_regular,
 )
+from . import BACKENDS, data_files
 
 if TYPE_CHECKING:
-    from ..backends.memmap import Shard
+    from .memmap import Shard
 
 FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
 
