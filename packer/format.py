@@ -7,6 +7,8 @@ runs code.
 
 from __future__ import annotations
 
+import builtins
+import errno
 import hashlib
 import io
 import json
@@ -146,6 +148,13 @@ class Manifest:
         fields["manifest_digest"] = manifest_digest(fields)
         return json.dumps(fields, indent=1, sort_keys=True)
 
+    def encode(self, path: str | os.PathLike) -> builtins.bytes:
+        """The bytes of manifest.json at ``path``, refused (DatasetError) unless a reader would accept
+        them (:meth:`parse`, too big say): a build never writes a dataset that no reader opens."""
+        text = self.to_json().encode("utf-8")  # JSON escapes every non-ASCII character
+        Manifest.parse(text, path)
+        return text
+
     @classmethod
     def load(cls, root: str | os.PathLike) -> Manifest:
         path = Path(root) / MANIFEST
@@ -161,11 +170,23 @@ class Manifest:
     @classmethod
     def read(cls, fd: int, path: str | os.PathLike) -> Manifest:
         """The manifest in the open file ``fd`` (``path`` names it in errors), checked."""
-        path = Path(path)
         try:
             with open(os.dup(fd), "rb") as f:
-                data = json.loads(f.read(MAX_MANIFEST + 1)[:MAX_MANIFEST].decode("utf-8"))
-        except (OSError, ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
+                text = f.read(MAX_MANIFEST + 1)
+        except OSError as e:
+            raise DatasetError(f"{path}: unreadable manifest ({e})") from None
+        return cls.parse(text, path)
+
+    @classmethod
+    def parse(cls, text: builtins.bytes, path: str | os.PathLike) -> Manifest:
+        """The manifest ``text`` (the bytes of ``path``), checked: every rule a reader applies, and
+        the one place they are, so that a build can apply them to what it writes (:meth:`encode`)."""
+        path = Path(path)
+        if len(text) > MAX_MANIFEST:
+            raise DatasetError(f"{path}: manifest is over {MAX_MANIFEST >> 20} MiB, the most packer reads")
+        try:
+            data = json.loads(text.decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
             raise DatasetError(f"{path}: unreadable manifest ({e})") from None
         if not isinstance(data, dict):
             raise DatasetError(f"{path}: manifest is not a JSON object")
@@ -316,11 +337,17 @@ def index_digest(rows: np.ndarray) -> str:
 
 
 def open_regular(path: str | os.PathLike, dir_fd: Optional[int] = None, label: str | os.PathLike = "") -> int:
-    """A read-only descriptor of ``path``, refused unless it is a regular file. Opened non-blocking,
-    so a FIFO put in a dataset's place cannot hang the open, and checked before any read, so a
-    device (/dev/zero) is never read. FileNotFoundError passes through for the caller to word;
-    ``label`` names the file in the error (``path`` relative to ``dir_fd`` otherwise)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    """A read-only descriptor of ``path``, refused unless it is a regular file, itself: a dataset's
+    files are its own, so a symlink (to another dataset's data file, to a device) is never followed.
+    Opened non-blocking, so a FIFO put in a dataset's place cannot hang the open, and checked before
+    any read, so a device (/dev/zero) is never read. FileNotFoundError passes through for the caller
+    to word; ``label`` names the file in the error (``path`` relative to ``dir_fd`` otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise DatasetError(f"{label or path}: is a symbolic link, not a regular file; refusing to read it") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -333,6 +360,16 @@ def open_regular(path: str | os.PathLike, dir_fd: Optional[int] = None, label: s
         }.get(stat.S_IFMT(mode), "not a file")
         raise DatasetError(f"{label or path}: is {kind}, not a regular file; refusing to read it")
     return fd
+
+
+def fd_path(fd: int) -> Optional[str]:
+    """A path that opens the file open as ``fd`` itself, wherever it is now, deleted or not
+    (/proc/self/fd/N on Linux, /dev/fd/N on macOS), for code that opens files by name (liblmdb);
+    None where the system has neither."""
+    for path in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}"):
+        if os.path.exists(path):
+            return path
+    return None
 
 
 def map_npy(fd: int, path: str | os.PathLike) -> np.ndarray:

@@ -29,7 +29,7 @@ import numpy as np
 
 from .backends import BACKENDS, WRITE_ERRORS, close_all
 from .errors import say
-from .format import MANIFEST, Manifest
+from .format import MANIFEST, DatasetError, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
 from .scan import Scan, ScanError, confusable, identify, scan
@@ -148,12 +148,22 @@ def lock_outputs(stack: contextlib.ExitStack, out: Path, options: BuildOptions, 
         stack.enter_context(build_lock(target, options.wait, quiet))
 
 
+def _is_dataset(path: Path) -> bool:
+    """Whether ``path`` holds a manifest that packer reads as its own (any ``manifest.json`` is not:
+    a browser extension's, a webpack build's)."""
+    try:
+        Manifest.load(path)
+    except DatasetError:
+        return False
+    return True
+
+
 def _made_by_packer(path: Path, sibling: bool) -> bool:
-    """A dataset (manifest), a build's staging folder (its settings, or empty: ``sibling`` only), or a
-    --split folder holding nothing but those."""
+    """A dataset (a manifest packer reads), a build's staging folder (``sibling`` only: its
+    settings, or empty), or a --split folder holding nothing but those; never through a symlink."""
     if path.is_symlink() or not path.is_dir():
         return False
-    if (path / MANIFEST).is_file() or (path / BUILD_STATE).is_file():
+    if _is_dataset(path) or (sibling and (path / BUILD_STATE).is_file() and not (path / BUILD_STATE).is_symlink()):
         return True
     entries = list(path.iterdir())
     if not entries:
@@ -163,6 +173,10 @@ def _made_by_packer(path: Path, sibling: bool) -> bool:
         or (e.name.startswith(".") and e.name.endswith(".packer-lock") and e.is_file())
         for e in entries
     )
+
+
+def _empty_folder(path: Path) -> bool:
+    return not path.is_symlink() and path.is_dir() and not any(path.iterdir())
 
 
 def clean(out: str | os.PathLike) -> list[Path]:
@@ -229,10 +243,12 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet:
     for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
         if target.exists() and not (force or update or resume):
             raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
-        if target.exists() and not force and not (target / MANIFEST).is_file():
+        if target.exists() and not (
+            _is_dataset(target) or (force and (_made_by_packer(target, sibling=False) or _empty_folder(target)))
+        ):
             raise BuildError(
-                f"{target} exists and is not a packer dataset; --update and --resume only "
-                f"replace a dataset (use --force to replace it anyway)"
+                f"{target} exists and is not a packer dataset; packer replaces only its own datasets "
+                f"(--force: also a --split folder of them, or an empty folder): move it away or choose another OUT"
             )
     try:
         found = scan(raw_dir, options.labels, labelling, strict=options.on_error == "fail")

@@ -18,6 +18,7 @@ every file of the version a reader opened.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -35,9 +36,11 @@ from .format import (
     LABELS,
     REPORT,
     TARGETS,
+    DatasetError,
     Manifest,
     index_digest,
     logical_digest,
+    open_regular,
     source_path,
 )
 from .pin import pin
@@ -114,23 +117,40 @@ def plan(manifest: Manifest, index: np.ndarray, kept: np.ndarray, backend: str, 
 
 def link_base(old: Path, staging: Path, entries: list[dict[str, Any]], quiet: bool) -> Optional[Base]:
     """Hard-link the old data files ``entries`` (:func:`old_files`) into ``staging`` (already there from
-    an interrupted run: kept); None, after saying why, where the filesystem cannot (then every record
-    is rewritten)."""
+    an interrupted run: kept); None, after saying why, where the filesystem cannot or a file is not
+    the dataset's own regular file (then every record is rewritten)."""
     files = [str(e["file"]) for e in entries]
     try:
         for name in files:
-            target = staging / name
-            if target.exists() and os.path.samestat(os.stat(target), os.stat(old / name)):
-                continue
-            target.unlink(missing_ok=True)
-            os.link(old / name, target)
+            _link_regular(old / name, staging / name)
+        return Base(entries)
     except OSError as e:
-        for name in files:
-            (staging / name).unlink(missing_ok=True)
         why = "another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
-        say(f"cannot hard-link the data files of {old} into {staging} ({why}): rewriting every record", quiet)
-        return None
-    return Base(entries)
+    except DatasetError as e:  # a symlink, a FIFO: not the old dataset's own file
+        why = str(e)
+    for name in files:
+        (staging / name).unlink(missing_ok=True)
+    say(f"cannot hard-link the data files of {old} into {staging} ({why}): rewriting every record", quiet)
+    return None
+
+
+def _link_regular(source: Path, target: Path) -> None:
+    """Hard-link ``source`` as ``target`` (kept when it already is that file): a regular file of the
+    old dataset's own, never a symlink or what one leads to (DatasetError), so that nothing the
+    build writes into its staging folder can reach a file outside the dataset."""
+    fd = open_regular(source)
+    try:
+        st = os.fstat(fd)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.lstat(target), st):
+                return
+        target.unlink(missing_ok=True)
+        os.link(source, target)
+        if not os.path.samestat(os.lstat(target), st):  # another file took its name meanwhile
+            target.unlink()
+            raise DatasetError(f"{source}: replaced while it was being linked")
+    finally:
+        os.close(fd)
 
 
 def data_table(

@@ -115,7 +115,10 @@ class Backend:
         raise NotImplementedError
 
     def check_manifest(self, manifest: Manifest) -> bool:
-        """Whether the manifest's data file list is possible for this backend."""
+        """Whether the manifest's data file list is possible for this backend: data file k has the
+        name this backend's writers give file k, so no name is another file of the dataset's
+        (index.npy, manifest.json) and a refresh's new files, numbered after the old ones, never
+        take one that the old version uses."""
         return True
 
     def open_writer(
