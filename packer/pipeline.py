@@ -148,14 +148,16 @@ def lock_outputs(stack: contextlib.ExitStack, out: Path, options: BuildOptions, 
         stack.enter_context(build_lock(target, options.wait, quiet))
 
 
-def _is_dataset(path: Path) -> bool:
-    """Whether ``path`` holds a manifest that packer reads as its own (any ``manifest.json`` is not:
-    a browser extension's, a webpack build's)."""
+def _not_dataset(path: Path) -> str:
+    """Why ``path`` is not a dataset, "" when it holds a manifest that packer reads as its own (any
+    ``manifest.json`` is not: a browser extension's, a webpack build's)."""
+    if not os.path.lexists(path / MANIFEST):
+        return f"no {MANIFEST}"
     try:
         Manifest.load(path)
-    except DatasetError:
-        return False
-    return True
+    except DatasetError as e:
+        return str(e)
+    return ""
 
 
 def _made_by_packer(path: Path, sibling: bool) -> bool:
@@ -163,7 +165,8 @@ def _made_by_packer(path: Path, sibling: bool) -> bool:
     settings, or empty), or a --split folder holding nothing but those; never through a symlink."""
     if path.is_symlink() or not path.is_dir():
         return False
-    if _is_dataset(path) or (sibling and (path / BUILD_STATE).is_file() and not (path / BUILD_STATE).is_symlink()):
+    marker = path / BUILD_STATE
+    if not _not_dataset(path) or (sibling and marker.is_file() and not marker.is_symlink()):
         return True
     entries = list(path.iterdir())
     if not entries:
@@ -243,11 +246,10 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet:
     for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
         if target.exists() and not (force or update or resume):
             raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
-        if target.exists() and not (
-            _is_dataset(target) or (force and (_made_by_packer(target, sibling=False) or _empty_folder(target)))
-        ):
+        why = _not_dataset(target) if target.exists() else ""
+        if why and not (force and (_made_by_packer(target, sibling=False) or _empty_folder(target))):
             raise BuildError(
-                f"{target} exists and is not a packer dataset; packer replaces only its own datasets "
+                f"{target} exists and is not a packer dataset ({why}); packer replaces only its own datasets "
                 f"(--force: also a --split folder of them, or an empty folder): move it away or choose another OUT"
             )
     try:
