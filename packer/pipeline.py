@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import threading
@@ -29,7 +30,7 @@ import numpy as np
 
 from .backends import BACKENDS, WRITE_ERRORS, close_all
 from .errors import say
-from .format import MANIFEST, DatasetError, Manifest
+from .format import MANIFEST, MAX_MANIFEST, DatasetError, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
 from .scan import Scan, ScanError, confusable, identify, scan
@@ -273,6 +274,12 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet:
     if not found.sources:
         hint = "" if options.labels or labelling.unlabeled else "; for a flat folder of unlabeled images, --unlabeled"
         raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside{hint})")
+    names = len(json.dumps(found.classes)) + len(json.dumps(found.target_names))  # as the manifest holds them
+    if names > MAX_MANIFEST:  # now, not once everything is decoded (when Manifest.encode would refuse it)
+        raise BuildError(
+            f"{out}: {len(found.classes):,} class names and {len(found.target_names):,} target names take "
+            f"{names / 1e6:.1f} MB, over the {MAX_MANIFEST >> 20} MiB manifest packer reads"
+        )
     found.identity = identify(raw_dir, found.sources, options.checksum)
     return found
 

@@ -227,8 +227,12 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         shards = writer.close()
         rows.tofile(staging / INDEX_PART)
         np.asarray(pinned.sources).tofile(staging / SOURCES_PART)
-        if (out / REPORT).is_file():
-            shutil.copyfile(out / REPORT, staging / REPORT)
+        with (
+            contextlib.suppress(FileNotFoundError),  # the dataset's own report, never what a symlink leads to
+            open(open_regular(out / REPORT), "rb") as src,
+            open(staging / REPORT, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst)
         arrays = {
             name: np.asarray(a) for name, a in ((LABELS, pinned.multi), (TARGETS, pinned.targets)) if a is not None
         }

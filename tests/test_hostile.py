@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packer import DatasetError, ShardDataset, build
+from packer import DatasetError, ShardDataset, build, format
 from packer.backends.lmdb import LmdbWriter
 from packer.backends.memmap import MemmapWriter
 from packer.format import MANIFEST, Manifest
@@ -249,7 +249,7 @@ def test_clean_and_refreshes_leave_folders_that_are_not_packers(raw: Path, tmp_p
 
 def test_a_manifest_over_the_readers_limit_fails_the_build_and_leaves_out(raw: Path, tmp_path: Path) -> None:
     """``--classes`` listing 330,000 long names: a manifest of over 64 MiB, which every reader refuses.
-    The build fails with one clear line before OUT is replaced; the old OUT still opens."""
+    The build fails with one clear line before it decodes anything; the old OUT still opens."""
     out = tmp_path / "out.lmdb"
     build(raw, out, workers=1, quiet=True)
     before = digest_tree(out)
@@ -261,5 +261,21 @@ def test_a_manifest_over_the_readers_limit_fails_the_build_and_leaves_out(raw: P
 
     run = packer("build", raw, out, "--force", "--workers", "1", "--classes", names)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert "readers would refuse its manifest" in run.stderr and "over 64 MiB" in run.stderr, run.stderr
+    assert "330,002 class names and 0 target names take 69.6 MB, over the 64 MiB manifest" in run.stderr, run.stderr
     assert digest_tree(out) == before and len(ShardDataset(out)) == 6
+
+
+def test_the_build_writes_only_a_manifest_its_readers_accept(
+    raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is checked by the reader's own code (``Manifest.parse``) before anything of OUT is
+    replaced: here the readers' size limit is lowered under the manifest of 6 one-record shards."""
+    out = tmp_path / "out"
+    build(raw, out, workers=1, quiet=True)
+    before = digest_tree(out)
+    monkeypatch.setattr(format, "MAX_MANIFEST", len((out / MANIFEST).read_bytes()) + 200)
+    with pytest.raises(BuildError, match=r"readers would refuse its manifest \(.*: manifest is over"):
+        build(raw, out, workers=1, quiet=True, force=True, shard_size=1)
+    assert digest_tree(out) == before
+    monkeypatch.undo()
+    assert len(ShardDataset(out)) == 6
