@@ -204,9 +204,10 @@ def test_writers_create_their_files_and_never_write_through_links(raw: Path, tmp
 # ------------------------------------------------------------ item 5: only packer's folders go
 
 
-def not_packers(tmp_path: Path) -> dict[str, Path]:
-    """A browser extension, a webpack ``dist/`` (each with its manifest.json), a symlink to the first."""
-    ext, dist = tmp_path / "extension", tmp_path / "dist"
+def not_packers(raw: Path, tmp_path: Path) -> dict[str, Path]:
+    """A browser extension, a webpack ``dist/`` (each with its manifest.json), a symlink to the first,
+    and a folder of one's own files whose manifest.json is a symlink to a real dataset's."""
+    ext, dist, borrowed = tmp_path / "extension", tmp_path / "dist", tmp_path / "borrowed"
     ext.mkdir()
     (ext / MANIFEST).write_text(json.dumps({"manifest_version": 3, "name": "mine", "version": "1.0"}))
     (ext / "background.js").write_text("chrome.runtime.onInstalled.addListener(() => {});")
@@ -214,14 +215,18 @@ def not_packers(tmp_path: Path) -> dict[str, Path]:
     (dist / MANIFEST).write_text(json.dumps({"main.js": "main.3f2a.js"}))
     (dist / "main.3f2a.js").write_text("console.log(1);")
     (tmp_path / "link").symlink_to(ext)
-    return {"extension": ext, "dist": dist, "link": tmp_path / "link"}
+    build(raw, tmp_path / "real", workers=1, quiet=True)
+    borrowed.mkdir()
+    (borrowed / "notes.txt").write_text("mine")
+    (borrowed / MANIFEST).symlink_to(tmp_path / "real" / MANIFEST)
+    return {"extension": ext, "dist": dist, "link": tmp_path / "link", "borrowed": borrowed}
 
 
 def test_clean_and_refreshes_leave_folders_that_are_not_packers(raw: Path, tmp_path: Path) -> None:
     """``packer clean DIR`` and ``build --update/--force DIR`` delete or replace only a folder whose
     manifest packer reads (or a --split folder of them), never one that merely has a manifest.json,
     also not through a symlink to it; an empty folder is replaced with --force."""
-    folders = not_packers(tmp_path)
+    folders = not_packers(raw, tmp_path)
     before = {name: digest_tree(p) for name, p in folders.items()}
     for name, path in folders.items():
         cleaned = packer("clean", path)
@@ -231,7 +236,7 @@ def test_clean_and_refreshes_leave_folders_that_are_not_packers(raw: Path, tmp_p
             assert run.returncode == 1 and "is not a packer dataset" in run.stderr, (name, flag, run.stderr)
             assert "Traceback" not in run.stderr
     assert {name: digest_tree(p) for name, p in folders.items()} == before
-    assert (tmp_path / "link").is_symlink()
+    assert (tmp_path / "link").is_symlink() and (folders["borrowed"] / MANIFEST).is_symlink()
 
     split = tmp_path / "splits"
     build(raw, split, workers=1, quiet=True, split={"val": 0.3}, backend="lmdb")
