@@ -83,9 +83,10 @@ def _acquire(path: Path, out: Path, wait: bool, quiet: bool) -> Optional[int]:
     while True:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise BuildError(f"cannot write beside the output ({path}): {e.strerror or e}") from None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:  # ELOOP: a symlink in its place (in a --split folder: OUT's), never followed
+            why = "a symbolic link is in its place" if e.errno == errno.ELOOP else e.strerror or e
+            raise BuildError(f"cannot write beside the output ({path}): {why}") from None
         try:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

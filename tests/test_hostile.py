@@ -201,6 +201,18 @@ def test_writers_create_their_files_and_never_write_through_links(raw: Path, tmp
     ]
 
 
+def test_a_lock_file_planted_in_a_split_folder_is_not_followed(raw: Path, tmp_path: Path) -> None:
+    """A --split folder holds its datasets' lock files (``.train.lmdb.packer-lock``): one that is a
+    symlink to a file of the user's is refused, never truncated to take the lock."""
+    out, victim = tmp_path / "splits", tmp_path / "bashrc"
+    build(raw, out, workers=1, quiet=True, split={"val": 0.3}, backend="lmdb")
+    victim.write_text("export PATH=$HOME/bin:$PATH\n")
+    (out / ".train.lmdb.packer-lock").symlink_to(victim)
+    run = packer("build", raw, out, "--update", "--split", "val=0.3", "--backend", "lmdb", "--workers", "1")
+    assert run.returncode == 1 and "a symbolic link is in its place" in run.stderr, run.stderr
+    assert victim.read_text() == "export PATH=$HOME/bin:$PATH\n"
+
+
 # ------------------------------------------------------------ item 5: only packer's folders go
 
 
