@@ -81,7 +81,9 @@ def test_update_never_writes_into_a_file_the_manifest_names_as_its_new_segment(
     """The issue's attack: a manifest whose only data file is ``data-00001.mdb`` (the name the next
     segment gets), there a symlink to another dataset's LMDB, a dangling symlink, or a file another
     dataset (a pinned reader's version) links. The refresh used to link it into staging, then write
-    its new segment into it: the victim's keys deleted, or a file created at the symlink's target."""
+    its new segment into it: the victim's keys deleted, or a file created at the symlink's target.
+    Now data file 0 must be data.mdb: the manifest is not packer's, OUT neither refreshed nor replaced
+    (what the writers do with such a file alone: test_writers_create_their_files_...)."""
     victim = tmp_path / "victim.lmdb"
     build(raw, victim, workers=1, quiet=True)
     before = digest_tree(victim)
