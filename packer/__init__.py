@@ -8,7 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from ._version import __version__
-from .errors import BuildError, DatasetError, DatasetReplaced, LabelError, PackerError, ScanError, ShardError
+from .errors import (
+    BuildError,
+    DatasetError,
+    DatasetReplaced,
+    LabelError,
+    PackerError,
+    ScanError,
+    ShardError,
+    URLNotSupported,
+)
 
 __all__ = [
     "BuildError",
@@ -23,6 +32,7 @@ __all__ = [
     "ShardDataset",
     "ShardError",
     "ShardSampler",
+    "URLNotSupported",
     "__version__",
     "build",
 ]

@@ -1,12 +1,15 @@
 """Every error type packer raises on purpose, in one place, under one base (PackerError), so that
 callers (and the CLI) catch one type for every failure packer expects: bad arguments or input
 (BuildError, ScanError, LabelError), a damaged, hostile or replaced dataset (DatasetError,
-DatasetReplaced), a failed distributed task (ShardError). Anything else is a bug and keeps its
-traceback."""
+DatasetReplaced), a failed distributed task (ShardError), a URL where only local paths work yet
+(URLNotSupported). Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from pathlib import Path
 from typing import Optional
 
 
@@ -41,6 +44,29 @@ class DatasetReplaced(DatasetError):
 
 class ShardError(PackerError):
     """A task failed; the message names the shard and the file being processed."""
+
+
+class URLNotSupported(PackerError):
+    """A URL (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``...) where packer takes local paths only."""
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")  # two letters at least: not a Windows drive (C://)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """``scheme://...``: a URL, not a local path."""
+    return _URL.match(os.fsdecode(path)) is not None
+
+
+def local_path(path: str | os.PathLike) -> Path:
+    """``path`` as a local Path; a URL raises URLNotSupported. ``Path("s3://b/x")`` is the relative
+    path ``s3:/b/x``: a build would write a folder named ``s3:`` in the working directory. Every entry
+    point passes its paths through here (build's raw folder and OUT, clean, compact, info, verify,
+    ShardDataset and the commands that open one): the one place to let URLs through once they can be read."""
+    text = os.fsdecode(path)
+    if is_url(text):
+        raise URLNotSupported(f"{text}: object storage and other URLs are not supported yet; give a local path")
+    return Path(text)
 
 
 def say(message: str, quiet: bool = False) -> None:

@@ -6,8 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from click.testing import CliRunner
+
 import packer
 from packer import errors
+from packer.cli import main
+from packer.errors import URLNotSupported, is_url
 
 
 def test_every_error_type_lives_in_errors_and_is_exported() -> None:
@@ -25,6 +30,7 @@ def test_every_error_type_lives_in_errors_and_is_exported() -> None:
         "LabelError",
         "ScanError",
         "ShardError",
+        "URLNotSupported",
     }
     for name in defined:
         assert name in packer.__all__ and getattr(packer, name) is getattr(errors, name), name
@@ -56,3 +62,60 @@ def test_cli_reports_a_packer_error_in_one_line(tmp_path: Path) -> None:
     )
     assert run.returncode == 1
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("packer: error: ") and "absent.lmdb" in run.stderr
+
+
+URL_COMMANDS = [
+    ["build", "{raw}", "s3://bucket/x"],
+    ["build", "{raw}", "file:///tmp/x.lmdb"],
+    ["build", "s3://bucket/raw", "out.lmdb"],
+    ["build", "--dask", "local", "{raw}", "gs://bucket/x"],
+    ["info", "s3://bucket/x"],
+    ["info", "--json", "gs://bucket/x"],
+    ["verify", "az://container/x"],
+    ["show", "https://host/x", "0"],
+    ["preview", "s3://bucket/x", "-o", "sheet.jpg"],
+    ["bench", "s3://bucket/x"],
+    ["compact", "s3://bucket/x"],
+    ["clean", "s3://bucket/x"],
+]
+
+
+def test_every_command_refuses_a_url_in_one_line_and_writes_nothing(
+    raw_photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Path("s3://bucket/x") is the local folder s3:/bucket/x: a build made it in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    for args in URL_COMMANDS:
+        args = [a.format(raw=raw_photos) for a in args]
+        result = CliRunner().invoke(main, args)
+        url = next(a for a in args if "://" in a)
+        assert result.exit_code == 1, (args, result.output)
+        assert (
+            result.output
+            == f"packer: error: {url}: object storage and other URLs are not supported yet; give a local path\n"
+        )
+        assert list(tmp_path.iterdir()) == [], args
+
+
+def test_the_api_refuses_urls_too(raw_photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from packer.builder.pipeline import clean
+    from packer.cli import dataset_info
+    from packer.tools.compact import compact
+    from packer.tools.verify import verify
+
+    monkeypatch.chdir(tmp_path)
+    calls = [
+        lambda: packer.build(raw_photos, "s3://bucket/x", quiet=True),
+        lambda: packer.build("s3://bucket/raw", tmp_path / "out.lmdb", quiet=True),
+        lambda: packer.ShardDataset("s3://bucket/x"),
+        lambda: dataset_info("s3://bucket/x"),
+        lambda: verify("s3://bucket/x"),
+        lambda: compact("s3://bucket/x"),
+        lambda: clean("s3://bucket/x"),
+    ]
+    for call in calls:
+        with pytest.raises(URLNotSupported, match="URLs are not supported yet"):
+            call()
+    assert list(tmp_path.iterdir()) == []
+    # a local path that merely contains "://" further on, and a Windows-style drive, are paths
+    assert not is_url("raw/s3://x") and not is_url("C://data") and is_url("S3+x.y-z://b")

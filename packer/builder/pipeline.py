@@ -29,7 +29,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from ..backends import BACKENDS, WRITE_ERRORS, close_all
-from ..errors import DatasetError, say
+from ..errors import DatasetError, local_path, say
 from ..format import MANIFEST, MAX_MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
@@ -59,7 +59,7 @@ def lock_path(out: Path) -> Path:
 
 def dataset_path(out: str | os.PathLike) -> Path:
     """OUT, or the dataset a symlink at OUT points to: a refresh replaces that one and keeps the link."""
-    out = Path(out)
+    out = local_path(out)
     return Path(os.path.realpath(out)) if out.is_symlink() else out
 
 
@@ -189,7 +189,7 @@ def clean(out: str | os.PathLike) -> list[Path]:
     ``.NAME.packer-old``), and nothing else; returns what was deleted. Behind a symlink, the dataset
     the link points to goes, then the link. Refuses (BuildError) anything that is not packer's, and
     an OUT that a build holds."""
-    given, out = Path(out), dataset_path(out)
+    given, out = local_path(out), dataset_path(out)
     if not out.parent.is_dir():  # nothing there to delete (and no folder to make for a lock file)
         if given.is_symlink():
             given.unlink()
@@ -306,9 +306,10 @@ def run_build(
 ) -> BuildReport:
     """Pack ``raw_dir`` into ``out`` with ``engine``: the build both engines share (see the module docstring)."""
     t0 = time.monotonic()
+    local_path(raw_dir)
     options = options.resolved(out, engine.shard_size)  # from the name given: a symlink's target may differ
     assert options.backend is not None
-    given, out = Path(out), dataset_path(out)
+    given, out = local_path(out), dataset_path(out)
     with contextlib.ExitStack() as locks:
         lock_outputs(locks, out, options, quiet)
         found = prepare(raw_dir, out, options, quiet)

@@ -24,7 +24,6 @@ import operator
 import os
 import zlib
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -34,6 +33,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .. import transform
 from ..backends.pin import FileKey, pin
+from ..errors import local_path
 from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
 from ..transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
@@ -178,7 +178,7 @@ class ShardDataset(Dataset):
             raise ValueError(f"eval_ratio must be in (0, 1] (crop size / resized short edge), not {eval_ratio}")
         if not (dtype == torch.uint8 or dtype.is_floating_point):
             raise ValueError(f"dtype must be torch.uint8 or a floating type, not {dtype}")
-        self.root = str(Path(path).resolve())
+        self.root = str(local_path(path).resolve())
         self.seed = seed
         self.dtype = dtype
         if memory_format not in (torch.channels_last, torch.contiguous_format):

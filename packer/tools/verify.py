@@ -32,6 +32,7 @@ import numpy as np
 from ..backends import BACKENDS, data_files, record_places
 from ..backends.pin import pin
 from ..backends.walk import walk
+from ..errors import local_path
 from ..format import (
     INDEX,
     LABELS,
@@ -96,7 +97,7 @@ def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:
 
 def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
     """Check the dataset at ``root``; raises DatasetError only when it cannot be opened or read safely."""
-    pinned = pin(str(Path(root).resolve()))  # manifest and arrays of one version; special files refused
+    pinned = pin(str(local_path(root).resolve()))  # manifest and arrays of one version; special files refused
     manifest, index, sources, multi, targets = (
         pinned.manifest,
         pinned.index,
