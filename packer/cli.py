@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
-import json
+import io
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ import numpy as np
 
 from .builder.options import BuildOptions, cli_fields, flag
 from .errors import PackerError, is_url, local_path
+from .format import json_text
 
 
 class Terminated(KeyboardInterrupt):
@@ -77,11 +79,30 @@ class _PathOrURL(click.Path):
         return value if isinstance(value, str) and is_url(value) else super().convert(value, param, ctx)
 
 
+def _undecodable_as_escapes(error: UnicodeError) -> tuple[str, int]:
+    """A codec error handler for the CLI's output: a file or class name's undecodable bytes (lone
+    surrogates from os.fsdecode) as ``\\xNN``, as ``ls -b`` shows them; anything else the output's
+    encoding lacks as a backslash escape. Printing such a name must not end the command."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    bad = error.object[error.start : error.end]
+    return "".join(
+        f"\\x{ord(c) - 0xDC00:02x}" if "\udc80" <= c <= "\udcff" else c.encode("ascii", "backslashreplace").decode()
+        for c in bad
+    ), error.end
+
+
+codecs.register_error("packer-escape", _undecodable_as_escapes)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for expected errors.")
 @click.version_option(package_name="packer")
 def main(debug: bool) -> None:
     """Preprocess an image folder once; pack it into LMDB or memmap shards for fast training."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):  # whatever PYTHONIOENCODING or the locale chose
+            stream.reconfigure(errors="packer-escape")
 
 
 def _click_type(kind: Any) -> Any:
@@ -278,7 +299,7 @@ def info(out: Path, as_json: bool) -> None:
     """Summarise the dataset at OUT."""
     facts = dataset_info(out)
     if as_json:
-        click.echo(json.dumps(facts, indent=1, ensure_ascii=False))
+        click.echo(json_text(facts, indent=1))
         return
     width = max((len(c) for c in facts["classes"]), default=0)
     kind = {"class": "", "multi": " (multi-label)", "none": " (unlabeled)"}[facts["label_kind"]]
@@ -492,7 +513,7 @@ def bench(
     )
     if plot_file is not None:
         plot(result, plot_file)
-    click.echo(json.dumps(result.to_json(), indent=1) if as_json else result.summary())
+    click.echo(json_text(result.to_json(), indent=1) if as_json else result.summary())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+import packer
 from packer.tools.preview import CAPTION, CELL, contact_sheet, pick
 
 
@@ -61,3 +64,34 @@ def test_info_histograms(built) -> None:
     assert facts["short_edge_histogram"] == [{"lo": 320, "hi": 320, "count": 18}]
     text = cli("info", out).stdout
     assert "per class:" in text and "stored long edge" in text and "#" in text
+
+
+def test_non_utf8_names_print_as_valid_utf8(raw_photos: Path, tmp_path: Path) -> None:
+    """A class folder and files whose names are not UTF-8 (os.fsdecode gives lone surrogates): `info
+    --json` is valid UTF-8 and its names turn back into the folder's bytes; `info` and `show` print
+    them escaped under a strict UTF-8 stdout; report.jsonl is valid UTF-8 JSON too."""
+    raw = tmp_path / "raw"
+    cls = os.fsencode(raw) + b"/caf\xe9"
+    os.makedirs(cls)
+    photo = next((raw_photos / "landscape").iterdir())
+    shutil.copyfile(photo, os.fsdecode(cls + b"/p\xff.jpg"))
+    Path(os.fsdecode(cls + b"/bad\xfe.jpg")).write_bytes(b"not a jpeg")
+    shutil.copytree(raw_photos / "portrait", raw / "ok")
+    out = tmp_path / "out.lmdb"
+    packer.build(raw, out, workers=1, quiet=True)
+    strict = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    run = subprocess.run(
+        [sys.executable, "-m", "packer.cli", "info", "--json", str(out)], capture_output=True, env=strict
+    )
+    assert run.returncode == 0, run.stderr
+    facts = json.loads(run.stdout.decode("utf-8"))
+    assert [os.fsencode(c) for c in facts["classes"]] == [b"caf\xe9", b"ok"]
+    assert os.fsencode(next(iter(facts["class_counts"]))) == b"caf\xe9"
+    run = subprocess.run([sys.executable, "-m", "packer.cli", "info", str(out)], capture_output=True, env=strict)
+    assert run.returncode == 0 and run.stderr == b"", run.stderr
+    assert b"    caf\\xe9  " in run.stdout and b"    ok  " in run.stdout
+    run = subprocess.run([sys.executable, "-m", "packer.cli", "show", str(out), "0"], capture_output=True, env=strict)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(b"0: caf\\xe9/p\\xff.jpg  class caf\\xe9  ")
+    (line,) = (out / "report.jsonl").read_bytes().decode("utf-8").splitlines()
+    assert os.fsencode(json.loads(line)["path"]) == b"caf\xe9/bad\xfe.jpg"

@@ -47,6 +47,7 @@ from ..format import (
     DatasetError,
     Manifest,
     index_digest,
+    json_text,
     logical_digest,
 )
 from ..format.label_arrays import arrays_digest, class_counts
@@ -146,8 +147,8 @@ class Journal:
         self.files["sources"].write(rel)
 
     def add_report(self, rel: str, status: str, reason: str) -> None:
-        line = json.dumps({"path": rel, "status": status, "reason": reason}, ensure_ascii=False)
-        self.files["report"].write(line.encode("utf-8", "surrogateescape") + b"\n")
+        line = json_text({"path": rel, "status": status, "reason": reason})
+        self.files["report"].write(line.encode("utf-8") + b"\n")
 
     def add_scan_report(self, found: Scan) -> None:
         """What the scan already knows: ignored files, and --labels rows with no file behind them."""

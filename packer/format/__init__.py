@@ -15,6 +15,7 @@ import json
 import math
 import mmap
 import os
+import re
 import stat
 import struct
 from collections.abc import Callable
@@ -300,6 +301,16 @@ def logical_digest(index: np.ndarray, labels_digest: str = "") -> str:
             packed[name] = rows[name]
         h.update(packed.data)
     return with_labels("sha256:" + h.hexdigest(), labels_digest)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_text(obj: Any, **options: Any) -> str:
+    """``json.dumps(obj)`` with UTF-8 left readable, yet valid UTF-8: a file name's undecodable bytes
+    (os.fsdecode's lone surrogates, which UTF-8 cannot encode) become ``\\udcXX`` escapes, as in
+    manifest.json, which ``json.loads`` then ``os.fsencode`` turn back into the very same bytes."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", json.dumps(obj, ensure_ascii=False, **options))
 
 
 def manifest_digest(fields: dict[str, Any]) -> str:
