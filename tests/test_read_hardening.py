@@ -178,6 +178,35 @@ def test_more_memmap_shards_than_open_files_allowed(tmp_path: Path) -> None:
     assert run.stdout.split() == ["70", "140"]
 
 
+# `packer show OUT 0` with an address space of what the process already uses plus 80 MB: enough to read
+# the manifest (a buffer of up to 64 MB), not to map a 144 MB shard
+SHOW_UNDER_ULIMIT_V = """
+import resource, sys
+import packer.dataset, packer.preview  # imported (and their address space taken) before the limit
+from packer.cli import main
+used = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (used + (80 << 20),) * 2)
+main(["show", sys.argv[1], "0"])
+"""
+
+
+def test_a_shard_that_cannot_be_mapped_is_one_clean_error(tmp_path: Path) -> None:
+    """ENOMEM from mmap (ulimit -v): the error names the shard and the likely limits, and the half-made
+    mapping leaves no "Exception ignored in Mapping.__del__" behind it."""
+    raw = tmp_path / "raw" / "a"
+    raw.mkdir(parents=True)
+    for k in range(3):  # flat colour: tiny files that decode into 48 MB records
+        Image.new("RGB", (4000, 4000), (80 * k, 10, 10)).save(raw / f"{k}.jpg")
+    out = tmp_path / "big"
+    build(raw.parent, out, backend="memmap", format="raw", short_edge=4000, workers=1, quiet=True)
+    run = subprocess.run([sys.executable, "-c", SHOW_UNDER_ULIMIT_V, str(out)], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr == (
+        f"packer: error: {out}: shard shard-00000.bin cannot be mapped (out of address space (ulimit -v) "
+        f"or mappings (too many shards mapped: vm.max_map_count))\n"
+    )
+
+
 def test_hostile_sizes_are_refused_before_any_allocation(small, tmp_path: Path) -> None:
     """A JPEG record whose index says 4,000,000 x 4,000,000 pixels (48 TB decoded)."""
     root = copy(small("memmap"), tmp_path / "huge")

@@ -162,7 +162,11 @@ def _map_shard(root: str, info: dict, open_file) -> Shard:
         try:
             mapping = Mapping(fd, nbytes)
         except OSError as e:
-            why = "too many shards mapped (vm.max_map_count)" if e.errno == errno.ENOMEM else e.strerror
+            why = (
+                "out of address space (ulimit -v) or mappings (too many shards mapped: vm.max_map_count)"
+                if e.errno == errno.ENOMEM
+                else e.strerror
+            )
             raise DatasetError(f"{root}: shard {name} cannot be mapped ({why})") from None
     finally:
         os.close(fd)
@@ -242,4 +246,5 @@ class Mapping:
         _libc.madvise(self.addr + page, (self.size - start if length is None else length) + start - page, advice)
 
     def __del__(self) -> None:
-        _libc.munmap(self.addr, self.size)
+        if hasattr(self, "addr"):  # not when __init__'s mmap failed: there is nothing to unmap
+            _libc.munmap(self.addr, self.size)
