@@ -471,12 +471,20 @@ def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) 
     "--epochs",
     type=click.IntRange(min=1),
     default=None,
-    help="Full passes per sweep point [default: one pass, at least 8 batches and at most 10,000 samples].",
+    help="Full passes per measurement [default: one pass, at least 4 batches and at most 3,000 samples].",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Measurements per num_workers value, in rounds over the sweep: the spread shows the noise, and "
+    "more workers are advised only for a difference larger than it.",
 )
 @click.option(
     "--dtype",
     type=click.Choice(["uint8", "float32"]),
-    default="float32",
+    default="uint8",
     show_default=True,
     help="Output dtype (uint8: normalize on the GPU with packer.transform.to_device).",
 )
@@ -496,6 +504,7 @@ def bench(
     crop_size: int,
     eval_: bool,
     epochs: int | None,
+    repeats: int,
     dtype: str,
     as_json: bool,
     plot_file: Path | None,
@@ -509,7 +518,14 @@ def bench(
         click.echo("packer: error: --plot needs matplotlib: pip install 'packer[plot]'", err=True)
         sys.exit(1)
     result = run_bench(
-        out, workers=workers, batch_size=batch_size, crop_size=crop_size, train=not eval_, epochs=epochs, dtype=dtype
+        out,
+        workers=workers,
+        batch_size=batch_size,
+        crop_size=crop_size,
+        train=not eval_,
+        epochs=epochs,
+        dtype=dtype,
+        repeats=repeats,
     )
     if plot_file is not None:
         plot(result, plot_file)

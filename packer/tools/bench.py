@@ -2,8 +2,9 @@
 
 Three measurements, each answering one tuning question:
 
-- samples/s through a real DataLoader (no model) for a sweep of ``num_workers``: how many workers
-  the machine needs, and where adding more stops paying (the knee);
+- samples/s through a real DataLoader (no model) for a sweep of ``num_workers``, each value measured
+  several times, interleaved with the others: how many workers the machine needs, and where adding
+  more stops paying (the knee), told apart from the noise of a shared machine by the runs' spread;
 - a stage profile in-process: time per sample in each stage of ``ShardDataset``'s own code path
   (the dataset calls a clock between stages, so nothing here re-implements a stage): whether to
   add workers, store raw pixels, or move float conversion to the GPU;
@@ -16,6 +17,7 @@ workers), which stays meaningful when other jobs share the cores.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,11 +29,13 @@ from ..format import disk_bytes
 
 #: Sweep points within this fraction of the best throughput count as "not growing any more".
 KNEE_FRACTION = 0.9
-#: Samples per sweep point when --epochs is not given (one epoch of a big dataset takes too long).
-DEFAULT_MAX_SAMPLES = 10_000
+#: Samples per measurement when --epochs is not given (one epoch of a big dataset takes too long).
+DEFAULT_MAX_SAMPLES = 3_000
 #: ... and at least this many batches (a small dataset's records are then read more than once),
-#: so that a point is not a handful of batches timed against the warm-up's noise.
-DEFAULT_MIN_BATCHES = 8
+#: so that a measurement is not a handful of batches timed against the warm-up's noise.
+DEFAULT_MIN_BATCHES = 4
+#: Measurements per num_workers value: their spread tells a real difference from a busy machine's noise.
+REPEATS = 3
 #: Records drawn for the stage profile (it runs in one process, so it is kept short).
 PROFILE_SAMPLES = 1024
 
@@ -92,13 +96,35 @@ def worker_pids(iterator: Any) -> list[int]:
 
 @dataclass
 class Point:
-    """One sweep point: throughput with ``workers`` DataLoader workers."""
+    """One sweep point: throughput with ``workers`` DataLoader workers; of several measurements
+    (:func:`combine`), the median samples/s and CPU time, and each measurement's samples/s in ``runs``."""
 
     workers: int
     samples: int
     seconds: float
     samples_per_s: float
     cpu_us_per_sample: float
+    runs: list[float] = field(default_factory=list)
+
+    @property
+    def low(self) -> float:
+        return min(self.runs, default=self.samples_per_s)
+
+    @property
+    def high(self) -> float:
+        return max(self.runs, default=self.samples_per_s)
+
+
+def combine(runs: Sequence[Point]) -> Point:
+    """Measurements of one ``workers`` value as one Point (medians: one slow run does not move it)."""
+    return Point(
+        runs[0].workers,
+        sum(p.samples for p in runs),
+        sum(p.seconds for p in runs),
+        statistics.median(p.samples_per_s for p in runs),
+        statistics.median(p.cpu_us_per_sample for p in runs),
+        [p.samples_per_s for p in runs],
+    )
 
 
 def make_loader(
@@ -203,9 +229,15 @@ def _profile(ds: Any, batch_size: int, samples: int, rng: Any, collate: Any) -> 
 
 
 def knee(points: Sequence[Point]) -> Point:
-    """The fewest workers reaching ``KNEE_FRACTION`` of the best throughput."""
-    best = max(p.samples_per_s for p in points)
-    return min((p for p in points if p.samples_per_s >= KNEE_FRACTION * best), key=lambda p: p.workers)
+    """The fewest workers that the measurements cannot tell from the best: within ``KNEE_FRACTION``
+    of its median, or with a run as fast as its slowest one. More workers are advised only for a
+    difference larger than the noise. ``num_workers=0`` only when nothing else was measured: it
+    loads each batch between training steps instead of during them, which no benchmark without a
+    model sees."""
+    candidates = [p for p in points if p.workers > 0] or list(points)
+    best = max(candidates, key=lambda p: p.samples_per_s)
+    close = [p for p in candidates if p.samples_per_s >= KNEE_FRACTION * best.samples_per_s or p.high >= best.low]
+    return min(close, key=lambda p: p.workers)
 
 
 def _resize_advice(resize: str) -> str:
@@ -236,23 +268,42 @@ def advice(
     resize: str,
     fits_in_page_cache: Optional[bool] = None,
     backend: str = "lmdb",
+    *,
+    count: int,
+    batch_size: int,
+    train: bool,
 ) -> dict[str, Any]:
-    """DataLoader settings and notes that follow from the sweep, the profile and the dataset's size."""
+    """The README's training setup (ShardSampler, uint8 batches normalized on the GPU) with the
+    settings and notes that follow from the sweep, the profile and the dataset's size: ``count``
+    records, batches of ``batch_size``, ``train`` or eval crops."""
     k = knee(points)
     top = max(p.workers for p in points)
     share = {s["stage"]: s["percent"] for s in stages}
     notes = []
     if k.workers == top and top < cores():
         notes.append(f"throughput still grows at {top} workers: try up to {cores()} (--workers)")
+    zero = next((p for p in points if p.workers == 0), None)
+    if zero is not None and k.workers > 0 and zero.low > k.high:
+        notes.append(
+            f"num_workers=0 was faster here, without a model: it loads each batch between training steps "
+            f"instead of during them, so {k.workers} is advised"
+        )
+    drop_last = train and count >= batch_size  # never a setting that yields no batch at all
+    if train and not drop_last:
+        notes.append(
+            f"{count} records are fewer than a batch of {batch_size}: drop_last=True would give no batch; "
+            f"drop_last=False gives one batch of {count} an epoch (or measure a smaller --batch-size)"
+        )
     if share.get("decode", 0) > 40 and fmt == "jpeg":
         notes.append(
             "JPEG decoding dominates: it scales with workers; `packer build --format raw` skips it "
             '(~14x the bytes on disk: docs/PERFORMANCE.md, "Cold reads")'
         )
-    if share.get("to float", 0) > 15:
+    if dtype != "uint8":
         notes.append(
-            "float conversion is a large share and makes batches 4x bigger: use dtype=torch.uint8 "
-            "and packer.transform.to_device(images, 'cuda') to normalize on the GPU"
+            f"measured with {dtype} batches ({share.get('to float', 0):.0f}% of a sample's time converts them, "
+            "and they are 4x bigger): the advice is uint8, normalized on the GPU by to_device; "
+            "`--dtype uint8` measures it"
         )
     if share.get("read", 0) > 30:
         notes.append(
@@ -273,13 +324,15 @@ def advice(
             "the resize dominates: a smaller --short-edge at build time (closer to the crop size) makes it cheaper"
         )
     settings = {
+        "batch_size": batch_size,
         "num_workers": k.workers,
         "persistent_workers": k.workers > 0,
         "prefetch_factor": 4 if k.workers else None,
         "pin_memory": "True when training on CUDA",
-        "drop_last": True,
+        "drop_last": drop_last,
     }
-    return {"dataloader": settings, "notes": notes}
+    sampler = "ShardSampler(ds)" if train else "ShardSampler(ds, shuffle=False)"
+    return {"dtype": "uint8", "sampler": sampler, "dataloader": settings, "notes": notes}
 
 
 @dataclass
@@ -294,6 +347,7 @@ class BenchResult:
     crop_size: int
     train: bool
     cores: int
+    repeats: int
     dataset_bytes: int
     mem_available: Optional[int]
     fits_in_page_cache: Optional[bool]
@@ -315,16 +369,19 @@ class BenchResult:
                 f"{self.cores} cores, resize by {self.resize}"
             ),
             "",
-            "DataLoader throughput (no model, warm-up excluded):",
-            "  workers   samples/s   cpu us/sample",
+            f"DataLoader throughput (no model, warm-up excluded; median and range of {self.repeats} runs each):",
+            "  workers   samples/s         min-max   cpu us/sample",
         ]
         best = max(p.samples_per_s for p in self.throughput)
         for p in self.throughput:
             bar = "#" * max(1, round(30 * p.samples_per_s / best)) if best else ""
-            lines.append(f"  {p.workers:>7}   {p.samples_per_s:>9,.0f}   {p.cpu_us_per_sample:>13,.0f}  {bar}")
+            spread = f"{p.low:,.0f}-{p.high:,.0f}"
+            lines.append(
+                f"  {p.workers:>7}   {p.samples_per_s:>9,.0f}   {spread:>13}   {p.cpu_us_per_sample:>13,.0f}  {bar}"
+            )
         lines.append(
-            f"throughput stops growing at {self.knee.workers} workers "
-            f"({self.knee.samples_per_s:,.0f} samples/s; more add < {100 - 100 * KNEE_FRACTION:.0f}%)"
+            f"throughput stops growing at {self.knee.workers} workers ({self.knee.samples_per_s:,.0f} samples/s; "
+            f"more add < {100 - 100 * KNEE_FRACTION:.0f}% or less than the runs' spread)"
         )
         prof = self.profile
         lines += [
@@ -353,8 +410,15 @@ class BenchResult:
             )
         lines.append(self.cold_read)
         rec = self.recommendation
-        kw = ", ".join(f"{k}={v}" for k, v in rec["dataloader"].items() if v is not None)
-        lines += ["", f"recommended: DataLoader(ds, batch_size={self.batch_size}, shuffle=True, {kw})"]
+        kw = ", ".join(f"{k}={v}" for k, v in rec["dataloader"].items() if v is not None and k != "pin_memory")
+        lines += [
+            "",
+            'recommended (README, "Training with it"):',
+            f"  ds = ShardDataset({self.path!r}, crop_size={self.crop_size}, train={self.train}, dtype=torch.uint8)",
+            f"  sampler = {rec['sampler']}  # sampler.set_epoch(epoch) before each epoch",
+            f"  loader = DataLoader(ds, sampler=sampler, {kw}, pin_memory=True)  # pin_memory on CUDA",
+            '  for images, labels in loader: x = packer.transform.to_device(images, "cuda")  # float, normalized',
+        ]
         lines += [f"  - {n}" for n in rec["notes"]]
         return "\n".join(lines)
 
@@ -366,10 +430,13 @@ def run_bench(
     crop_size: int = 224,
     train: bool = True,
     epochs: Optional[int] = None,
-    dtype: str = "float32",
+    dtype: str = "uint8",
     profile_samples: int = PROFILE_SAMPLES,
+    *,
+    repeats: int = REPEATS,
 ) -> BenchResult:
-    """Run the sweep and the profile on the dataset at ``path``; see ``packer bench --help``."""
+    """Run the sweep (``repeats`` rounds over ``workers``) and the profile on the dataset at ``path``;
+    see ``packer bench --help``."""
     import torch
 
     from ..read.dataset import ShardDataset
@@ -378,7 +445,11 @@ def run_bench(
     ds = ShardDataset(path, crop_size=crop_size, train=train, dtype=getattr(torch, dtype))
     workers = sorted(set(workers)) if workers else list(range(cores() + 1))
     samples = len(ds) * epochs if epochs else max(min(len(ds), DEFAULT_MAX_SAMPLES), DEFAULT_MIN_BATCHES * batch_size)
-    points = [measure(ds, w, batch_size, samples) for w in workers]
+    runs: dict[int, list[Point]] = {w: [] for w in workers}
+    for _ in range(repeats):  # round after round: a load that comes and goes weighs on every count alike
+        for w in workers:
+            runs[w].append(measure(ds, w, batch_size, samples, packer_sampler=True))
+    points = [combine(runs[w]) for w in workers]
     prof = profile(ds, batch_size, profile_samples)
     size, avail = disk_bytes(path), mem_available()
     fits, resize = None if avail is None else size < avail, resize_backend()
@@ -393,6 +464,7 @@ def run_bench(
         crop_size=crop_size,
         train=train,
         cores=cores(),
+        repeats=repeats,
         dataset_bytes=size,
         mem_available=avail,
         fits_in_page_cache=fits,
@@ -400,7 +472,18 @@ def run_bench(
         throughput=points,
         knee=knee(points),
         profile=prof,
-        recommendation=advice(points, prof["stages"], ds.manifest.format, dtype, resize, fits, ds.manifest.backend),
+        recommendation=advice(
+            points,
+            prof["stages"],
+            ds.manifest.format,
+            dtype,
+            resize,
+            fits,
+            ds.manifest.backend,
+            count=len(ds),
+            batch_size=batch_size,
+            train=train,
+        ),
     )
 
 
@@ -413,8 +496,12 @@ def plot(result: BenchResult, path: str | os.PathLike) -> None:
 
     xs = [p.workers for p in result.throughput]
     ys = [p.samples_per_s for p in result.throughput]
+    spread = [
+        [p.samples_per_s - p.low for p in result.throughput],
+        [p.high - p.samples_per_s for p in result.throughput],
+    ]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, ys, marker="o")
+    ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3)  # median, and the runs' min to max
     ax.axvline(result.knee.workers, linestyle="--", color="grey", label=f"knee: {result.knee.workers} workers")
     ax.set_xlabel("num_workers")
     ax.set_ylabel("samples/s")
