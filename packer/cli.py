@@ -478,8 +478,8 @@ def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) 
     type=click.IntRange(min=1),
     default=3,
     show_default=True,
-    help="Measurements per num_workers value, in rounds over the sweep: the spread shows the noise, and "
-    "more workers are advised only for a difference larger than it.",
+    help="Timed runs per num_workers value (back to back, after one warm-up): the spread shows the noise, "
+    "and more workers are advised only for a difference larger than it.",
 )
 @click.option(
     "--dtype",

@@ -2,9 +2,9 @@
 
 Three measurements, each answering one tuning question:
 
-- samples/s through a real DataLoader (no model) for a sweep of ``num_workers``, each value measured
-  several times, interleaved with the others: how many workers the machine needs, and where adding
-  more stops paying (the knee), told apart from the noise of a shared machine by the runs' spread;
+- samples/s through a real DataLoader (no model) for a sweep of ``num_workers``, each value timed
+  several times: how many workers the machine needs, and where adding more stops paying (the knee),
+  told apart from the noise of a shared machine by the runs' spread;
 - a stage profile in-process: time per sample in each stage of ``ShardDataset``'s own code path
   (the dataset calls a clock between stages, so nothing here re-implements a stage): whether to
   add workers, store raw pixels, or move float conversion to the GPU;
@@ -34,7 +34,7 @@ DEFAULT_MAX_SAMPLES = 3_000
 #: ... and at least this many batches (a small dataset's records are then read more than once),
 #: so that a measurement is not a handful of batches timed against the warm-up's noise.
 DEFAULT_MIN_BATCHES = 4
-#: Measurements per num_workers value: their spread tells a real difference from a busy machine's noise.
+#: Timed runs per num_workers value: their spread tells a real difference from a busy machine's noise.
 REPEATS = 3
 #: Records drawn for the stage profile (it runs in one process, so it is kept short).
 PROFILE_SAMPLES = 1024
@@ -146,29 +146,43 @@ def make_loader(
 
 
 def measure(
-    ds: Any, workers: int, batch_size: int, samples: int, prefetch_factor: int = 2, packer_sampler: bool = False
+    ds: Any,
+    workers: int,
+    batch_size: int,
+    samples: int,
+    prefetch_factor: int = 2,
+    packer_sampler: bool = False,
+    *,
+    repeats: int = 1,
 ) -> Point:
-    """samples/s of ``samples`` samples after a warm-up: each worker's first ``prefetch_factor + 1``
-    batches, which pay its start-up and the first use of each batch segment it will reuse for the
-    rest of the epoch (packer.read.batchpool: one per batch in flight, 256 x 3 x 224 x 224 float32 is
-    154 MB, whose pages fault in once: counted in, they would weigh on a short run; docs/PERFORMANCE.md,
-    "What changed")."""
+    """samples/s of ``samples`` samples (whole batches), timed ``repeats`` times back to back (:func:`combine`), after
+    one warm-up: each worker's first ``prefetch_factor + 1`` batches, which pay its start-up and the
+    first use of each batch segment it will reuse for the rest of the epoch (packer.read.batchpool: one per
+    batch in flight, 256 x 3 x 224 x 224 float32 is 154 MB, whose pages fault in once: counted in,
+    they would weigh on a short run; docs/PERFORMANCE.md, "What changed"). One warm-up for all the
+    runs: repeating it would cost more than the runs themselves at many workers."""
     warm = max(1, workers * (prefetch_factor + 1))
     # persistent: the workers outlive the last batch, so their CPU time can still be read
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True} if workers else {}
-    loader = make_loader(ds, workers, batch_size, samples + warm * batch_size, packer_sampler=packer_sampler, **extra)
+    per_run = -(-samples // batch_size)  # whole batches, at least one a run
+    loader = make_loader(
+        ds, workers, batch_size, (warm + repeats * per_run) * batch_size, packer_sampler=packer_sampler, **extra
+    )
     it = iter(loader)
     for _ in range(warm):
         next(it)
     pids = worker_pids(it)
-    cpu0 = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids)
-    t0, n = time.perf_counter(), 0
-    for batch in it:
-        n += len(batch[0])
-    seconds = time.perf_counter() - t0
-    cpu = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids) - cpu0
+    runs = []
+    for _ in range(repeats):
+        cpu0 = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids)
+        t0, n = time.perf_counter(), 0
+        for _ in range(per_run):
+            n += len(next(it)[0])
+        seconds = time.perf_counter() - t0
+        cpu = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids) - cpu0
+        runs.append(Point(workers, n, seconds, n / seconds if seconds > 0 else 0.0, cpu / max(n, 1) * 1e6))
     del it, loader
-    return Point(workers, n, seconds, n / seconds if seconds > 0 else 0.0, cpu / max(n, 1) * 1e6)
+    return combine(runs)
 
 
 class StageClock:
@@ -435,8 +449,8 @@ def run_bench(
     *,
     repeats: int = REPEATS,
 ) -> BenchResult:
-    """Run the sweep (``repeats`` rounds over ``workers``) and the profile on the dataset at ``path``;
-    see ``packer bench --help``."""
+    """Run the sweep (``repeats`` timed runs for each of ``workers``) and the profile on the dataset at
+    ``path``; see ``packer bench --help``."""
     import torch
 
     from ..read.dataset import ShardDataset
@@ -445,11 +459,7 @@ def run_bench(
     ds = ShardDataset(path, crop_size=crop_size, train=train, dtype=getattr(torch, dtype))
     workers = sorted(set(workers)) if workers else list(range(cores() + 1))
     samples = len(ds) * epochs if epochs else max(min(len(ds), DEFAULT_MAX_SAMPLES), DEFAULT_MIN_BATCHES * batch_size)
-    runs: dict[int, list[Point]] = {w: [] for w in workers}
-    for _ in range(repeats):  # round after round: a load that comes and goes weighs on every count alike
-        for w in workers:
-            runs[w].append(measure(ds, w, batch_size, samples, packer_sampler=True))
-    points = [combine(runs[w]) for w in workers]
+    points = [measure(ds, w, batch_size, samples, packer_sampler=True, repeats=repeats) for w in workers]
     prof = profile(ds, batch_size, profile_samples)
     size, avail = disk_bytes(path), mem_available()
     fits, resize = None if avail is None else size < avail, resize_backend()
