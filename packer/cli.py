@@ -80,9 +80,9 @@ class _PathOrURL(click.Path):
 
 
 def _undecodable_as_escapes(error: UnicodeError) -> tuple[str, int]:
-    """A codec error handler for the CLI's output: a file or class name's undecodable bytes (lone
-    surrogates from os.fsdecode) as ``\\xNN``, as ``ls -b`` shows them; anything else the output's
-    encoding lacks as a backslash escape. Printing such a name must not end the command."""
+    """A codec error handler for the CLI's strict output streams: a file or class name's undecodable
+    bytes (lone surrogates from os.fsdecode) as ``\\xNN``, as ``ls -b`` shows them; anything else the
+    output's encoding lacks as a backslash escape. Printing such a name must not end the command."""
     if not isinstance(error, UnicodeEncodeError):
         raise error
     bad = error.object[error.start : error.end]
@@ -101,7 +101,9 @@ codecs.register_error("packer-escape", _undecodable_as_escapes)
 def main(debug: bool) -> None:
     """Preprocess an image folder once; pack it into LMDB or memmap shards for fast training."""
     for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper):  # whatever PYTHONIOENCODING or the locale chose
+        # a strict stream (PYTHONIOENCODING=utf-8) only: where the locale gave surrogateescape, a name
+        # is printed as its very bytes, a path the shell can use, as ls prints it
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
             stream.reconfigure(errors="packer-escape")
 
 

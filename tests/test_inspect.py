@@ -68,8 +68,9 @@ def test_info_histograms(built) -> None:
 
 def test_non_utf8_names_print_as_valid_utf8(raw_photos: Path, tmp_path: Path) -> None:
     """A class folder and files whose names are not UTF-8 (os.fsdecode gives lone surrogates): `info
-    --json` is valid UTF-8 and its names turn back into the folder's bytes; `info` and `show` print
-    them escaped under a strict UTF-8 stdout; report.jsonl is valid UTF-8 JSON too."""
+    --json` is valid UTF-8 whatever the stream's error handler, and its names turn back into the
+    folder's bytes; `info` and `show` print them escaped under a strict UTF-8 stdout; report.jsonl
+    is valid UTF-8 JSON too."""
     raw = tmp_path / "raw"
     cls = os.fsencode(raw) + b"/caf\xe9"
     os.makedirs(cls)
@@ -80,13 +81,14 @@ def test_non_utf8_names_print_as_valid_utf8(raw_photos: Path, tmp_path: Path) ->
     out = tmp_path / "out.lmdb"
     packer.build(raw, out, workers=1, quiet=True)
     strict = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    run = subprocess.run(
-        [sys.executable, "-m", "packer.cli", "info", "--json", str(out)], capture_output=True, env=strict
-    )
-    assert run.returncode == 0, run.stderr
-    facts = json.loads(run.stdout.decode("utf-8"))
-    assert [os.fsencode(c) for c in facts["classes"]] == [b"caf\xe9", b"ok"]
-    assert os.fsencode(next(iter(facts["class_counts"]))) == b"caf\xe9"
+    for env in (strict, {**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"}):
+        run = subprocess.run(
+            [sys.executable, "-m", "packer.cli", "info", "--json", str(out)], capture_output=True, env=env
+        )
+        assert run.returncode == 0, run.stderr
+        facts = json.loads(run.stdout.decode("utf-8"))
+        assert [os.fsencode(c) for c in facts["classes"]] == [b"caf\xe9", b"ok"]
+        assert os.fsencode(next(iter(facts["class_counts"]))) == b"caf\xe9"
     run = subprocess.run([sys.executable, "-m", "packer.cli", "info", str(out)], capture_output=True, env=strict)
     assert run.returncode == 0 and run.stderr == b"", run.stderr
     assert b"    caf\\xe9  " in run.stdout and b"    ok  " in run.stdout
