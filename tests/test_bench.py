@@ -142,7 +142,7 @@ def test_advice_for_a_dataset_bigger_than_ram() -> None:
 
 
 def _points(runs: dict[int, list[float]]) -> list:
-    from packer import bench
+    from packer.tools import bench
 
     return [bench.combine([bench.Point(w, 100, 100 / r, r, 10.0) for r in rs]) for w, rs in runs.items()]
 
@@ -150,7 +150,7 @@ def _points(runs: dict[int, list[float]]) -> list:
 def test_more_workers_are_advised_only_for_a_difference_larger_than_the_runs_spread() -> None:
     """On a busy machine one run of each count recommended num_workers=0 half the time: the advice
     now needs a difference beyond the spread of repeated runs, and is never 0 once workers were measured."""
-    from packer.bench import knee
+    from packer.tools.bench import knee
 
     assert knee(_points({0: [100, 105, 110], 1: [90, 120, 150], 2: [140, 145, 150]})).workers == 1  # 1 within noise
     assert knee(_points({0: [100, 105, 110], 1: [90, 95, 100], 2: [140, 145, 150]})).workers == 2  # 2 clearly faster
@@ -163,7 +163,7 @@ def test_more_workers_are_advised_only_for_a_difference_larger_than_the_runs_spr
 
 def test_advice_is_the_readmes_setup_and_never_yields_no_batch() -> None:
     """177 records with batch_size=256 and drop_last=True give 0 batches an epoch: never advised."""
-    from packer import bench
+    from packer.tools import bench
 
     points = _points({0: [300, 310, 320], 1: [100, 110, 120]})
     stages = [{"stage": "read", "percent": 10.0}, {"stage": "to float", "percent": 30.0}]

@@ -182,7 +182,7 @@ def test_more_memmap_shards_than_open_files_allowed(tmp_path: Path) -> None:
 # the manifest (a buffer of up to 64 MB), not to map a 144 MB shard
 SHOW_UNDER_ULIMIT_V = """
 import resource, sys
-import packer.dataset, packer.preview  # imported (and their address space taken) before the limit
+import packer.read.dataset, packer.tools.preview  # imported (and their address space taken) before the limit
 from packer.cli import main
 used = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (used + (80 << 20),) * 2)
