@@ -14,6 +14,7 @@ __all__ = [
     "BuildReport",
     "DatasetError",
     "Labelling",
+    "MixDataset",
     "PackerError",
     "ShardDataset",
     "ShardSampler",
@@ -43,6 +44,10 @@ def __getattr__(name: str) -> Any:
         from .dataset import ShardDataset
 
         return ShardDataset
+    if name == "MixDataset":
+        from .mix import MixDataset
+
+        return MixDataset
     if name == "ShardSampler":
         from .sampler import ShardSampler
 

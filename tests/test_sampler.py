@@ -146,12 +146,17 @@ def test_a_record_drawn_twice_gets_two_crops(built) -> None:
     [{}, {"repeats": 2}, {"balanced": True, "num_samples": 25}, {"order": "block", "block_size": 4, "window": 2}],
 )
 def test_elastic_determinism(built, args: dict) -> None:
-    """World size 1, 2 and 4 (rank arguments): the same multiset of (record, crop) in an epoch."""
+    """World size 1, 2 and 4 (rank arguments): the same multiset of (record, crop) in an epoch with
+    pad=False; padded (the default), the same plus the few draws that even out the ranks."""
     path = built("memmap", "raw")
     multisets = []
     for world in (1, 2, 4):
-        drawn = [d for r in range(world) for d in draws_seen(path, num_replicas=world, rank=r, **args)]
+        drawn = [d for r in range(world) for d in draws_seen(path, num_replicas=world, rank=r, pad=False, **args)]
         multisets.append(collections.Counter(drawn))
+        padded = [draws_seen(path, num_replicas=world, rank=r, **args) for r in range(world)]
+        assert len({len(p) for p in padded}) == 1  # every rank as many draws
+        extra = collections.Counter(d for p in padded for d in p) - multisets[-1]
+        assert extra.total() == len(padded[0]) * world - len(drawn)  # only added draws, none changed
     assert multisets[0] == multisets[1] == multisets[2]
     if "balanced" not in args:  # unweighted: every record exactly once (repeats times) across the ranks
         assert collections.Counter(r for r, _ in multisets[0].elements()) == {
@@ -175,11 +180,9 @@ def test_sampler_orders_weights_and_lengths(built) -> None:
     assert set(ShardSampler(ds, weights=weights, num_samples=50).sequence(0).tolist()) <= set(range(9))
     even = [ShardSampler(ds, num_replicas=4, rank=r, drop_last=True) for r in range(4)]
     assert [len(s) for s in even] == [4] * 4 and [len(ShardSampler(ds, num_replicas=4, rank=r)) for r in range(4)] == [
-        5,
-        5,
-        4,
-        4,
-    ]
+        5
+    ] * 4
+    assert [len(ShardSampler(ds, num_replicas=4, rank=r, pad=False)) for r in range(4)] == [5, 5, 4, 4]
     ranks = [ShardSampler(ds, num_replicas=2, rank=r) for r in range(2)]  # elastic resume: 2 ranks -> 3
     for r in ranks:
         r.set_epoch(5)
@@ -191,7 +194,9 @@ def test_sampler_orders_weights_and_lengths(built) -> None:
     for r in later:
         r.load_state_dict(state)
     rest = [d for r in later for d in r]
-    assert sorted(d.draw for d in rest) == list(range(8, 18)) and {d.epoch for d in rest} == {5}
+    assert sorted(d.draw for d in rest) == list(range(8, 20)) and {d.epoch for d in rest} == {5}  # 2 padded
+    first = ranks[0].sequence(5)[:2].tolist()
+    assert [int(d) for d in sorted(rest, key=lambda d: d.draw)][-2:] == first  # padding repeats the first records
     with pytest.raises(ValueError, match="rank must be"):
         ShardSampler(ds, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match=r"seed 3 .* would not continue"):
