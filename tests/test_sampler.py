@@ -119,10 +119,47 @@ def test_float_output_batch_transform_and_shape_errors(built) -> None:
     assert torch.equal(a[0], b[0].flip(0)) and torch.equal(a[1], 1 - b[1])
 
     ragged = ShardDataset(path, crop_size=None, transform=lambda x: x)  # whole images differ in size
-    with pytest.raises(ValueError, match=r"record \d+ is \(3, \d+, \d+\), the batch's first was"):
+    with pytest.raises(ValueError, match=r"record \d+ is torch.uint8 \(3, \d+, \d+\), the batch's first \(record 0\)"):
         ragged.__getitems__(list(range(len(ragged))))
     with pytest.raises(ValueError, match="batch_transform needs images of one size"):
         ShardDataset(path, crop_size=None, batch_transform=swap)
+
+
+def sometimes_float(x: torch.Tensor) -> torch.Tensor:
+    """A transform whose output dtype depends on the sample (the parity of its first pixel)."""
+    return x.float().div(255) if int(x[0, 0, 0]) % 2 else x
+
+
+def test_transform_output_contract_names_the_sample(built) -> None:
+    """Mixed uint8/float outputs, a uint8 output that cannot be normalized, and a batch_transform that
+    returns another number of labels or images are errors naming the record(s), through DataLoader
+    workers, not a batch mixing normalized and raw values or a shrunk batch."""
+    path = built("memmap", "raw")
+    mixed = ShardDataset(path, crop_size=CROP, transform=sometimes_float)
+    with pytest.raises(
+        ValueError, match=r"record \d+ is torch.(uint8|float32) \(3, 32, 32\), the batch's first \(record"
+    ):
+        list(DataLoader(mixed, batch_size=18, num_workers=2))
+    gray = ShardDataset(path, crop_size=CROP, transform=lambda x: x[:1])  # uint8, 1 channel, float32 batch
+    with pytest.raises(ValueError, match=r"record 0 is torch.uint8 \(1, 32, 32\).* must be 3 x H x W"):
+        list(DataLoader(gray, batch_size=4, num_workers=1))
+    assert next(
+        iter(DataLoader(ShardDataset(path, crop_size=CROP, dtype=torch.uint8, transform=lambda x: x[:1]), batch_size=4))
+    )[0].shape == (4, 1, 32, 32)
+
+    def three_labels(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return images, labels[:3]
+
+    def fewer_images(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return images[:2], labels[:2]
+
+    for bad, said in ((three_labels, "8 images, 3 labels"), (fewer_images, "2 images, 2 labels")):
+        ds = ShardDataset(path, crop_size=CROP, batch_transform=bad)
+        with pytest.raises(ValueError, match=rf"returned {said} for a batch of 8 \(records 0, 1, 2, 3, 4, 5, 6, 7\)"):
+            list(DataLoader(ds, batch_size=8, num_workers=1))
+    labels_only = ShardDataset(path, crop_size=CROP, batch_transform=lambda images, labels: labels)
+    with pytest.raises(ValueError, match="batch_transform returned Tensor for a batch of 4"):
+        labels_only.__getitems__([0, 1, 2, 3])
 
 
 def test_a_record_drawn_twice_gets_two_crops(built) -> None:
