@@ -222,6 +222,8 @@ class ShardSampler(Sampler[Draw]):
         assert self.counts is not None, "called with proportions only"
         parts = []
         for first, size, count in zip(self.dataset.offsets.tolist(), self.dataset.sizes.tolist(), self.counts.tolist()):
+            if count == 0:
+                continue
             if self.order == "sequential":
                 parts.append(first + np.arange(count) % size)
             else:
@@ -449,6 +451,8 @@ def _member_counts(dataset: Any, proportions: Sequence[float], num_samples: int)
     p = np.asarray(proportions, dtype=np.float64)
     if p.shape != sizes.shape or not np.isfinite(p).all() or (p < 0).any() or p.sum() <= 0:
         raise ValueError(f"proportions must be {len(sizes)} finite non-negative numbers (one per member), not all zero")
+    if ((p > 0) & (sizes == 0)).any():
+        raise ValueError("proportions give draws to an empty member dataset")
     exact = p / p.sum() * num_samples
     counts = np.floor(exact).astype(np.int64)
     counts[np.argsort(counts - exact, kind="stable")[: num_samples - int(counts.sum())]] += 1

@@ -157,7 +157,11 @@ def test_transform_output_contract_names_the_sample(built) -> None:
         ds = ShardDataset(path, crop_size=CROP, batch_transform=bad)
         with pytest.raises(ValueError, match=rf"returned {said} for a batch of 8 \(records 0, 1, 2, 3, 4, 5, 6, 7\)"):
             list(DataLoader(ds, batch_size=8, num_workers=1))
-    labels_only = ShardDataset(path, crop_size=CROP, batch_transform=lambda images, labels: labels)
+
+    def only_labels(images: torch.Tensor, labels: torch.Tensor) -> Any:
+        return labels
+
+    labels_only = ShardDataset(path, crop_size=CROP, batch_transform=only_labels)
     with pytest.raises(ValueError, match="batch_transform returned Tensor for a batch of 4"):
         labels_only.__getitems__([0, 1, 2, 3])
 
