@@ -5,7 +5,8 @@ torch's ConcatDataset maps an index to its member by arithmetic that turns a Sha
 record in epoch 0, the same crops every epoch. A MixDataset hands each draw to its member with its
 epoch and draw number intact (a draw number is unique in the epoch across the whole mix, so no two
 samples share a key), reads each member's share of a batch in one ``__getitems__`` call, and passes
-``set_epoch`` to every member. Each member's share of an epoch's draws:
+``set_epoch`` to every member. A batch drawing from several members is copied once into one batch
+tensor (the members' parts cannot be written there directly). Each member's share of an epoch's draws:
 ``ShardSampler(mix, proportions=...)``; without it, draws are spread as over one dataset of all the
 records.
 """
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from . import labels as labelling
 from .dataset import Sample, ShardDataset, TargetSample
@@ -145,7 +146,19 @@ class MixDataset(Dataset):
                 local[0] = Draw(int(head), head.epoch, head.draw, mine)
             for k, sample in zip(slots[m], d.__getitems__(local)):
                 out[k] = sample
-        return out
+        return self._one_batch(out) if sum(map(bool, routed)) > 1 else out
+
+    def _one_batch(self, samples: list[Any]) -> list[Any]:
+        """Several members' samples written into one batch tensor (pooled, channels-last as a
+        member's own), so that collate hands it on as it does one dataset's batch; images of
+        different shapes (whole images, a transform's) are left for the collate to refuse."""
+        first = samples[0].image
+        if any(s.image.shape != first.shape or s.image.dtype != first.dtype for s in samples):
+            return samples
+        batch = self.datasets[0]._output(len(samples), tuple(first.shape), first.dtype, get_worker_info() is not None)
+        for k, s in enumerate(samples):
+            batch[k].copy_(s.image)
+        return [s._replace(image=batch[k]) for k, s in enumerate(samples)]
 
     def _member_ranges(self, m: int, ranges: Ranges) -> Ranges:
         """The parts of mix index ranges ``(first, end)`` that lie in member ``m``, as its records."""

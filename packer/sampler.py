@@ -11,7 +11,7 @@ crops, and ``set_epoch`` on the sampler is all a loop needs.
 Distributed: rank ``r`` of ``W`` takes draws ``r, r + W, r + 2W, ...`` of the global sequence. The
 sequence and every draw's augmentation do not depend on ``W`` (nor on num_workers), so a run moved
 from 8 ranks to 4 sees the same samples, and unweighted every record is drawn exactly once per epoch
-across the ranks. Every rank takes as many draws (DDP's collectives need equal step counts): by
+across the ranks (but for the few draws padded or dropped at the epoch's end). Every rank takes as many draws (DDP's collectives need equal step counts): by
 default the sequence is padded at its end with the epoch's first records again (as
 DistributedSampler pads), each padded draw with its own key; ``drop_last=True`` drops the last
 draws instead, ``pad=False`` keeps the uneven split (each draw exactly once). Resuming: the state is

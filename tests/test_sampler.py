@@ -403,6 +403,7 @@ def test_mixing_datasets_keys_every_draw_and_resumes(built, raw_photos: Path, tm
 
     runs = [epochs(w, ShardSampler(mix, **args)) for w in (0, 2)]
     assert same(runs[0], runs[1]) and len(runs[0]) == 12
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for run_ in runs for x, _ in run_)
     listing = ShardSampler(mix, **args)
     images = torch.cat([x for x, _ in runs[0]])
     crops: dict[tuple[int, int], bytes] = {}
