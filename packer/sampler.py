@@ -431,9 +431,10 @@ def _refuse_concat(dataset: Any) -> None:
     from torch.utils.data import ConcatDataset
 
     from .dataset import ShardDataset
+    from .mix import MixDataset
 
     def holds_shards(ds: Any) -> bool:
-        return isinstance(ds, ShardDataset) or (isinstance(ds, ConcatDataset) and any(map(holds_shards, ds.datasets)))
+        return isinstance(ds, (ShardDataset, MixDataset)) or (isinstance(ds, ConcatDataset) and any(map(holds_shards, ds.datasets)))
 
     if isinstance(dataset, ConcatDataset) and holds_shards(dataset):
         raise ValueError(
