@@ -11,13 +11,13 @@ crops, and ``set_epoch`` on the sampler is all a loop needs.
 Distributed: rank ``r`` of ``W`` takes draws ``r, r + W, r + 2W, ...`` of the global sequence. The
 sequence and every draw's augmentation do not depend on ``W`` (nor on num_workers), so a run moved
 from 8 ranks to 4 sees the same samples, and unweighted every record is drawn exactly once per epoch
-across the ranks (but for the few draws padded or dropped at the epoch's end). Every rank takes as many draws (DDP's collectives need equal step counts): by
-default the sequence is padded at its end with the epoch's first records again (as
-DistributedSampler pads), each padded draw with its own key; ``drop_last=True`` drops the last
-draws instead, ``pad=False`` keeps the uneven split (each draw exactly once). Resuming: the state is
-(epoch, position), the number of global draws consumed, and what determines the sequence (refused
-when the sampler differs); with all ranks in step, rank ``r`` then continues at ``position + r``,
-whatever ``W`` is now.
+across the ranks (but for the few draws padded or dropped at the epoch's end). Every rank takes
+as many draws (DDP's collectives need equal step counts): by default the sequence is padded at its
+end with the epoch's first records again (as DistributedSampler pads), each padded draw with its
+own key; ``drop_last=True`` drops the last draws instead, ``pad=False`` keeps the uneven split
+(each draw exactly once). Resuming: the state is (epoch, position), the number of global draws
+consumed, and what determines the sequence (refused when the sampler differs); with all ranks in
+step, rank ``r`` then continues at ``position + r``, whatever ``W`` is now.
 
 Several datasets: over a :class:`~packer.mix.MixDataset` the sequence holds the mix's indices
 (``proportions=`` sets each member's share of an epoch's draws) and the mix hands each member its
@@ -434,7 +434,9 @@ def _refuse_concat(dataset: Any) -> None:
     from .mix import MixDataset
 
     def holds_shards(ds: Any) -> bool:
-        return isinstance(ds, (ShardDataset, MixDataset)) or (isinstance(ds, ConcatDataset) and any(map(holds_shards, ds.datasets)))
+        return isinstance(ds, (ShardDataset, MixDataset)) or (
+            isinstance(ds, ConcatDataset) and any(map(holds_shards, ds.datasets))
+        )
 
     if isinstance(dataset, ConcatDataset) and holds_shards(dataset):
         raise ValueError(
