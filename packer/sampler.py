@@ -146,11 +146,14 @@ class ShardSampler(Sampler[Draw]):
             raise ValueError("repeats, num_samples and window must be positive, prefetch not negative")
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be a positive number of records, not {block_size}")
-        self.counts: Optional[np.ndarray] = None  # draws per member of a MixDataset (proportions=)
+        self.members = _member_sizes(dataset)  # a MixDataset's member sizes, else None
+        self.counts: Optional[np.ndarray] = None  # draws per member (proportions=)
         if proportions is not None:
             if weights is not None or order == "block" or replacement:
                 raise ValueError("proportions= cannot be combined with weights, balanced, replacement or order='block'")
-            self.counts = _member_counts(dataset, proportions, num_samples if num_samples is not None else n)
+            if self.members is None:
+                raise ValueError("proportions= needs a packer.MixDataset (one share per member dataset)")
+            self.counts = _member_counts(self.members, proportions, num_samples if num_samples is not None else n)
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 
@@ -221,7 +224,9 @@ class ShardSampler(Sampler[Draw]):
         the member as it takes; shuffled together (``order="sequential"``: member after member)."""
         assert self.counts is not None, "called with proportions only"
         parts = []
-        for first, size, count in zip(self.dataset.offsets.tolist(), self.dataset.sizes.tolist(), self.counts.tolist()):
+        assert self.members is not None, "proportions need a MixDataset"
+        offsets = np.cumsum(self.members) - self.members
+        for first, size, count in zip(offsets.tolist(), self.members.tolist(), self.counts.tolist()):
             if count == 0:
                 continue
             if self.order == "sequential":
@@ -355,9 +360,8 @@ class ShardSampler(Sampler[Draw]):
             words.append("replacement=True")
         if self.order == "block":
             words += [f"block_size={self.block_size}", f"window={self.window}"]
-        sizes = getattr(self.dataset, "sizes", None)
-        if sizes is not None:
-            words.append("members=" + "+".join(map(str, sizes.tolist())))
+        if self.members is not None:
+            words.append("members=" + "+".join(map(str, self.members.tolist())))
         if self.counts is not None:
             words.append("proportions=" + "+".join(map(str, self.counts.tolist())))
         return " ".join(words)
@@ -446,11 +450,15 @@ def _refuse_concat(dataset: Any) -> None:
         )
 
 
-def _member_counts(dataset: Any, proportions: Sequence[float], num_samples: int) -> np.ndarray:
+def _member_sizes(dataset: Any) -> Optional[np.ndarray]:
+    """A MixDataset's member sizes (what ``proportions`` and the state's config refer to), else None."""
+    from .mix import MixDataset
+
+    return dataset.sizes if isinstance(dataset, MixDataset) else None
+
+
+def _member_counts(sizes: np.ndarray, proportions: Sequence[float], num_samples: int) -> np.ndarray:
     """Draws per member for ``proportions`` (largest remainders, so they add up to num_samples)."""
-    sizes = getattr(dataset, "sizes", None)
-    if sizes is None:
-        raise ValueError("proportions= needs a packer.MixDataset (one share per member dataset)")
     p = np.asarray(proportions, dtype=np.float64)
     if p.shape != sizes.shape or not np.isfinite(p).all() or (p < 0).any() or p.sum() <= 0:
         raise ValueError(f"proportions must be {len(sizes)} finite non-negative numbers (one per member), not all zero")
