@@ -27,7 +27,7 @@ SANITIZE_DIR := build/sanitize
 help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
 	@echo "make demo       generate 12 MP sample photos, pack them, show info, read them back"
-	@echo "make lint       ruff (lint + format check) and mypy over packer/ tests/ scripts/"
+	@echo "make lint       ruff (lint + format check) and mypy over packer/ tests/ scripts/; the import layers"
 	@echo "make test       lint, the test suite, and a short fuzz of the C extension under ASan/UBSan"
 	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
@@ -62,11 +62,12 @@ demo: setup
 	$(VENV)/bin/packer info $(DEMO_DIR)/demo.lmdb
 	$(PY) scripts/train_example.py $(DEMO_DIR)/demo.lmdb --steps 30 --batch-size 16
 
-# ruff and mypy settings: pyproject.toml ([tool.ruff], [tool.mypy]).
+# ruff, mypy and import-linter settings: pyproject.toml ([tool.ruff], [tool.mypy], [tool.importlinter]).
 lint: setup
 	$(PY) -m ruff check packer tests scripts
 	$(PY) -m ruff format --check packer tests scripts
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

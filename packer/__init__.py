@@ -7,16 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__
+from .errors import BuildError, DatasetError, DatasetReplaced, LabelError, PackerError, ScanError, ShardError
+
 __all__ = [
     "BuildError",
     "BuildOptions",
     "BuildReport",
     "DatasetError",
+    "DatasetReplaced",
+    "LabelError",
     "Labelling",
     "MixDataset",
     "PackerError",
+    "ScanError",
     "ShardDataset",
+    "ShardError",
     "ShardSampler",
     "__version__",
     "build",
@@ -24,32 +30,24 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("build", "BuildOptions", "BuildReport", "BuildError"):
-        from . import pipeline as _pipeline
+    if name in ("build", "BuildOptions", "BuildReport"):
+        from .builder import pipeline as _pipeline
 
         return getattr(_pipeline, name)
-    if name == "PackerError":
-        from .errors import PackerError
-
-        return PackerError
     if name == "Labelling":
-        from .labels import Labelling
+        from .builder.labels import Labelling
 
         return Labelling
-    if name == "DatasetError":
-        from .format import DatasetError
-
-        return DatasetError
     if name == "ShardDataset":
-        from .dataset import ShardDataset
+        from .read.dataset import ShardDataset
 
         return ShardDataset
     if name == "MixDataset":
-        from .mix import MixDataset
+        from .read.mix import MixDataset
 
         return MixDataset
     if name == "ShardSampler":
-        from .sampler import ShardSampler
+        from .read.sampler import ShardSampler
 
         return ShardSampler
     raise AttributeError(f"module 'packer' has no attribute {name!r}")

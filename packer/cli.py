@@ -14,8 +14,8 @@ from typing import Any
 import click
 import numpy as np
 
+from .builder.options import BuildOptions, cli_fields, flag
 from .errors import PackerError
-from .options import BuildOptions, cli_fields, flag
 
 
 class Terminated(KeyboardInterrupt):
@@ -184,7 +184,7 @@ def build(
     not change that: see OUT/report.jsonl, or use --on-error fail), 1 on an error, 130/143 when
     interrupted (Ctrl-C/SIGTERM; OUT untouched, continue with --resume).
     """
-    from .labels import Labelling
+    from .builder.labels import Labelling
 
     labelling = Labelling(
         classes_file, unlabeled, multi_label, tuple(t.strip() for t in targets.split(",")) if targets else ()
@@ -192,11 +192,11 @@ def build(
     options = BuildOptions(labelling=labelling, **fields)
     signal.signal(signal.SIGTERM, _raise_terminated)
     if dask_address is not None:
-        from .distributed import build_dask
+        from .builder.dask import build_dask
 
         report = build_dask(raw_dir, out, options, address=dask_address, quiet=quiet)
     else:
-        from .pipeline import build as build_here
+        from .builder.pipeline import build as build_here
 
         report = build_here(raw_dir, out, options, quiet=quiet)
     click.echo(report.summary(), err=True)
@@ -316,7 +316,7 @@ def info(out: Path, as_json: bool) -> None:
 @_friendly
 def verify(out: Path, limit: int) -> None:
     """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad)."""
-    from .verify import verify as run_verify
+    from .tools.verify import verify as run_verify
 
     result = run_verify(out, limit=limit)
     for note in result.notes:
@@ -341,7 +341,7 @@ def compact(out: Path) -> None:
     segments (docs/FORMAT.md, "Segments"). Records are copied as they are (each checked against its
     CRC-32) and the digest stays the same. Readers of the old version keep reading it.
     """
-    from .segments import compact as run_compact
+    from .tools.compact import compact as run_compact
 
     run_compact(out)
 
@@ -356,7 +356,7 @@ def clean(out: Path) -> None:
     beside it, and nothing else. For a symlink OUT: the dataset it points to, then the link.
     Refuses while a build of OUT runs.
     """
-    from .pipeline import clean as run_clean
+    from .builder.pipeline import clean as run_clean
 
     deleted = run_clean(out)
     click.echo(
@@ -384,7 +384,7 @@ def clean(out: Path) -> None:
 @_friendly
 def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: int, crop_size: int) -> None:
     """Write a contact sheet of records captioned with index and class."""
-    from .preview import contact_sheet
+    from .tools.preview import contact_sheet
 
     cols, rows = contact_sheet(out, dest, n=count, augment=augment, seed=seed, crop_size=crop_size, epoch=epoch)
     click.echo(f"packer: wrote {dest} ({cols} x {rows} grid)", err=True)
@@ -404,7 +404,7 @@ def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: 
 @_friendly
 def show(out: Path, index: int, dest: Path | None) -> None:
     """Print record INDEX's source path, class and size; write its image with -o."""
-    from .preview import show as show_record
+    from .tools.preview import show as show_record
 
     try:
         source, cls, (w, h) = show_record(out, index, dest)
@@ -474,7 +474,7 @@ def bench(
     """Measure OUT's input pipeline without a model: samples/s per num_workers, where time goes."""
     import importlib.util
 
-    from .bench import plot, run_bench
+    from .tools.bench import plot, run_bench
 
     if plot_file is not None and importlib.util.find_spec("matplotlib") is None:
         click.echo("packer: error: --plot needs matplotlib: pip install 'packer[plot]'", err=True)

@@ -32,10 +32,10 @@ from PIL import Image, ImageOps
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from packer.builder.preprocess import target_size  # noqa: E402
 from packer.codec import decode_jpeg, shrink_factor, turbojpeg  # noqa: E402
 from packer.format import Manifest, load_index, source_path  # noqa: E402
-from packer.preprocess import target_size  # noqa: E402
-from packer.read import open_reader  # noqa: E402
+from packer.read.reader import open_reader  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 
 SHORT = 320

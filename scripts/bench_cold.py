@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagecache import cached_fraction, evict, files
 
 from packer.backends.lmdb import close_lmdb
-from packer.bench import cores, disk_bytes
-from packer.dataset import ShardDataset
+from packer.read.dataset import ShardDataset
+from packer.read.sampler import ShardSampler
 from packer.sample import make_folder
-from packer.sampler import ShardSampler
+from packer.tools.bench import cores, disk_bytes
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-bench"
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from packer import build  # noqa: E402
-from packer.distributed import build_dask  # noqa: E402
+from packer.builder.dask import build_dask  # noqa: E402
 from packer.sample import make_sample  # noqa: E402
 
 

@@ -8,7 +8,7 @@ produce the same batches: RandomResizedCrop 224 (scale 0.08-1, ratio 3/4-4/3) + 
 uint8 NCHW in channels_last memory, labels, batch 256, no normalization, no GPU, as many workers
 (packer: DataLoader processes; FFCV: its threads) on both sides:
 
-  packer raw/jpeg: ShardDataset(dtype=torch.uint8) through a DataLoader (packer.bench.measure);
+  packer raw/jpeg: ShardDataset(dtype=torch.uint8) through a DataLoader (packer.tools.bench.measure);
   FFCV raw/jpeg:   Loader(order=RANDOM, os_cache=True, drop_last=True) with the pipeline
                    RandomResizedCropRGBImageDecoder -> RandomHorizontalFlip -> ToTensor -> ToTorchImage.
 
@@ -50,10 +50,10 @@ import torch
 from bench_read import CACHE, CROP, camera_images, median_table, packed, run_interleaved
 
 from packer import __version__ as packer_version
-from packer.bench import cores, measure
-from packer.dataset import ShardDataset
 from packer.format import Manifest, load_index
-from packer.read import open_reader
+from packer.read.dataset import ShardDataset
+from packer.read.reader import open_reader
+from packer.tools.bench import cores, measure
 from packer.transform import resize_backend
 
 try:
@@ -69,7 +69,7 @@ except ImportError as e:  # the project's own venv has no FFCV: say how to get o
         "set up as the docstring says (/work/ffcv-venv/bin/python scripts/bench_ffcv.py)"
     )
 
-#: Batches each measured run skips before timing, on both sides: what packer.bench.measure skips
+#: Batches each measured run skips before timing, on both sides: what packer.tools.bench.measure skips
 #: (each worker's first prefetch_factor + 1 batches, prefetch_factor 2).
 PREFETCH = 2
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of the LMDB page check (packer/lmdbguard.py) next to liblmdb's own lookup.
+"""Cost of the LMDB page check (packer/backends/lmdbguard.py) next to liblmdb's own lookup.
 
 Builds two LMDB datasets (JPEG and raw records) of N generated 64x48 images, then per format, over
 5 repeats (medians): the first check of every record by a fresh PageGuard (what a process pays once
@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from packer import build  # noqa: E402
 from packer.backends.lmdb import LmdbReader  # noqa: E402
-from packer.lmdbguard import P_LEAF, PageGuard  # noqa: E402
-from packer.pin import pin  # noqa: E402
+from packer.backends.lmdbguard import P_LEAF, PageGuard  # noqa: E402
+from packer.backends.pin import pin  # noqa: E402
 
 
 def main(base: Path, n: int) -> None:

@@ -1,5 +1,5 @@
 """Memory and time of `--update`'s path join (which old record each scanned file had) at ImageNet
-scale: ``packer.update._same_paths`` against the dict of every old path it replaced, on synthetic
+scale: ``packer.builder.update._same_paths`` against the dict of every old path it replaced, on synthetic
 ImageNet-style paths (``n01440764/n01440764_10026.JPEG``), each in a fresh process, alternately. Peak
 memory is the process's peak RSS growth over the join (VmHWM after minus VmRSS before).
 
@@ -19,7 +19,7 @@ _RUN = """
 import sys, time
 import numpy as np
 from packer.format import INDEX_DTYPE
-from packer.update import _same_paths
+from packer.builder.update import _same_paths
 
 def status(field):
     with open("/proc/self/status") as f:

@@ -39,13 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from packer import build  # noqa: E402
-from packer.batchpool import POOL_MAX  # noqa: E402
-from packer.bench import cores, measure, proc_rss, worker_pids  # noqa: E402
 from packer.codec import turbojpeg  # noqa: E402
-from packer.dataset import ShardDataset  # noqa: E402
 from packer.format import Manifest, disk_bytes, load_index, source_path  # noqa: E402
-from packer.read import open_reader  # noqa: E402
+from packer.read.batchpool import POOL_MAX  # noqa: E402
+from packer.read.dataset import ShardDataset  # noqa: E402
+from packer.read.reader import open_reader  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
+from packer.tools.bench import cores, measure, proc_rss, worker_pids  # noqa: E402
 from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_crops, resize_backend  # noqa: E402
 
 CROP = 224
@@ -315,7 +315,7 @@ def main() -> None:
         batch_mib = bs * CROP * CROP * 3 / 2**20
         print(
             f"  RssFile is the dataset's pages mapped as they are read (shared page cache, at most the dataset's "
-            f"{disk_bytes(ds) / 2**20:.0f} MiB); RssShmem the worker's reused batch segments (packer.batchpool, "
+            f"{disk_bytes(ds) / 2**20:.0f} MiB); RssShmem the worker's reused batch segments (packer.read.batchpool, "
             f"{batch_mib:.0f} MiB a batch, one per batch in flight, at most {POOL_MAX})"
         )
         print(

@@ -2,7 +2,7 @@
 """User transforms and ShardSampler: what they cost, and the no-transform path against another checkout.
 
 Side by side, interleaved over the repeats, each measurement in a fresh process with
-``packer.bench.measure`` (what scripts/bench_read.py measures with: DataLoader, RandomResizedCrop 224
+``packer.tools.bench.measure`` (what scripts/bench_read.py measures with: DataLoader, RandomResizedCrop 224
 + flip, uint8, batch 256, num_workers = cores, warm-up excluded; and, less exposed to the machine's
 other load, the CPU time of ``__getitems__`` in one process), over 2,000 generated photos stored at
 427x320 (JPEG and raw records, LMDB):
@@ -66,8 +66,8 @@ def one(dataset: str, transform: str, packer_sampler: bool, workers: int, sample
     """Child process: one measurement, printed as JSON."""
     import torch
 
-    from packer.bench import measure
-    from packer.dataset import ShardDataset
+    from packer.read.dataset import ShardDataset
+    from packer.tools.bench import measure
 
     extra: dict[str, Any] = {"transform": {"identity": identity, "jitter": jitter}[transform]} if transform else {}
     ds = ShardDataset(dataset, dtype=torch.uint8, **extra)
@@ -99,7 +99,7 @@ def rng_cost(batches: int = 200, batch: int = 256) -> tuple[float, float]:
     """(us per batch to save and restore the global generators, us per sample to seed them), in-process."""
     import time
 
-    from packer import rng
+    from packer.read import rng
 
     seeds = rng.sample_seeds(0, 0, np.arange(batch))
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from packer.dataset import ShardDataset
+from packer.read.dataset import ShardDataset
 from packer.transform import to_device
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from packer import rng
-from packer.dataset import ShardDataset
-from packer.sampler import ShardSampler
+from packer.read import rng
+from packer.read.dataset import ShardDataset
+from packer.read.sampler import ShardSampler
 
 CROP, BATCH, SEED, EPOCHS = 32, 2, 5, 3
 
@@ -75,14 +75,15 @@ if __name__ == "__main__":
 
 def ddp_steps(rank: int, world: int, port: int, scenarios: dict[str, Any], out: str) -> None:
     """One gloo rank (torch.multiprocessing.spawn) of a DDP-style loop per scenario ``name: (paths,
-    sampler_args)``: a DataLoader with 2 workers over ShardSampler (a MixDataset of several paths),
-    (persistent workers) 2 epochs, and an all_reduce of the step number every step, as DDP's gradient sync makes: a rank
-    with fewer steps than another fails there. Saves each scenario's (record, epoch, draw) per step."""
+    sampler_args)``: a DataLoader with 2 persistent workers over ShardSampler (a MixDataset of several
+    paths), 2 epochs, and an all_reduce of the step number every step, as DDP's gradient sync makes:
+    a rank with fewer steps than another fails there. Saves each scenario's (record, epoch, draw) per
+    step."""
     import datetime
 
     import torch.distributed as dist
 
-    from packer.mix import MixDataset
+    from packer.read.mix import MixDataset
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))

@@ -1,4 +1,4 @@
-"""Reused shared-memory batches (packer.batchpool) through real DataLoader workers: a batch the
+"""Reused shared-memory batches (packer.read.batchpool) through real DataLoader workers: a batch the
 consumer still holds is never overwritten, freed segments are reused, forks and pickling are safe."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer import batchpool
-from packer.dataset import Sample, ShardDataset, TargetSample, collate_samples
+from packer.read import batchpool
+from packer.read.dataset import Sample, ShardDataset, TargetSample, collate_samples
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create is Linux-only: no pool")
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
 from packer.cli import main
-from packer.dataset import ShardDataset
+from packer.read.dataset import ShardDataset
 
 
 @pytest.mark.parametrize("fmt,dtype", [("jpeg", "float32"), ("raw", "uint8")])
@@ -97,7 +97,7 @@ def test_batched_fetch_matches_single_samples(built, dtype: torch.dtype) -> None
 
 def test_advice_names_the_faster_resize(monkeypatch) -> None:
     """When the resize dominates, the advice depends on what this install resizes with and could use."""
-    from packer import bench
+    from packer.tools import bench
     from packer.transform import resize
 
     points = [bench.Point(0, 100, 1.0, 100.0, 10.0)]
@@ -115,7 +115,7 @@ def test_advice_names_the_faster_resize(monkeypatch) -> None:
 
 
 def test_advice_for_a_dataset_bigger_than_ram() -> None:
-    from packer import bench
+    from packer.tools import bench
 
     points = [bench.Point(0, 100, 1.0, 100.0, 10.0)]
     stages = [{"stage": "read", "percent": 10.0}]

@@ -15,8 +15,8 @@ from PIL import Image, ImageOps
 
 from packer import BuildError, build
 from packer.backends.lmdb import close_lmdb
+from packer.builder.preprocess import target_size
 from packer.format import INDEX_DTYPE, Manifest, lmdb_key, load_index, source_path
-from packer.preprocess import target_size
 
 from .conftest import COMBOS, PHOTOS
 
@@ -186,7 +186,7 @@ def test_forkserver_workers_with_or_without_caller_threads(
     forkserver workers, which do not share the main process's growing scan list; same bytes."""
     import threading
 
-    from packer.workers import _worker_context
+    from packer.builder.workers import _worker_context
 
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait, daemon=True)

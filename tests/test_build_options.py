@@ -16,12 +16,12 @@ import pytest
 from PIL import Image
 
 from packer import BuildError, build
+from packer.builder.options import SHARD_SIZE, BuildOptions, cli_fields, flag
+from packer.builder.scan import identify, scan
 from packer.cli import build as build_command
 from packer.codec import codec_name
 from packer.format import Manifest
-from packer.options import SHARD_SIZE, BuildOptions, cli_fields, flag
-from packer.scan import identify, scan
-from packer.verify import verify
+from packer.tools.verify import verify
 
 from .test_labels import v1_pixels
 

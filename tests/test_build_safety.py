@@ -25,12 +25,12 @@ import pytest
 from PIL import Image
 
 from packer import build
+from packer.builder.options import BuildOptions
+from packer.builder.pipeline import build_lock, lock_path
+from packer.builder.preprocess import Record, Skip, process
+from packer.builder.staging import staging_path
 from packer.format import Manifest
-from packer.options import BuildOptions
-from packer.pipeline import build_lock, lock_path
-from packer.preprocess import Record, Skip, process
-from packer.staging import staging_path
-from packer.verify import verify
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 
@@ -98,7 +98,7 @@ def test_split_datasets_inside_out_are_locked_too(raw: Path, tmp_path: Path) -> 
 HOLD = """
 import sys, time
 from pathlib import Path
-from packer.pipeline import build_lock
+from packer.builder.pipeline import build_lock
 with build_lock(Path(sys.argv[1])):
     print("locked", flush=True)
     time.sleep(120)
@@ -419,7 +419,7 @@ def test_pillows_bomb_guard_is_left_alone(tmp_path: Path, monkeypatch: pytest.Mo
             "-c",
             (
                 "from PIL import Image; before = Image.MAX_IMAGE_PIXELS; "
-                "import packer.pipeline, packer.distributed; print(Image.MAX_IMAGE_PIXELS == before)"
+                "import packer.builder.pipeline, packer.builder.dask; print(Image.MAX_IMAGE_PIXELS == before)"
             ),
         ],
         capture_output=True,

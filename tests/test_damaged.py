@@ -26,8 +26,8 @@ from PIL import Image
 
 from packer import build, codec
 from packer.format import INDEX, MANIFEST, SOURCES, DatasetError, Manifest, load_index, source_path
-from packer.read import open_reader
-from packer.verify import verify
+from packer.read.reader import open_reader
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 KINDS = [("lmdb", "jpeg"), ("memmap", "jpeg"), ("memmap", "raw")]
@@ -529,7 +529,7 @@ import sys
 import numpy as np
 from packer import codec
 from packer.format import Manifest, load_index
-from packer.read import open_reader
+from packer.read.reader import open_reader
 
 root = sys.argv[1]
 manifest = Manifest.load(root)

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from packer import DatasetError, codec
-from packer.dataset import ShardDataset
 from packer.format import lmdb_key
+from packer.read.dataset import ShardDataset
 from packer.transform import IMAGENET_MEAN, IMAGENET_STD, to_device
 
 from .conftest import COMBOS

@@ -21,10 +21,10 @@ distributed = pytest.importorskip(
 )
 
 from packer import BuildError, Labelling, build  # noqa: E402
-from packer.distributed import FRAGMENTS, build_dask, probe  # noqa: E402
+from packer.builder.dask import FRAGMENTS, build_dask, probe  # noqa: E402
+from packer.builder.staging import staging_path  # noqa: E402
 from packer.format import LABELS, TARGETS, Manifest, load_index  # noqa: E402
 from packer.sample import make_sample  # noqa: E402
-from packer.staging import staging_path  # noqa: E402
 
 from .test_build import stored_images  # noqa: E402
 
@@ -126,8 +126,8 @@ def test_worker_killed_mid_build(client, mixed_raw: Path, tmp_path: Path) -> Non
     def slow_down(seconds: float) -> None:  # runs in each worker: tasks last long enough to be killed
         import time as t
 
-        import packer.distributed as d
-        import packer.preprocess as p
+        import packer.builder.dask as d
+        import packer.builder.preprocess as p
 
         def slow(paths: list[str], opts: p.Options) -> list:
             t.sleep(seconds)
@@ -136,8 +136,8 @@ def test_worker_killed_mid_build(client, mixed_raw: Path, tmp_path: Path) -> Non
         d.process_chunk = slow
 
     def restore() -> None:
-        import packer.distributed as d
-        import packer.preprocess as p
+        import packer.builder.dask as d
+        import packer.builder.preprocess as p
 
         d.process_chunk = p.process_chunk
 

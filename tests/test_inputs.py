@@ -22,10 +22,10 @@ import pytest
 from PIL import Image
 
 from packer import BuildError, build
+from packer.builder.options import BuildOptions
+from packer.builder.preprocess import HEIF_AVAILABLE, HEIF_MISSING, Record, Skip, process
 from packer.format import Manifest, load_index, source_path
-from packer.options import BuildOptions
-from packer.preprocess import HEIF_AVAILABLE, HEIF_MISSING, Record, Skip, process
-from packer.read import open_reader
+from packer.read.reader import open_reader
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 MAX_PIXELS = 1_000_000  # the build's --max-pixels: bomb.png (2000 x 2000) is above it
@@ -432,7 +432,8 @@ def test_builds_shrink_like_pillows_lanczos(tmp_path: Path, monkeypatch) -> None
     """Where packer's Lanczos kernel shrinks decoded JPEGs (packer.codec.native_shrink), records are
     within 2 levels of Pillow's LANCZOS resize of the same decode, orientation included; the codec
     name recorded in the manifest says which resize made them."""
-    from packer import codec, preprocess
+    from packer import codec
+    from packer.builder import preprocess
 
     if not codec.native_shrink():
         pytest.skip("packer's resize kernel is not used here (not built, no AVX2, or no libjpeg-turbo)")

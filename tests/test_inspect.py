@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from packer.preview import CAPTION, CELL, contact_sheet, pick
+from packer.tools.preview import CAPTION, CELL, contact_sheet, pick
 
 
 def cli(*args: object) -> subprocess.CompletedProcess:

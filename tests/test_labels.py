@@ -23,11 +23,11 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from packer import BuildError, DatasetError, Labelling, ShardDataset, build
-from packer.dataset import collate_samples
 from packer.format import LABELS, MANIFEST, TARGETS, Manifest
-from packer.labels import pack, sample_weights, unpack
-from packer.preview import contact_sheet
-from packer.verify import verify
+from packer.format.label_arrays import pack, sample_weights, unpack
+from packer.read.dataset import collate_samples
+from packer.tools.preview import contact_sheet
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 V1 = Path(__file__).resolve().parent / "data" / "v1-memmap"

@@ -4,7 +4,10 @@ pyproject.toml lists every subpackage (a wheel holds only the packages listed)."
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "packer"
@@ -54,6 +57,7 @@ def test_one_backend_table_and_no_branch_on_a_backend_name() -> None:
 
     assert tuple(BACKENDS) == format.BACKENDS
     assert all(name == b.name for name, b in BACKENDS.items())
+    assert all(isinstance(b, type(format.LAYOUTS[name])) for name, b in BACKENDS.items())  # a backend is its layout
     branch = re.compile(r"""(==|!=)\s*["'](lmdb|memmap)["']|["'](lmdb|memmap)["']\s*(==|!=)""")
     outside = [f for f in PACKAGE.rglob("*.py") if "backends" not in f.parts]
     found = [
@@ -63,3 +67,41 @@ def test_one_backend_table_and_no_branch_on_a_backend_name() -> None:
         if branch.search(line)
     ]
     assert found == []
+
+
+def _cycles(graph: object) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each is an import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.find_modules_directly_imported_by(v):  # type: ignore[attr-defined]
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for module in sorted(graph.modules):  # type: ignore[attr-defined]
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    """No packer module reaches itself through the imports that run, those inside functions included
+    (grimp's graph, the one import-linter checks the layers of in ``make lint``): an import placed in a
+    function to dodge a cycle would show here. Imports for type checking alone are left out: the
+    backends and the pinned version they read name each other's types."""
+    grimp = pytest.importorskip("grimp")
+    assert _cycles(grimp.build_graph("packer", exclude_type_checking_imports=True)) == []

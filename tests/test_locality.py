@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from packer import ShardSampler, locality
+from packer import ShardSampler
+from packer.backends import locality
 from packer.backends.lmdb import LmdbReader, close_lmdb
-from packer.dataset import ShardDataset
 from packer.format import lmdb_key
+from packer.read.dataset import ShardDataset
 
 from . import _sampler_run as run
 

@@ -18,7 +18,7 @@ from PIL import Image
 
 from packer import DatasetError, ShardDataset, build
 from packer.format import INDEX, MANIFEST, SOURCES
-from packer.verify import verify
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 
@@ -59,8 +59,8 @@ SPECIAL = r"""
 import os, sys
 from packer import DatasetError, ShardDataset
 from packer.cli import dataset_info
-from packer.preview import contact_sheet, show
-from packer.verify import verify
+from packer.tools.preview import contact_sheet, show
+from packer.tools.verify import verify
 for root in sys.argv[1:]:
     for name, call in (("ShardDataset", lambda: ShardDataset(root)), ("info", lambda: dataset_info(root)),
                        ("verify", lambda: verify(root)), ("show", lambda: show(root, 0, None)),

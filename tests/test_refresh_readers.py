@@ -19,8 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from packer import DatasetError, ShardDataset, build
-from packer.pin import DatasetReplaced
+from packer import DatasetError, DatasetReplaced, ShardDataset, build
 
 CLASSES = 3
 PER_CLASS = 7

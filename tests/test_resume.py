@@ -23,9 +23,9 @@ import pytest
 from PIL import Image
 
 from packer import build
+from packer.builder.staging import PROGRESS, staging_path
 from packer.format import Manifest
-from packer.staging import PROGRESS, staging_path
-from packer.verify import verify
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 N_IMAGES = 480

@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer import ShardSampler, rng
-from packer.dataset import ShardDataset
-from packer.sampler import Draw
+from packer import ShardSampler
+from packer.read import rng
+from packer.read.dataset import ShardDataset
+from packer.read.sampler import Draw
 
 from . import _sampler_run as run
 from ._sampler_run import BATCH, CROP, jitter

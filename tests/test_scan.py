@@ -1,4 +1,4 @@
-"""The scan's compact source list (packer.scan.Paths / Sources): what consumers read from it, and the
+"""The scan's compact source list (packer.builder.scan.Paths / Sources): what consumers read from it, and the
 digests it feeds, equal those of the one-object-per-file list it replaced."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packer import scan as scan_module
-from packer.labels import Labelling
-from packer.scan import Paths, Source, Sources, scan
+from packer.builder import scan as scan_module
+from packer.builder.labels import Labelling
+from packer.builder.scan import Paths, Source, Sources, scan
 
 ODD = os.fsdecode(b"\xff\xfe odd.jpg")  # not UTF-8: kept as surrogate escapes, as os.scandir gives it
 RELS = ["a/1.jpg", "a/2.jpg", "b/ému.jpg", f"b/{ODD}", "c/x/deep.jpg"]

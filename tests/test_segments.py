@@ -18,10 +18,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-import packer.segments
+import packer.builder.segments
 from packer import ShardDataset, build
 from packer.backends import data_files
 from packer.backends.lmdb import close_lmdb
+from packer.backends.walk import InOrder, walk
 from packer.format import (
     INDEX,
     MANIFEST,
@@ -32,9 +33,8 @@ from packer.format import (
     manifest_digest,
     source_path,
 )
-from packer.read import open_reader
-from packer.verify import verify
-from packer.walk import InOrder, walk
+from packer.read.reader import open_reader
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 BACKENDS = ["lmdb", "memmap"]
@@ -182,7 +182,7 @@ def test_too_much_dead_rewrites_everything_and_too_many_segments_the_later_ones(
     manifest = Manifest.load(out)
     assert (manifest.segments, manifest.dead_bytes) == (1, 0)
     same_as_full_rebuild(raw, out, tmp_path, backend, shard_size=8)
-    monkeypatch.setattr(packer.segments, "MAX_SEGMENTS", 3)
+    monkeypatch.setattr(packer.builder.segments, "MAX_SEGMENTS", 3)
     for k in range(3):
         paint(raw / "c0" / f"m{50 + k:03d}.png", 0, 50 + k)
         build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8, update=True)
@@ -217,7 +217,7 @@ def test_an_interrupted_refresh_resumes_over_its_links(raw: Path, tmp_path: Path
     for k in range(6):
         paint(raw / "c2" / f"m{60 + k:03d}.png", 2, 60 + k)
     script = (
-        "import sys, packer.pipeline as p\n"
+        "import sys, packer.builder.pipeline as p\n"
         "from packer import build\n"
         "p.CHECKPOINT_RECORDS = 10\n"
         "real = p.Manifest.to_json\n"

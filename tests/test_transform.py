@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from packer import codec, transform
-from packer.dataset import ShardDataset
+from packer.read.dataset import ShardDataset
 from packer.transform import DRAWS, random_resized_crops, resize, to_device, uniforms
 
 from .test_dataset import CROP, load

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import packer.preprocess
+import packer.builder.preprocess
 from packer import BuildError, build
+from packer.builder.split import split_of
 from packer.format import INDEX_DTYPE, Manifest, load_index, source_path
-from packer.read import open_reader
-from packer.split import split_of
-from packer.verify import verify
+from packer.read.reader import open_reader
+from packer.tools.verify import verify
 
 REPO = Path(__file__).resolve().parents[1]
 PACKER = [sys.executable, "-m", "packer.cli"]
@@ -51,13 +51,13 @@ def raw(tmp_path: Path) -> Path:
 def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths decoded in this process (workers=1 builds decode here), in order."""
     seen: list[str] = []
-    real = packer.preprocess.process
+    real = packer.builder.preprocess.process
 
-    def spy(path: str, opts: packer.preprocess.Options) -> packer.preprocess.Result:
+    def spy(path: str, opts: packer.builder.preprocess.Options) -> packer.builder.preprocess.Result:
         seen.append(Path(path).relative_to(Path(path).parents[1]).as_posix())
         return real(path, opts)
 
-    monkeypatch.setattr(packer.preprocess, "process", spy)
+    monkeypatch.setattr(packer.builder.preprocess, "process", spy)
     return seen
 
 
@@ -288,7 +288,7 @@ def test_make_dataset_twice_then_verify_and_clean(raw: Path, tmp_path: Path) -> 
 
 
 def test_verify_notices_an_edited_source_identity(raw: Path, tmp_path: Path) -> None:
-    from packer.verify import verify
+    from packer.tools.verify import verify
 
     out = tmp_path / "out"
     build(raw, out, backend="memmap", workers=1, quiet=True)

@@ -1,4 +1,4 @@
-"""Sequential record walks (packer.walk), which verify, resume and --update read whole datasets through:
+"""Sequential record walks (packer.backends.walk), which verify, resume and --update read whole datasets through:
 every record once in index order with the same bytes and CRC-32 as the training reader sees, holes and
 extra keys reported, the LMDB environment released when a caller stops early."""
 
@@ -13,10 +13,10 @@ import pytest
 
 from packer import ShardDataset
 from packer.backends.lmdb import close_lmdb
+from packer.backends.walk import walk
 from packer.format import Manifest, lmdb_key, load_index
-from packer.read import open_reader
-from packer.verify import verify
-from packer.walk import walk
+from packer.read.reader import open_reader
+from packer.tools.verify import verify
 
 from .conftest import COMBOS
 

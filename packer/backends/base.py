@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import numpy as np
 
-from ..format import DatasetError, Manifest
+from ..format import DatasetError, Layout, Manifest
 
 if TYPE_CHECKING:
-    from ..pin import Pinned
     from .memmap import Shard
+    from .pin import Pinned
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
@@ -54,18 +54,11 @@ class Reader:
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Ask the disk now for the records of ``ranges`` (first, end), each run of them stored
         together in as few requests as the kernel takes, and return without waiting
-        (packer.locality): a hint, so nothing is checked or raised here; the records' reads later
+        (packer.backends.locality): a hint, so nothing is checked or raised here; the records' reads later
         check them. This base reader asks nothing."""
 
     def _bad(self, i: int, why: str) -> DatasetError:
         return DatasetError(f"{self.root}: record {i}: {why}", record=i)
-
-
-def listed_sizes(root: Path, index: np.ndarray, manifest: Manifest) -> np.ndarray:
-    """Each row's data file size as the manifest lists it (rows naming a file beyond the list refused)."""
-    if index["shard"].max() >= len(manifest.shards):
-        raise DatasetError(f"{root}: index names data files beyond the {len(manifest.shards)} listed")
-    return np.array([int(s["bytes"]) for s in manifest.shards], dtype=np.uint64)[index["shard"]]
 
 
 class Writer(Protocol):
@@ -78,7 +71,7 @@ class Writer(Protocol):
     def close(self) -> list[dict[str, Any]]: ...
 
 
-class Backend:
+class Backend(Layout):
     """One backend's layout and code. ``keyed``: positions are key numbers, one per record, and the
     bytes no row names are counted by the walk (LMDB); otherwise byte offsets into the data file, the
     unnamed bytes are what the rows do not cover (memmap). ``concatenated``: data files are shards of
@@ -95,34 +88,11 @@ class Backend:
     concatenated = False
     reader: type[Reader] = Reader
 
-    def data_files(self, manifest: Manifest) -> list[str]:
-        """The dataset's data files, numbered as index rows' ``shard`` numbers them."""
-        return [str(s["file"]) for s in manifest.shards]
-
-    def record_places(
-        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``rows``' (all when None) data file number and position in it."""
-        at = index if rows is None else index[rows]
-        return at["shard"].astype(np.int64), at["offset"].astype(np.int64)
-
-    def lists_files(self, manifest: Manifest) -> bool:
-        """Whether ``manifest.shards`` lists the data files with their counts and sizes."""
-        return True
-
-    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
-        """Refuse rows that point outside what their data files can hold (DatasetError)."""
-        raise NotImplementedError
-
-    def check_manifest(self, manifest: Manifest) -> bool:
-        """Whether the manifest's data file list is possible for this backend."""
-        return True
-
     def open_writer(
         self, path: str | os.PathLike, state: Optional[dict[str, Any]], shard_size: int, first: int = 0, size: int = 0
     ) -> Writer:
         """A writer of the data files of the dataset staged at ``path``, numbered from ``first`` (a
-        refresh's new segment: after the old data files, see packer.segments); ``size``: the bytes it
+        refresh's new segment: after the old data files, see packer.builder.segments); ``size``: the bytes it
         is expected to write, when known."""
         raise NotImplementedError
 
@@ -133,7 +103,7 @@ class Backend:
     def pin_files(
         self, root: str, manifest: Manifest, open_file: Callable[[str], int]
     ) -> tuple[list[int], list[Shard]]:
-        """Hold the data files of the version being pinned (packer.pin): descriptors, or mappings."""
+        """Hold the data files of the version being pinned (packer.backends.pin): descriptors, or mappings."""
         raise NotImplementedError
 
     def walk_file(

@@ -11,7 +11,7 @@ environment's PageGuard is per file too. An environment is opened from the reade
 descriptor, so it is the version the reader pinned, even once deleted. A batch's LMDB records are
 fetched by a few threads per process (see :data:`FETCH_THREADS`); every thread, the caller's
 included, reads through its own read transaction, as LMDB wants one transaction per thread. Before
-liblmdb is asked for a record, packer.lmdbguard has checked the pages the lookup will touch.
+liblmdb is asked for a record, packer.backends.lmdbguard has checked the pages the lookup will touch.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import lmdb
 import numpy as np
 
-from .. import locality
-from ..format import LMDB_DATA, DatasetError, Manifest, lmdb_key, lmdb_segment_name, open_regular
-from ..lmdbguard import Damaged, PageGuard
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader, listed_sizes
+from ..format import DatasetError, LmdbLayout, Manifest, lmdb_key, lmdb_segment_name, open_regular
+from . import locality
+from .base import Backend, Buffer, ExtraKeys, Raw, Reader
+from .lmdbguard import Damaged, PageGuard
 
 if TYPE_CHECKING:
-    from ..pin import Pinned
     from .memmap import Shard
+    from .pin import Pinned
 
 
 EnvKey = tuple[int, int]  # (st_dev, st_ino) of an LMDB data file: what py-lmdb's "already open" guard keys on
@@ -119,8 +119,8 @@ def check_lmdb_pages(path: str | os.PathLike, label: str | os.PathLike = "") -> 
 
 def check_lmdb_tree(data: str | os.PathLike) -> None:
     """Refuse the LMDB data file ``data`` unless every branch and leaf page is sound and every value
-    lies inside the file (packer.lmdbguard; cost in docs/PERFORMANCE.md): what must hold before a
-    cursor walks all its keys (packer.walk), whatever the file's mtime."""
+    lies inside the file (packer.backends.lmdbguard; cost in docs/PERFORMANCE.md): what must hold before a
+    cursor walks all its keys (packer.backends.walk), whatever the file's mtime."""
     try:
         fd = open_regular(data)
     except FileNotFoundError:
@@ -229,7 +229,7 @@ class LmdbReader(Reader):
 
     def _check_pages(self, indices: Sequence[int]) -> None:
         """Refuse a record whose way through its data file is damaged, or whose value is not as long
-        as the index says, before liblmdb touches it (see packer.lmdbguard)."""
+        as the index says, before liblmdb touches it (see packer.backends.lmdbguard)."""
         at = np.asarray(indices, dtype=np.int64)
         segments, keys = self._places(at)
         wanted = self.index["length"][at].astype(np.int64)
@@ -268,7 +268,7 @@ class LmdbReader(Reader):
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Records written in key order (packer's builds append) lie in key order in their data
-        file: a block's values (their overflow pages, the places packer.lmdbguard's walk finds) are
+        file: a block's values (their overflow pages, the places packer.backends.lmdbguard's walk finds) are
         one run of it, asked of the pinned descriptor with posix_fadvise."""
         advise = getattr(os, "posix_fadvise", None)
         if advise is None:
@@ -414,7 +414,7 @@ def _key_number(key: bytes) -> Optional[int]:
     return int(key) if len(key) == len(lmdb_key(0)) and key.isdigit() else None
 
 
-class Lmdb(Backend):
+class Lmdb(LmdbLayout, Backend):
     """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
     file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
 
@@ -422,32 +422,6 @@ class Lmdb(Backend):
     write_errors = (lmdb.Error,)
     cold_advice = ("memmap shards read from disk faster than LMDB (`--backend memmap`)",)
     reader = LmdbReader
-
-    def data_files(self, manifest: Manifest) -> list[str]:
-        return [LMDB_DATA] if manifest.format_version < 3 else super().data_files(manifest)
-
-    def record_places(
-        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        if manifest.format_version >= 3:
-            return super().record_places(manifest, index, rows)
-        at = np.arange(len(index), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-        return np.zeros(len(at), np.int64), at
-
-    def lists_files(self, manifest: Manifest) -> bool:
-        return manifest.format_version >= 3
-
-    def check_manifest(self, manifest: Manifest) -> bool:
-        return manifest.format_version < 3 or bool(manifest.shards)  # version 3 lists data.mdb at least
-
-    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
-        if manifest.format_version < 3:
-            if index["shard"].any() or index["offset"].any():
-                raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
-            return
-        beyond = index["offset"] >= listed_sizes(root, index, manifest) // 16  # a leaf entry takes over 16 bytes
-        if beyond.any():
-            raise DatasetError(f"{root}: record {int(np.flatnonzero(beyond)[0])}: key beyond what its segment can hold")
 
     def open_writer(
         self, path: str | os.PathLike, state: Optional[dict[str, Any]], shard_size: int, first: int = 0, size: int = 0

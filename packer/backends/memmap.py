@@ -13,10 +13,10 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from .. import locality
-from ..format import DatasetError, Manifest, shard_name
-from ..write import sync_file
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader, listed_sizes
+from ..format import DatasetError, Manifest, MemmapLayout, shard_name
+from . import locality
+from .base import Backend, Buffer, ExtraKeys, Raw, Reader
+from .write import sync_file
 
 Shard = tuple[np.ndarray, Optional["Mapping"]]  # a shard's bytes, and their mapping (None when empty)
 READ_BLOCK = 8 << 20  # bytes per buffered read of a shard in a walk
@@ -168,18 +168,11 @@ def _map_shard(root: str, info: dict, open_file) -> Shard:
     return np.asarray(mapping), mapping
 
 
-class Memmap(Backend):
+class Memmap(MemmapLayout, Backend):
     """memmap: shards of ``shard_size`` records, record ``i`` at byte ``offset`` of shard ``shard``."""
 
     name, concatenated = "memmap", True
     reader = MemmapReader
-
-    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
-        sizes = listed_sizes(root, index, manifest)
-        end = index["offset"] + index["length"]
-        if (end < index["offset"]).any() or (end > sizes).any():
-            first = int(np.flatnonzero((end < index["offset"]) | (end > sizes))[0])
-            raise DatasetError(f"{root}: record {first} points outside its shard")
 
     def open_writer(
         self, path: str | os.PathLike, state: Optional[dict[str, Any]], shard_size: int, first: int = 0, size: int = 0

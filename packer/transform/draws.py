@@ -26,7 +26,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def sample_keys(seed: int, epoch: int | np.ndarray, indices: np.ndarray) -> np.ndarray:
     """One uint64 key per sample, a hash of (seed, epoch, index); ``epoch`` is one value or one per
-    sample (draws from packer.sampler carry their own)."""
+    sample (draws from packer.read.sampler carry their own)."""
     with np.errstate(over="ignore"):
         key = _mix(np.array([seed & (2**64 - 1)], dtype=np.uint64) * _GOLDEN)
         key = _mix((key ^ np.asarray(epoch, dtype=np.int64).astype(np.uint64)) * _GOLDEN)
@@ -36,7 +36,7 @@ def sample_keys(seed: int, epoch: int | np.ndarray, indices: np.ndarray) -> np.n
 def uniforms(seed: int, epoch: int | np.ndarray, indices: np.ndarray, count: int) -> np.ndarray:
     """A ``len(indices) x count`` array of floats in [0, 1); entry (k, j) depends only on
     (seed, epoch, indices[k], j): the counter-based scheme of splitmix64 with a per-sample key
-    (counters 1..count; counter 0 is packer.rng's per-sample seed)."""
+    (counters 1..count; counter 0 is packer.read.rng's per-sample seed)."""
     with np.errstate(over="ignore"):
         bits = _mix(sample_keys(seed, epoch, indices)[:, None] + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN)
     return (bits >> _U64(11)).astype(np.float64) * 2.0**-53

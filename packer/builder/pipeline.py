@@ -1,10 +1,10 @@
 """``packer build``: scan -> preprocess -> write, into a staging folder renamed at the end.
 
 :func:`run_build` is the build both engines share: locks, options and scan (:func:`prepare`), one
-dataset per --split, up-to-date check and --update plan, staging (:mod:`packer.staging`), disk-full
+dataset per --split, up-to-date check and --update plan, staging (:mod:`packer.builder.staging`), disk-full
 handling, manifest. An :class:`Engine` only decodes the sources and feeds their records to the
-:class:`~packer.staging.RecordSink`: :class:`LocalEngine` here with this machine's worker processes,
-:class:`packer.distributed.DaskEngine` on a Dask cluster.
+:class:`~packer.builder.staging.RecordSink`: :class:`LocalEngine` here with this machine's worker processes,
+:class:`packer.builder.dask.DaskEngine` on a Dask cluster.
 
 When OUT is a symlink, the dataset behind it is built: staging, lock and the final swap all sit beside
 the link's target (on its disk), and the link is kept. One build per OUT at a time: see
@@ -27,9 +27,9 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from .backends import BACKENDS, WRITE_ERRORS, close_all
-from .errors import say
-from .format import MANIFEST, Manifest
+from ..backends import BACKENDS, WRITE_ERRORS, close_all
+from ..errors import say
+from ..format import MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
 from .scan import Scan, ScanError, confusable, identify, scan
@@ -338,7 +338,7 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
 
 def _link_old_files(out: Path, staging: Path, cache: Cache, options: BuildOptions, quiet: bool) -> None:
     """Link the old dataset's data files into ``staging`` so that its records stay where they are
-    (packer.segments), as many of them as the refresh keeps; say why where it rewrites records."""
+    (packer.builder.segments), as many of them as the refresh keeps; say why where it rewrites records."""
     assert options.backend is not None and options.shard_size is not None
     kept = cache.old_of[cache.old_of >= 0]
     keep, why = plan(cache.manifest, cache.index, kept, options.backend, options.shard_size)
@@ -350,7 +350,7 @@ def _link_old_files(out: Path, staging: Path, cache: Cache, options: BuildOption
 
 @dataclass
 class LocalEngine:
-    """This machine's worker processes (:mod:`packer.workers`), results in scan order."""
+    """This machine's worker processes (:mod:`packer.builder.workers`), results in scan order."""
 
     raw: Path
     quiet: bool

@@ -26,9 +26,10 @@ from typing import BinaryIO, Optional, overload
 
 import numpy as np
 
-from .errors import PackerError
-from .format import IDENTITY_DTYPE
-from .labels import Labelling, class_list, pack, read_classes, read_csv
+from ..errors import ScanError
+from ..format import IDENTITY_DTYPE
+from ..format.label_arrays import pack
+from .labels import Labelling, class_list, read_classes, read_csv
 
 IMAGE_EXTENSIONS = frozenset(
     [
@@ -51,14 +52,10 @@ IMAGE_EXTENSIONS = frozenset(
 )
 
 
-class ScanError(PackerError):
-    """raw/ or the labels file cannot be used as given; the message says why."""
-
-
 @dataclass(frozen=True, slots=True)
 class Source:
     rel: str  # POSIX path relative to raw/
-    label: int  # class id; -1 for kinds "multi" and "none" (see packer.labels)
+    label: int  # class id; -1 for kinds "multi" and "none" (see packer.builder.labels)
 
 
 _CHUNK = 1 << 16  # items a lazy iteration turns into Python objects at a time
@@ -193,7 +190,7 @@ class Scan:
     unreadable: list[tuple[str, str]] = field(
         default_factory=list
     )  # folders among ``ignored`` that could not be listed
-    kind: str = "class"  # label kind (packer.labels)
+    kind: str = "class"  # label kind (packer.builder.labels)
     target_names: list[str] = field(default_factory=list)  # --targets columns
     multi: Optional[np.ndarray] = None  # kind "multi": bit-packed multi-hot row per source
     targets: Optional[np.ndarray] = None  # float32 row per source, with --targets

@@ -2,7 +2,7 @@
 
 Opening a dataset (``Manifest.load``, ``load_index``) only refuses metadata that would make a reader
 misbehave; it cannot see a flipped bit inside a record or an index row that still points somewhere
-valid. Verify reads all the data sequentially (packer.walk: one pass in storage order, with
+valid. Verify reads all the data sequentially (packer.backends.walk: one pass in storage order, with
 readahead), recomputes each record's crc32 and the dataset digest, and cross-checks index, manifest
 and data files, so that bit rot, a bad copy or tampering is found before a training run trusts the
 data. Every problem it finds is a line of text; records are named by number and source path.
@@ -29,8 +29,10 @@ from typing import Optional
 
 import numpy as np
 
-from .backends import BACKENDS, data_files, record_places
-from .format import (
+from ..backends import BACKENDS, data_files, record_places
+from ..backends.pin import pin
+from ..backends.walk import walk
+from ..format import (
     INDEX,
     LABELS,
     MANIFEST,
@@ -42,9 +44,7 @@ from .format import (
     logical_digest,
     source_path,
 )
-from .labels import arrays_digest, class_counts
-from .pin import pin
-from .walk import walk
+from ..format.label_arrays import arrays_digest, class_counts
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}

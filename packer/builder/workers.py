@@ -36,7 +36,7 @@ def _worker_context() -> Context:
     forkserver is missing."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["packer.preprocess"])
+        ctx.set_forkserver_preload(["packer.builder.preprocess"])
         return ctx
     return mp.get_context("spawn")
 

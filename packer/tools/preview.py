@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .format import DatasetError
+from ..format import DatasetError
 
 CELL = 160  # thumbnail box, pixels
 CAPTION = 14  # caption strip under each thumbnail
@@ -22,7 +22,7 @@ CAPTION = 14  # caption strip under each thumbnail
 def _dataset(out: str | os.PathLike, augment: bool, seed: int, crop_size: int):
     import torch
 
-    from .dataset import ShardDataset
+    from ..read.dataset import ShardDataset
 
     if augment:
         return ShardDataset(out, crop_size=crop_size, train=True, seed=seed, dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""Segments: a refresh (``build --update``) that costs what changed, and ``packer compact``.
+"""Segments: a refresh (``build --update``) that costs what changed (``packer compact``: packer.tools.compact).
 
 A dataset's data files (memmap shards, LMDB files) are written once and never changed (docs/FORMAT.md,
 "Segments"). A refresh hard-links the old version's data files into its staging folder, writes only
@@ -12,36 +12,25 @@ leave too much dead (:data:`MAX_DEAD`) rewrites everything into one segment, as 
 does on demand (see :func:`plan`).
 
 Readers of the old version are untouched: its files keep their inodes and bytes (the old directory
-is swapped out and deleted, the links in the new one keep the shared files), and packer.pin holds
+is swapped out and deleted, the links in the new one keep the shared files), and packer.backends.pin holds
 every file of the version a reader opened.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from .backends import BACKENDS, data_files, record_places
-from .errors import say
-from .format import (
-    FORMAT_VERSION,
-    LABELS,
-    REPORT,
-    TARGETS,
+from ..backends import BACKENDS, data_files, record_places
+from ..errors import say
+from ..format import (
     Manifest,
-    index_digest,
-    logical_digest,
-    source_path,
 )
-from .pin import pin
-from .walk import InOrder
 
 #: A refresh rewrites every record into one segment when, after it, more than this share of the record
 #: bytes in the old data files would be dead (records of deleted or changed files)...
@@ -165,66 +154,3 @@ def data_table(
         )
     total = sum(int(e["bytes"]) for e in table)
     return table, total, sum(int(e["dead"]) for e in table), len({int(e["segment"]) for e in table}) or 1
-
-
-def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Manifest]:
-    """Rewrite the dataset at ``out`` into one segment (no dead bytes), every record copied as it is
-    and checked against its CRC-32 on the way; (old manifest, new manifest). Same records, labels and
-    ``digest`` (a version-1 or 2 dataset becomes version 3, whose digest is defined otherwise)."""
-    from .options import SHARD_SIZE, BuildError
-    from .pipeline import build_lock, dataset_path
-    from .staging import INDEX_PART, SOURCES_PART, finalize, staging_path
-
-    out = dataset_path(out)
-    with build_lock(out):
-        pinned = pin(str(out.resolve()))
-        old, index = pinned.manifest, pinned.index
-        staging = staging_path(out)
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        backend = BACKENDS[old.backend]
-        for name in data_files(old):  # LMDB: liblmdb must not walk a damaged file
-            backend.check_walkable(out / name)
-        writer = backend.open_writer(staging, None, int(old.options.get("shard_size", SHARD_SIZE)))
-        rows = np.array(index)
-        records = InOrder(out, old, index)
-        try:
-            for j in range(len(index)):
-                data = records.intact(j)
-                if data is None:
-                    raise BuildError(
-                        f"{out}: record {j} ({source_path(pinned.sources, index[j])}) is missing or damaged; "
-                        f"compact copies records as they are (rebuild with build --force)"
-                    )
-                rows[j]["shard"], rows[j]["offset"] = writer.append(data)
-        except BaseException:
-            writer.close()
-            shutil.rmtree(staging)
-            raise
-        finally:
-            records.close()
-        shards = writer.close()
-        rows.tofile(staging / INDEX_PART)
-        np.asarray(pinned.sources).tofile(staging / SOURCES_PART)
-        if (out / REPORT).is_file():
-            shutil.copyfile(out / REPORT, staging / REPORT)
-        arrays = {
-            name: np.asarray(a) for name, a in ((LABELS, pinned.multi), (TARGETS, pinned.targets)) if a is not None
-        }
-        table, total, dead, segments = data_table(staging, rows, None, shards)
-        new = dataclasses.replace(
-            old,
-            format_version=FORMAT_VERSION,
-            shards=table,
-            bytes=total,
-            dead_bytes=dead,
-            segments=segments,
-            digest=logical_digest(rows, old.labels_digest),
-            index_digest=index_digest(rows),
-            sources_digest=index_digest(pinned.sources),
-        )
-        del pinned, index, records
-        finalize(staging, out, new, arrays)
-    say(f"{out}: compacted {old.bytes / 1e6:.1f} MB in {old.segments} segment(s) into {total / 1e6:.1f} MB", quiet)
-    return old, new

@@ -17,14 +17,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import __version__
-from .backends import BACKENDS, record_places
-from .errors import say
-from .format import MANIFEST, DatasetError, Manifest, load_index
+from .._version import __version__
+from ..backends import BACKENDS, record_places
+from ..backends.walk import InOrder
+from ..errors import say
+from ..format import MANIFEST, DatasetError, Manifest, load_index
 from .preprocess import Options, Record, Result, process_chunk
 from .scan import Scan, Sources
 from .segments import Base
-from .walk import InOrder
 from .workers import results
 
 
@@ -57,7 +57,7 @@ class Cache:
     manifest: Manifest
     index: np.ndarray
     old_of: np.ndarray  # per source in scan order: its record number in the old dataset, or -1
-    #: set once the old data files are linked into the staging folder (packer.segments): records are
+    #: set once the old data files are linked into the staging folder (packer.builder.segments): records are
     #: then kept where they lie, not copied
     base: Optional[Base] = None
 
@@ -89,7 +89,7 @@ class Kept:
 
 class _OldRecords:
     """The old dataset's records by number, copied (those of the data files a refresh does not link):
-    read in sequential walks (packer.walk.InOrder: readahead, the disk's speed)."""
+    read in sequential walks (packer.backends.walk.InOrder: readahead, the disk's speed)."""
 
     def __init__(self, cache: Cache) -> None:
         self._cache = cache

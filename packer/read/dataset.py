@@ -1,7 +1,7 @@
 """ShardDataset: a map-style torch Dataset over a packer dataset (either backend, either format).
 
 Design points, each answering a known DataLoader failure:
-- ``__init__`` pins one version of the dataset (packer.pin): manifest, index and data files are
+- ``__init__`` pins one version of the dataset (packer.backends.pin): manifest, index and data files are
   opened together and kept, so a refresh of the path (``build --update``/``--force``) never mixes
   versions. Forked workers inherit the pinned files and read the version the parent opened to the
   end; a pickled copy (spawn) reopens by path and is refused with DatasetReplaced if the files there
@@ -11,9 +11,9 @@ Design points, each answering a known DataLoader failure:
   Python objects' reference counts.
 - Augmentation is a pure function of (seed, epoch, index) (packer.transform), so batches do not
   depend on the worker count and no two workers share a random stream. The epoch lives in shared
-  memory, so ``set_epoch`` reaches persistent workers too. A :class:`~packer.sampler.Draw` index
+  memory, so ``set_epoch`` reaches persistent workers too. A :class:`~packer.read.draw.Draw` index
   (from ShardSampler) carries its own epoch and draw number, which key it instead; a user
-  ``transform`` runs with the global generators seeded from the same key (packer.rng).
+  ``transform`` runs with the global generators seeded from the same key (packer.read.rng).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from . import batchpool, rng, transform
-from . import labels as labelling
-from .format import DatasetError, source_path
-from .pin import FileKey, pin
-from .read import open_reader
-from .sampler import Draw
-from .transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
+from .. import transform
+from ..backends.pin import FileKey, pin
+from ..format import DatasetError, source_path
+from ..format import label_arrays as labelling
+from ..transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
+from . import batchpool, rng
+from .draw import Draw
+from .reader import open_reader
 
 #: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``.
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -65,7 +66,7 @@ class TargetSample(NamedTuple):
 
 def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
     """An uninitialised output batch, from this process's pool of reused segments (see
-    packer.batchpool) when one is free; else fresh memory, in shared memory when ``shared``
+    packer.read.batchpool) when one is free; else fresh memory, in shared memory when ``shared``
     (where a DataLoader worker's batch must end up; default_collate allocates it the same way)."""
     lent = batchpool.lend(shape, dtype)
     if lent is not None:
@@ -139,8 +140,8 @@ class ShardDataset(Dataset):
     ``transform`` (any callable) receives each sample's uint8 crop - a C x H x W tensor, channels-last
     in memory; the whole stored image when ``crop_size=None`` - and returns a tensor. It runs with
     torch's, numpy's and Python's global random generators seeded from the sample's (seed, epoch,
-    draw) (see packer.rng), so its random choices are as reproducible as the crop. Outputs must share
-    one dtype and shape (the first sample's set the batch's; another is a ValueError naming the
+    draw) (see packer.read.rng), so its random choices are as reproducible as the crop. Outputs must
+    share one dtype and shape (the first sample's set the batch's; another is a ValueError naming the
     record); a uint8 output is converted to ``dtype`` last (so it must be C x H x W, C the number of
     ``mean`` values), a floating one is written as it is. ``batch_transform(images, labels)`` then
     receives the whole batch (``dtype``, labels int64) in the worker and returns ``(images,
@@ -249,7 +250,7 @@ class ShardDataset(Dataset):
 
     @property
     def label_kind(self) -> str:
-        """ "class" (one class id per record), "multi" (several) or "none" (unlabeled): packer.labels."""
+        """ "class" (one class id per record), "multi" (several) or "none" (unlabeled): packer.builder.labels."""
         return self.manifest.label_kind
 
     @property
@@ -278,7 +279,7 @@ class ShardDataset(Dataset):
     def sample_weights(self) -> np.ndarray:
         """Per-record weights balancing the classes, for ``ShardSampler(ds, balanced=True)``:
         inverse class frequency; "multi": inverse of the mean frequency of the image's labels (images
-        without labels as one more class); "none": uniform. See :func:`packer.labels.sample_weights`."""
+        without labels as one more class); "none": uniform. See :func:`packer.format.label_arrays.sample_weights`."""
         return labelling.sample_weights(self.label_kind, self._labels, self._multi, len(self.manifest.classes))
 
     def label_name(self, i: int) -> str:
@@ -323,7 +324,7 @@ class ShardDataset(Dataset):
 
     def _keyed(self, indices: Sequence[int]) -> tuple[list[int], Any, Optional[list[int]]]:
         """(records, epoch, keys): plain indices are keyed by record in the dataset's epoch (keys
-        None); :class:`~packer.sampler.Draw` indices by their own epoch and draw number. The blocks
+        None); :class:`~packer.read.draw.Draw` indices by their own epoch and draw number. The blocks
         a Draw says come next (``ahead``) are asked of the disk here, before this batch is read."""
         records = [self._check(i) for i in indices]
         if not any(type(i) is Draw for i in indices):
@@ -386,7 +387,7 @@ class ShardDataset(Dataset):
         return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
 
     def _multi_rows(self) -> np.ndarray:
-        """labels.npy's bit-packed rows, which every "multi" dataset has (packer.pin loads them)."""
+        """labels.npy's bit-packed rows, which every "multi" dataset has (packer.backends.pin loads them)."""
         assert self._multi is not None, "a multi-label dataset has labels.npy"
         return self._multi
 

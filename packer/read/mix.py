@@ -1,7 +1,7 @@
 """MixDataset: several packer datasets drawn from as one, each sample keyed by its own draw.
 
 torch's ConcatDataset maps an index to its member by arithmetic that turns a ShardSampler
-:class:`~packer.sampler.Draw` into a plain int, and has no ``set_epoch``: every member then crops by
+:class:`~packer.read.draw.Draw` into a plain int, and has no ``set_epoch``: every member then crops by
 record in epoch 0, the same crops every epoch. A MixDataset hands each draw to its member with its
 epoch and draw number intact (a draw number is unique in the epoch across the whole mix, so no two
 samples share a key), reads each member's share of a batch in one ``__getitems__`` call, and passes
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
-from . import labels as labelling
+from ..format import label_arrays as labelling
 from .dataset import Sample, ShardDataset, TargetSample
-from .sampler import Draw, Ranges
+from .draw import Draw, Ranges
 
 
 class MixDataset(Dataset):

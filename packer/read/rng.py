@@ -1,7 +1,7 @@
 """Per-sample random state for user transforms, so that third-party augmentation is as reproducible as
 packer's own crops.
 
-A ``transform`` given to :class:`~packer.dataset.ShardDataset` usually draws from a global random
+A ``transform`` given to :class:`~packer.read.dataset.ShardDataset` usually draws from a global random
 number generator: torchvision's from torch's, albumentations-style numpy code from numpy's, older
 code from Python's ``random``. In a DataLoader worker those streams depend on the worker and on what
 it fetched before, so the same sample would be augmented differently with another ``num_workers``
@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .transform.draws import _mix, sample_keys
+from ..transform.draws import _mix, sample_keys
 
 _MASK63 = (1 << 63) - 1
 _MASK32 = (1 << 32) - 1
@@ -74,7 +74,7 @@ def sample_seed() -> Optional[int]:
 
 def generator() -> torch.Generator:
     """A torch.Generator seeded for the sample whose transform is running, for code that takes one
-    (``torch.rand(..., generator=packer.rng.generator())``). One object per thread, reseeded on the
+    (``torch.rand(..., generator=packer.read.rng.generator())``). One object per thread, reseeded on the
     first call for each sample. Outside a transform: RuntimeError."""
     s = sample_seed()
     if s is None:

@@ -129,7 +129,7 @@ class PageGuard:
 
     def check_tree(self) -> None:
         """Check every branch and leaf page reachable from the root, each once (what a cursor over
-        all keys touches: packer.walk's sequential passes); Damaged when one is malformed or
+        all keys touches: packer.backends.walk's sequential passes); Damaged when one is malformed or
         reachable twice (a cycle)."""
         if self.root == NO_PAGE:
             return

@@ -1,7 +1,7 @@
 """Reading a block of records whole: byte runs for the kernel's readahead.
 
 ShardSampler's ``order="block"`` knows, a window ahead, which blocks of records stored together an
-epoch reads next (:attr:`packer.sampler.Draw.ahead`). Asked of the disk record by record, a block
+epoch reads next (:attr:`packer.read.sampler.Draw.ahead`). Asked of the disk record by record, a block
 is many small reads (and in random order within the window); asked as the byte runs its records
 cover, it is a few large sequential ones with a deep queue, issued while the current window's
 records are decoded. The readers (packer.backends) turn a block's records into file extents and give

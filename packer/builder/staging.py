@@ -8,8 +8,8 @@ the last checkpoint with the same result as an uninterrupted build.
 
 Every record reaches the dataset through one :class:`RecordSink`, whichever engine decoded it: the
 writer appends its bytes, its index row is filled (the only place that fills one), its source path
-journalled. A record a refresh keeps in its old (linked) data file (:class:`packer.update.Kept`, see
-packer.segments) enters the same way, its row pointing where it lies. :func:`complete` then writes the
+journalled. A record a refresh keeps in its old (linked) data file (:class:`packer.builder.update.Kept`, see
+packer.builder.segments) enters the same way, its row pointing where it lies. :func:`complete` then writes the
 manifest, with the digest of the index's logical content (docs/FORMAT.md, "The digest"), and
 :func:`finalize` renames the staging folder into place.
 """
@@ -30,11 +30,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import __version__
-from .backends import Writer
-from .codec import codec_name
-from .errors import say
-from .format import (
+from .._version import __version__
+from ..backends import Writer
+from ..backends.write import fsync_path, write_atomic
+from ..codec import codec_name
+from ..errors import say
+from ..format import (
     IDENTITY_FIELDS,
     INDEX,
     INDEX_DTYPE,
@@ -47,13 +48,12 @@ from .format import (
     index_digest,
     logical_digest,
 )
-from .labels import arrays_digest, class_counts
+from ..format.label_arrays import arrays_digest, class_counts
 from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
 from .segments import Base, data_table
 from .update import Kept, inputs_digest
-from .write import fsync_path, write_atomic
 
 BUILD_STATE = "build.json"
 PROGRESS = "progress.json"

@@ -18,14 +18,11 @@ import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from .errors import PackerError
-
-if TYPE_CHECKING:
-    from .backends import Backend
+from ..errors import DatasetError
 
 FORMAT_VERSION = 3
 #: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS);
@@ -41,7 +38,7 @@ FORMATS = ("jpeg", "raw")
 MAX_EDGE = 65_535  # the largest edge a JPEG can have
 MAX_MANIFEST = 64 << 20  # bytes of manifest.json read at most (a real one is a few KB per 100 classes)
 BACKENDS = ("lmdb", "memmap")
-#: manifest ``label_kind`` (see packer.labels): one class id per record in ``label``; several classes per
+#: manifest ``label_kind`` (see packer.builder.labels): one class id per record in ``label``; several classes per
 #: record, a bit-packed multi-hot row each in LABELS (``label`` -1); no labels (``label`` -1, no classes).
 LABEL_KINDS = ("class", "multi", "none")
 LABELS = "labels.npy"  # "multi": uint8, count x ceil(len(classes) / 8), little-endian bit order
@@ -68,25 +65,8 @@ INDEX_DTYPE = np.dtype(
     ]
 )
 IDENTITY_FIELDS = ("src_size", "src_mtime_ns", "src_hash")
-#: A source file's identity (see :func:`packer.scan.identify`); ``src_hash`` is 0 unless built with --checksum.
+#: A source file's identity (see :func:`packer.builder.scan.identify`); ``src_hash`` is 0 unless built with --checksum.
 IDENTITY_DTYPE = np.dtype([(name, INDEX_DTYPE[name]) for name in IDENTITY_FIELDS])
-
-
-def _backend(name: str) -> Backend:
-    """The backend ``name`` (a known one: Manifest checks it first); packer.backends imports this
-    module, hence the import here."""
-    from . import backends
-
-    return backends.BACKENDS[name]
-
-
-class DatasetError(PackerError):
-    """A dataset on disk is missing, damaged or not one packer can read; the message says which.
-    ``record`` is the damaged record's index, when one is to blame."""
-
-    def __init__(self, message: str, record: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.record = record
 
 
 def lmdb_key(i: int) -> bytes:
@@ -252,7 +232,7 @@ class Manifest:
                 and size(s.get("dead", 0))
             ):
                 raise bad("shards")
-        if not _backend(self.backend).check_manifest(self):
+        if not LAYOUTS[self.backend].check_manifest(self):
             raise bad("shards")
 
 
@@ -419,7 +399,7 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
             f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
             f"or a JPEG edge over {MAX_EDGE})"
         )
-    _backend(manifest.backend).check_places(root, index, manifest)
+    LAYOUTS[manifest.backend].check_places(root, index, manifest)
 
 
 def load_label_arrays(
@@ -427,7 +407,7 @@ def load_label_arrays(
 ) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """The multi-hot rows (LABELS, "multi" datasets) and TARGETS, memory-mapped and checked: shape,
     dtype, no bits beyond the last class, finite targets. None for what the dataset does not have.
-    ``open_file(name)`` opens them (packer.pin: the pinned version's), else :func:`open_regular`."""
+    ``open_file(name)`` opens them (packer.backends.pin: the pinned version's), else :func:`open_regular`."""
     root = Path(root)
     wanted = [
         (LABELS, np.uint8, (len(manifest.classes) + 7) // 8, manifest.label_kind == "multi"),
@@ -473,3 +453,86 @@ def source_path(sources: np.ndarray, row: np.void) -> str:
     the build encoded them from (``surrogateescape``), so ``os.fsencode`` gives the original name."""
     start = int(row["src_offset"])
     return bytes(sources[start : start + int(row["src_length"])]).decode("utf-8", "surrogateescape")
+
+
+class Layout:
+    """One backend's layout rules, pure functions of a manifest and its index (no I/O): which data
+    files the dataset has, where each row's record lies, which manifests and rows are possible.
+    Each backend (packer.backends) is its layout plus the code that writes and reads it; the
+    checks here run while a manifest or index is loaded, before any backend code."""
+
+    def data_files(self, manifest: Manifest) -> list[str]:
+        """The dataset's data files, numbered as index rows' ``shard`` numbers them."""
+        return [str(s["file"]) for s in manifest.shards]
+
+    def record_places(
+        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``rows``' (all when None) data file number and position in it."""
+        at = index if rows is None else index[rows]
+        return at["shard"].astype(np.int64), at["offset"].astype(np.int64)
+
+    def lists_files(self, manifest: Manifest) -> bool:
+        """Whether ``manifest.shards`` lists the data files with their counts and sizes."""
+        return True
+
+    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
+        """Refuse rows that point outside what their data files can hold (DatasetError)."""
+        raise NotImplementedError
+
+    def check_manifest(self, manifest: Manifest) -> bool:
+        """Whether the manifest's data file list is possible for this backend."""
+        return True
+
+
+def listed_sizes(root: Path, index: np.ndarray, manifest: Manifest) -> np.ndarray:
+    """Each row's data file size as the manifest lists it (rows naming a file beyond the list refused)."""
+    if index["shard"].max() >= len(manifest.shards):
+        raise DatasetError(f"{root}: index names data files beyond the {len(manifest.shards)} listed")
+    return np.array([int(s["bytes"]) for s in manifest.shards], dtype=np.uint64)[index["shard"]]
+
+
+class LmdbLayout(Layout):
+    """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
+    file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
+
+    def data_files(self, manifest: Manifest) -> list[str]:
+        return [LMDB_DATA] if manifest.format_version < 3 else super().data_files(manifest)
+
+    def record_places(
+        self, manifest: Manifest, index: np.ndarray, rows: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if manifest.format_version >= 3:
+            return super().record_places(manifest, index, rows)
+        at = np.arange(len(index), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        return np.zeros(len(at), np.int64), at
+
+    def lists_files(self, manifest: Manifest) -> bool:
+        return manifest.format_version >= 3
+
+    def check_manifest(self, manifest: Manifest) -> bool:
+        return manifest.format_version < 3 or bool(manifest.shards)  # version 3 lists data.mdb at least
+
+    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
+        if manifest.format_version < 3:
+            if index["shard"].any() or index["offset"].any():
+                raise DatasetError(f"{root}: LMDB index rows must have shard 0 and offset 0")
+            return
+        beyond = index["offset"] >= listed_sizes(root, index, manifest) // 16  # a leaf entry takes over 16 bytes
+        if beyond.any():
+            raise DatasetError(f"{root}: record {int(np.flatnonzero(beyond)[0])}: key beyond what its segment can hold")
+
+
+class MemmapLayout(Layout):
+    """memmap: shards of ``shard_size`` records, record ``i`` at byte ``offset`` of shard ``shard``."""
+
+    def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
+        sizes = listed_sizes(root, index, manifest)
+        end = index["offset"] + index["length"]
+        if (end < index["offset"]).any() or (end > sizes).any():
+            first = int(np.flatnonzero((end < index["offset"]) | (end > sizes))[0])
+            raise DatasetError(f"{root}: record {first} points outside its shard")
+
+
+#: Every backend's layout by the name manifests use (packer.backends.BACKENDS: the same names).
+LAYOUTS: dict[str, Layout] = dict(zip(BACKENDS, (LmdbLayout(), MemmapLayout())))

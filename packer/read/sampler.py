@@ -4,7 +4,7 @@ Each epoch is one global sequence of draws, a pure function of (seed, epoch, dat
 permutation of the records (``repeats`` times each, copies adjacent), or weighted picks with
 replacement, or ``order="block"``'s locality order. Draw ``k`` of the sequence is yielded as a
 :class:`Draw`: an ``int`` (the record index, so any Dataset or collate works with it) that also
-carries ``(epoch, k)``, which :class:`~packer.dataset.ShardDataset` uses instead of the record index
+carries ``(epoch, k)``, which :class:`~packer.read.dataset.ShardDataset` uses instead of the record index
 to key the crop and the transform's random state. So a record drawn twice in an epoch gets two
 crops, and ``set_epoch`` on the sampler is all a loop needs.
 
@@ -19,7 +19,7 @@ own key; ``drop_last=True`` drops the last draws instead, ``pad=False`` keeps th
 consumed, and what determines the sequence (refused when the sampler differs); with all ranks in
 step, rank ``r`` then continues at ``position + r``, whatever ``W`` is now.
 
-Several datasets: over a :class:`~packer.mix.MixDataset` the sequence holds the mix's indices
+Several datasets: over a :class:`~packer.read.mix.MixDataset` the sequence holds the mix's indices
 (``proportions=`` sets each member's share of an epoch's draws) and the mix hands each member its
 draws with their keys.
 """
@@ -34,33 +34,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import ConcatDataset, Sampler
+
+from .dataset import ShardDataset
+from .draw import Draw, Ranges
+from .mix import MixDataset
 
 ORDERS = ("random", "sequential", "block")
-Ranges = tuple[tuple[int, int], ...]  # record ranges (first, end)
-
-
-class Draw(int):
-    """A record index drawn by :class:`ShardSampler`, carrying the key of its augmentation: the
-    epoch and its position ``draw`` in the epoch's global sequence. ``int(d)`` is the record.
-    ``ahead``: record ranges ``(first, end)`` that will be read soon (``order="block"``: the blocks
-    of the next window, on the window's first draw), for the dataset to ask of the disk at once."""
-
-    epoch: int
-    draw: int
-    ahead: Ranges
-
-    def __new__(cls, record: int, epoch: int, draw: int, ahead: Ranges = ()) -> Draw:
-        self = int.__new__(cls, record)
-        self.epoch, self.draw, self.ahead = epoch, draw, ahead
-        return self
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return Draw, (int(self), self.epoch, self.draw, *((self.ahead,) if self.ahead else ()))
-
-    def __repr__(self) -> str:
-        more = f", ahead={self.ahead}" if self.ahead else ""
-        return f"Draw(record={int(self)}, epoch={self.epoch}, draw={self.draw}{more})"
 
 
 class ShardSampler(Sampler[Draw]):
@@ -79,7 +59,7 @@ class ShardSampler(Sampler[Draw]):
       ``replacement=True``: uniform picks);
     - ``repeats=N``: each pick drawn N times in a row (repeated augmentation: N crops; distributed,
       on N consecutive ranks);
-    - ``proportions`` (a :class:`~packer.mix.MixDataset` only, one share per member): each epoch
+    - ``proportions`` (a :class:`~packer.read.mix.MixDataset` only, one share per member): each epoch
       draws ``round(share * num_samples)`` indices of each member, without replacement within a
       member while it lasts (then from a fresh permutation of it), all members' draws shuffled
       together;
@@ -432,10 +412,6 @@ def _integer(name: str, value: Any) -> int:
 def _refuse_concat(dataset: Any) -> None:
     """A torch ConcatDataset of packer datasets would drop every draw's key (its index arithmetic
     returns plain ints) and never pass set_epoch on: the same crops every epoch."""
-    from torch.utils.data import ConcatDataset
-
-    from .dataset import ShardDataset
-    from .mix import MixDataset
 
     def holds_shards(ds: Any) -> bool:
         return isinstance(ds, (ShardDataset, MixDataset)) or (
@@ -452,8 +428,6 @@ def _refuse_concat(dataset: Any) -> None:
 
 def _member_sizes(dataset: Any) -> Optional[np.ndarray]:
     """A MixDataset's member sizes (what ``proportions`` and the state's config refer to), else None."""
-    from .mix import MixDataset
-
     return dataset.sizes if isinstance(dataset, MixDataset) else None
 
 

@@ -24,8 +24,8 @@ from typing import Optional, Union
 import numpy as np
 from PIL import Image
 
-from . import codec
-from .codec import decode_jpeg, encode_jpeg, native_shrink, shrink_factor, turbojpeg
+from .. import codec
+from ..codec import decode_jpeg, encode_jpeg, native_shrink, shrink_factor, turbojpeg
 from .scan import open_regular
 
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
@@ -48,7 +48,7 @@ HEIF_AVAILABLE = _register_heif()  # at import, so every worker process register
 
 @dataclass(frozen=True)
 class Options:
-    """What one file's preprocessing needs: :attr:`packer.options.BuildOptions.preprocess` (which holds
+    """What one file's preprocessing needs: :attr:`packer.builder.options.BuildOptions.preprocess` (which holds
     the defaults and checks the values)."""
 
     format: str

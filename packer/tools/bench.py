@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .backends import BACKENDS
-from .format import disk_bytes
+from ..backends import BACKENDS
+from ..format import disk_bytes
 
 #: Sweep points within this fraction of the best throughput count as "not growing any more".
 KNEE_FRACTION = 0.9
@@ -111,7 +111,7 @@ def make_loader(
 
     sampler: Sampler[Any]
     if packer_sampler:
-        from .sampler import ShardSampler
+        from ..read.sampler import ShardSampler
 
         sampler = ShardSampler(ds, seed=seed, num_samples=samples)
     else:
@@ -124,7 +124,7 @@ def measure(
 ) -> Point:
     """samples/s of ``samples`` samples after a warm-up: each worker's first ``prefetch_factor + 1``
     batches, which pay its start-up and the first use of each batch segment it will reuse for the
-    rest of the epoch (packer.batchpool: one per batch in flight, 256 x 3 x 224 x 224 float32 is
+    rest of the epoch (packer.read.batchpool: one per batch in flight, 256 x 3 x 224 x 224 float32 is
     154 MB, whose pages fault in once: counted in, they would weigh on a short run; docs/PERFORMANCE.md,
     "What changed")."""
     warm = max(1, workers * (prefetch_factor + 1))
@@ -211,7 +211,7 @@ def knee(points: Sequence[Point]) -> Point:
 def _resize_advice(resize: str) -> str:
     """What would make the resize step faster, given the backend in use (see transform.resize_backend);
     the ratios are docs/PERFORMANCE.md's ("The resize kernels")."""
-    from .transform import resize as kernels
+    from ..transform import resize as kernels
 
     used = "Pillow-SIMD" if resize == "pillow" else "torch's kernel"
     if kernels._native is None:
@@ -372,8 +372,8 @@ def run_bench(
     """Run the sweep and the profile on the dataset at ``path``; see ``packer bench --help``."""
     import torch
 
-    from .dataset import ShardDataset
-    from .transform import resize_backend
+    from ..read.dataset import ShardDataset
+    from ..transform import resize_backend
 
     ds = ShardDataset(path, crop_size=crop_size, train=train, dtype=getattr(torch, dtype))
     workers = sorted(set(workers)) if workers else list(range(cores() + 1))

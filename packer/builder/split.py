@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import BACKENDS
+from ..backends import BACKENDS
 from .scan import Scan
 
 TRAIN = "train"

@@ -1,10 +1,10 @@
 """``packer build --dask ADDRESS``: the same build, with preprocessing spread over a Dask cluster.
 
-:class:`DaskEngine` is the build's engine (see :mod:`packer.pipeline`): scan, locks, --split, the
+:class:`DaskEngine` is the build's engine (see :mod:`packer.builder.pipeline`): scan, locks, --split, the
 --update reuse plan, staging, record sink and manifest are the local build's own; only the decoding
 differs. The files to decode (all of them, or with --update the added and changed ones) are cut into
 fixed slices of ``shard_size`` files (tasks). Each task runs on a worker, preprocesses its files with
-:func:`packer.preprocess.process_chunk` exactly as a local build does, and writes a *fragment* into
+:func:`packer.builder.preprocess.process_chunk` exactly as a local build does, and writes a *fragment* into
 ``<staging>/fragments/``: ``part-NNNNN.bin`` (records back to back), ``part-NNNNN.npy`` (their index
 rows) and, last, ``part-NNNNN.json`` (counts, skipped files, which files). Every file is written under
 a unique temporary name and renamed, and the JSON goes last, so a worker killed mid-task leaves
@@ -12,7 +12,7 @@ nothing that counts; a retried or duplicated task just rewrites the same bytes. 
 metadata travels back to the driver.
 
 The driver then feeds every source's record to the record sink in scan order: from the fragments, or
-from the dataset being replaced (--update: kept in its linked data files, see packer.segments). LMDB
+from the dataset being replaced (--update: kept in its linked data files, see packer.builder.segments). LMDB
 gets one sequential pass; for memmap without reused records each non-empty fragment is renamed into a
 ``shard-NNNNN.bin`` (a memmap shard holds one task's records), with reused records the fragments are
 copied into ``shard_size``-record shards of the new segment. The digest is the index's (the local
@@ -37,27 +37,23 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from . import __version__
-from .backends import BACKENDS
-from .codec import can_decode_region, codec_name
-from .errors import PackerError, say
-from .format import INDEX_DTYPE, shard_name
+from .._version import __version__
+from ..backends import BACKENDS
+from ..backends.write import fsync_path, write_atomic
+from ..codec import can_decode_region, codec_name
+from ..errors import ShardError, say
+from ..format import INDEX_DTYPE, shard_name
 from .options import DASK_TASK_SIZE, BuildError, BuildOptions
 from .pipeline import run_build
 from .preprocess import Options, Record, Result, Skip, process_chunk
 from .scan import Scan
 from .staging import PROGRESS, BuildReport, Progress, RecordSink, Writer, fill, write_json_atomic
 from .update import Cache, ordered_results
-from .write import fsync_path, write_atomic
 
 FRAGMENTS = "fragments"
 CONNECT_TIMEOUT = 10  # seconds; an unreachable scheduler should fail fast, not hang
 WORKER_WAIT = 300  # seconds to wait for a first worker (a batch-queued cluster may still be starting)
 RETRIES = 2  # re-runs of a task that raised (e.g. a transient NFS error); lost workers are separate
-
-
-class ShardError(PackerError):
-    """A task failed; the message names the shard and the file being processed."""
 
 
 def fragment_stem(k: int) -> str:
@@ -494,7 +490,7 @@ def build_dask(
     retries: int = RETRIES,
     **changes: Any,
 ) -> BuildReport:
-    """Like :func:`packer.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
+    """Like :func:`packer.builder.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
 
     ``address`` is ``"local"`` (a LocalCluster of ``workers`` processes on this machine) or a scheduler
     address such as ``tcp://host:8786``. For memmap, each task's records become one shard, so a shard

@@ -1,4 +1,4 @@
-"""Record readers over one pinned version of a dataset (see packer.pin): the reader of its backend
+"""Record readers over one pinned version of a dataset (see packer.backends.pin): the reader of its backend
 (packer.backends.lmdb, packer.backends.memmap)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Optional
 
 import numpy as np
 
-from .backends import BACKENDS, Reader
-from .format import DatasetError, Manifest
-from .pin import Pinned, pin
+from ..backends import BACKENDS, Reader
+from ..backends.pin import Pinned, pin
+from ..format import DatasetError, Manifest
 
 
 def open_reader(

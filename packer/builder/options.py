@@ -13,10 +13,10 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from .backends import BACKENDS as TABLE
-from .codec import codec_name
-from .errors import PackerError
-from .format import BACKENDS, FORMATS
+from ..backends import BACKENDS as TABLE
+from ..codec import codec_name
+from ..errors import BuildError
+from ..format import BACKENDS, FORMATS
 from .labels import Labelling
 from .preprocess import Options
 from .split import check_splits
@@ -32,10 +32,6 @@ ON_ERROR = ("skip", "fail")
 # fast build, the clock makes even a small or slow build resumable after a few seconds.
 CHECKPOINT_RECORDS = 2000
 PREPROCESS_FIELDS = tuple(f.name for f in fields(Options))  # each a BuildOptions field of the same name
-
-
-class BuildError(PackerError):
-    """An expected failure (bad arguments, existing OUT, unusable raw/); the CLI prints it in one line."""
 
 
 def parse_splits(specs: tuple[str, ...]) -> Optional[dict[str, float]]:
@@ -95,7 +91,7 @@ class BuildOptions:
         "labels are numbered in sorted order.",
         "file",
     )
-    #: --classes, --unlabeled, --multi-label, --targets (its own fields: see packer.labels)
+    #: --classes, --unlabeled, --multi-label, --targets (its own fields: see packer.builder.labels)
     labelling: Labelling = field(default=Labelling())
     on_error: Optional[str] = _option(
         None,

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from .backends import BACKENDS, data_files
-from .format import (
+from ..errors import DatasetReplaced
+from ..format import (
     INDEX,
     MANIFEST,
     SOURCES,
@@ -39,15 +39,12 @@ from .format import (
     map_npy,
     open_regular,
 )
+from . import BACKENDS, data_files
 
 if TYPE_CHECKING:
-    from .backends.memmap import Shard
+    from .memmap import Shard
 
 FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
-
-
-class DatasetReplaced(DatasetError):
-    """The dataset at a reader's path is no longer the version the reader opened."""
 
 
 class _Moved(Exception):

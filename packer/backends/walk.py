@@ -28,9 +28,9 @@ from typing import Optional
 
 import numpy as np
 
-from .backends import BACKENDS, data_files, record_places
-from .backends.base import ExtraKeys, Raw
-from .format import Manifest
+from ..format import Manifest
+from . import BACKENDS, data_files, record_places
+from .base import ExtraKeys, Raw
 
 Record = tuple[int, Optional[bytes], int]  # the same, copied, and the bytes' CRC-32 (0 when missing)
 CHUNK_BYTES, CHUNK_RECORDS = 4 << 20, 1024  # records handed from the reading thread at a time
