@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import lmdb
 import numpy as np
 
-from ..format import DatasetError, LmdbLayout, Manifest, lmdb_key, lmdb_segment_name, open_regular
+from ..format import DatasetError, LmdbLayout, Manifest, fd_path, lmdb_key, lmdb_segment_name, open_regular
 from . import locality
 from .base import Backend, Buffer, ExtraKeys, Raw, Reader
 from .lmdbguard import Damaged, PageGuard
+from .write import open_written
 
 if TYPE_CHECKING:
     from .memmap import Shard
@@ -308,17 +309,24 @@ class LmdbWriter:
         self.root, self.segment, self.name = Path(path), segment, lmdb_segment_name(segment)
         self.root.mkdir(parents=True, exist_ok=True)
         self.path = str(self.root / self.name)
-        self.env = lmdb.open(
-            self.path,
-            map_size=map_size,
-            subdir=False,
-            lock=False,
-            sync=False,
-            metasync=False,
-            meminit=False,
-            max_dbs=0,
-            readahead=False,
-        )
+        # liblmdb opens a path itself: give it the file packer opened (created, or checked: see
+        # open_written), by a path that cannot lead anywhere else
+        self._fd = open_written(self.path, new=state is None)
+        try:
+            self.env = lmdb.open(
+                fd_path(self._fd) or self.path,
+                map_size=map_size,
+                subdir=False,
+                lock=False,
+                sync=False,
+                metasync=False,
+                meminit=False,
+                max_dbs=0,
+                readahead=False,
+            )
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.count = int(state["count"]) if state else 0
         self._discard_from(self.count)
         self.batch_records, self.batch_bytes = batch_records, batch_bytes
@@ -364,7 +372,9 @@ class LmdbWriter:
         """The data file written: ``[{"file", "count", "bytes"}]`` (the manifest's ``shards``)."""
         self.checkpoint()
         self.env.close()
-        return [{"file": self.name, "count": self.count, "bytes": os.path.getsize(self.path)}]
+        size = os.fstat(self._fd).st_size
+        os.close(self._fd)
+        return [{"file": self.name, "count": self.count, "bytes": size}]
 
 
 def _walk(
@@ -372,15 +382,20 @@ def _walk(
 ) -> Generator[Raw, None, None]:
     """A cursor over the keys of one LMDB data file in key order, through an environment with readahead
     on; ``rows`` (sorted by their ``keys``) get their values, or None where the file lacks the key."""
-    if not path.is_file():
+    try:
+        fd = open_regular(path)  # the dataset's own file, not what a symlink there leads to
+    except FileNotFoundError:
         yield from ((i, None) for i in rows.tolist())
         return
-    st = os.stat(path)
-    close_lmdb(path.parent, file=(st.st_dev, st.st_ino))  # py-lmdb opens a file once per process
     try:
-        env = lmdb.open(str(path), readonly=True, lock=False, readahead=True, subdir=False, max_readers=8)
+        st = os.fstat(fd)
+        close_lmdb(path.parent, file=(st.st_dev, st.st_ino))  # py-lmdb opens a file once per process
+        where = fd_path(fd) or str(path)
+        env = lmdb.open(where, readonly=True, lock=False, readahead=True, subdir=False, max_readers=8)
     except lmdb.Error as e:
         raise DatasetError(f"{path}: cannot open LMDB environment ({e})") from None
+    finally:
+        os.close(fd)  # liblmdb holds its own
     extra = extra_bytes = 0
     wanted, numbers = keys.tolist(), rows.tolist()
     at = 0  # the next row to serve

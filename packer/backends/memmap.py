@@ -13,10 +13,10 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from ..format import DatasetError, Manifest, MemmapLayout, shard_name
+from ..format import DatasetError, Manifest, MemmapLayout, open_regular, shard_name
 from . import locality
 from .base import Backend, Buffer, ExtraKeys, Raw, Reader
-from .write import sync_file
+from .write import open_written, sync_file
 
 Shard = tuple[np.ndarray, Optional["Mapping"]]  # a shard's bytes, and their mapping (None when empty)
 READ_BLOCK = 8 << 20  # bytes per buffered read of a shard in a walk
@@ -97,7 +97,7 @@ class MemmapWriter:
         self._file: Optional[BinaryIO] = None
         if self.shards:
             last = self.shards[-1]
-            self._file = open(self.root / last["file"], "r+b")
+            self._file = os.fdopen(open_written(self.root / last["file"], new=False), "r+b")
             self._file.truncate(last["bytes"])
             self._file.seek(last["bytes"])
 
@@ -117,7 +117,7 @@ class MemmapWriter:
             sync_file(self._file)
             self._file.close()
         name = shard_name(self.first + len(self.shards))
-        self._file = f = open(self.root / name, "wb", buffering=8 << 20)
+        self._file = f = os.fdopen(open_written(self.root / name, new=True), "wb", buffering=8 << 20)
         self.shards.append({"file": name, "count": 0, "bytes": 0})
         return f
 
@@ -136,10 +136,12 @@ class MemmapWriter:
 def _walk(path: Path, rows: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> Generator[Raw, None, None]:
     """One shard's ``rows`` (sorted by their ``offsets``) read with large buffered reads; None records
     when the shard is missing."""
-    if not path.is_file():
+    try:
+        fd = open_regular(path)  # the dataset's own file, not what a symlink there leads to
+    except FileNotFoundError:
         yield from ((i, None) for i in rows.tolist())
         return
-    with open(path, "rb", buffering=READ_BLOCK) as f:
+    with open(fd, "rb", buffering=READ_BLOCK) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for i, offset, length in zip(rows.tolist(), offsets.tolist(), lengths.tolist()):
             if f.tell() != offset:

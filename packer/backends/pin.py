@@ -35,6 +35,7 @@ from ..format import (
     DatasetError,
     Manifest,
     check_index,
+    fd_path,
     load_label_arrays,
     map_npy,
     open_regular,
@@ -85,10 +86,9 @@ class Pinned:
     def data_path(self, k: int) -> str:
         """A path that opens the pinned LMDB data file ``k`` itself, deleted or not (/proc/self/fd/N
         on Linux, /dev/fd/N on macOS); elsewhere its path, while the file there is still the pinned one."""
-        fd = self.data_fds[k]
-        for path in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}"):
-            if os.path.exists(path):
-                return path
+        at = fd_path(self.data_fds[k])
+        if at is not None:
+            return at
         path = os.path.join(self.root, self.data_names[k])
         try:
             if _key(os.stat(path)) == self.data_key(k):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import threading
@@ -28,8 +29,8 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from ..backends import BACKENDS, WRITE_ERRORS, close_all
-from ..errors import say
-from ..format import MANIFEST, Manifest
+from ..errors import DatasetError, say
+from ..format import MANIFEST, MAX_MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
 from .scan import Scan, ScanError, confusable, identify, scan
@@ -82,9 +83,10 @@ def _acquire(path: Path, out: Path, wait: bool, quiet: bool) -> Optional[int]:
     while True:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise BuildError(f"cannot write beside the output ({path}): {e.strerror or e}") from None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:  # ELOOP: a symlink in its place (in a --split folder: OUT's), never followed
+            why = "a symbolic link is in its place" if e.errno == errno.ELOOP else e.strerror or e
+            raise BuildError(f"cannot write beside the output ({path}): {why}") from None
         try:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -148,12 +150,25 @@ def lock_outputs(stack: contextlib.ExitStack, out: Path, options: BuildOptions, 
         stack.enter_context(build_lock(target, options.wait, quiet))
 
 
+def _not_dataset(path: Path) -> str:
+    """Why ``path`` is not a dataset, "" when it holds a manifest that packer reads as its own (any
+    ``manifest.json`` is not: a browser extension's, a webpack build's)."""
+    if not os.path.lexists(path / MANIFEST):
+        return f"no {MANIFEST}"
+    try:
+        Manifest.load(path)
+    except DatasetError as e:
+        return str(e)
+    return ""
+
+
 def _made_by_packer(path: Path, sibling: bool) -> bool:
-    """A dataset (manifest), a build's staging folder (its settings, or empty: ``sibling`` only), or a
-    --split folder holding nothing but those."""
+    """A dataset (a manifest packer reads), a build's staging folder (``sibling`` only: its
+    settings, or empty), or a --split folder holding nothing but those; never through a symlink."""
     if path.is_symlink() or not path.is_dir():
         return False
-    if (path / MANIFEST).is_file() or (path / BUILD_STATE).is_file():
+    marker = path / BUILD_STATE
+    if not _not_dataset(path) or (sibling and marker.is_file() and not marker.is_symlink()):
         return True
     entries = list(path.iterdir())
     if not entries:
@@ -163,6 +178,10 @@ def _made_by_packer(path: Path, sibling: bool) -> bool:
         or (e.name.startswith(".") and e.name.endswith(".packer-lock") and e.is_file())
         for e in entries
     )
+
+
+def _empty_folder(path: Path) -> bool:
+    return not path.is_symlink() and path.is_dir() and not any(path.iterdir())
 
 
 def clean(out: str | os.PathLike) -> list[Path]:
@@ -229,10 +248,11 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet:
     for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
         if target.exists() and not (force or update or resume):
             raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
-        if target.exists() and not force and not (target / MANIFEST).is_file():
+        why = _not_dataset(target) if target.exists() else ""
+        if why and not (force and (_made_by_packer(target, sibling=False) or _empty_folder(target))):
             raise BuildError(
-                f"{target} exists and is not a packer dataset; --update and --resume only "
-                f"replace a dataset (use --force to replace it anyway)"
+                f"{target} exists and is not a packer dataset ({why}); packer replaces only its own datasets "
+                f"(--force: also a --split folder of them, or an empty folder): move it away or choose another OUT"
             )
     try:
         found = scan(raw_dir, options.labels, labelling, strict=options.on_error == "fail")
@@ -255,6 +275,12 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet:
     if not found.sources:
         hint = "" if options.labels or labelling.unlabeled else "; for a flat folder of unlabeled images, --unlabeled"
         raise BuildError(f"{raw_dir}: no images found (expected class folders with images inside{hint})")
+    names = len(json.dumps(found.classes)) + len(json.dumps(found.target_names))  # as the manifest holds them
+    if names > MAX_MANIFEST:  # now, not once everything is decoded (when Manifest.encode would refuse it)
+        raise BuildError(
+            f"{out}: {len(found.classes):,} class names and {len(found.target_names):,} target names take "
+            f"{names / 1e6:.1f} MB, over the {MAX_MANIFEST >> 20} MiB manifest packer reads"
+        )
     found.identity = identify(raw_dir, found.sources, options.checksum)
     return found
 

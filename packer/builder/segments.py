@@ -18,6 +18,7 @@ every file of the version a reader opened.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from dataclasses import dataclass
@@ -27,10 +28,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ..backends import BACKENDS, data_files, record_places
-from ..errors import say
-from ..format import (
-    Manifest,
-)
+from ..errors import DatasetError, say
+from ..format import Manifest, open_regular
 
 #: A refresh rewrites every record into one segment when, after it, more than this share of the record
 #: bytes in the old data files would be dead (records of deleted or changed files)...
@@ -103,23 +102,40 @@ def plan(manifest: Manifest, index: np.ndarray, kept: np.ndarray, backend: str, 
 
 def link_base(old: Path, staging: Path, entries: list[dict[str, Any]], quiet: bool) -> Optional[Base]:
     """Hard-link the old data files ``entries`` (:func:`old_files`) into ``staging`` (already there from
-    an interrupted run: kept); None, after saying why, where the filesystem cannot (then every record
-    is rewritten)."""
+    an interrupted run: kept); None, after saying why, where the filesystem cannot or a file is not
+    the dataset's own regular file (then every record is rewritten)."""
     files = [str(e["file"]) for e in entries]
     try:
         for name in files:
-            target = staging / name
-            if target.exists() and os.path.samestat(os.stat(target), os.stat(old / name)):
-                continue
-            target.unlink(missing_ok=True)
-            os.link(old / name, target)
+            _link_regular(old / name, staging / name)
+        return Base(entries)
     except OSError as e:
-        for name in files:
-            (staging / name).unlink(missing_ok=True)
         why = "another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
-        say(f"cannot hard-link the data files of {old} into {staging} ({why}): rewriting every record", quiet)
-        return None
-    return Base(entries)
+    except DatasetError as e:  # a symlink, a FIFO: not the old dataset's own file
+        why = str(e)
+    for name in files:
+        (staging / name).unlink(missing_ok=True)
+    say(f"cannot hard-link the data files of {old} into {staging} ({why}): rewriting every record", quiet)
+    return None
+
+
+def _link_regular(source: Path, target: Path) -> None:
+    """Hard-link ``source`` as ``target`` (kept when it already is that file): a regular file of the
+    old dataset's own, never a symlink or what one leads to (DatasetError), so that nothing the
+    build writes into its staging folder can reach a file outside the dataset."""
+    fd = open_regular(source)
+    try:
+        st = os.fstat(fd)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.lstat(target), st):
+                return
+        target.unlink(missing_ok=True)
+        os.link(source, target)
+        if not os.path.samestat(os.lstat(target), st):  # another file took its name meanwhile
+            target.unlink()
+            raise DatasetError(f"{source}: replaced while it was being linked")
+    finally:
+        os.close(fd)
 
 
 def data_table(

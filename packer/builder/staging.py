@@ -44,6 +44,7 @@ from ..format import (
     REPORT,
     SOURCES,
     TARGETS,
+    DatasetError,
     Manifest,
     index_digest,
     logical_digest,
@@ -419,14 +420,19 @@ def _npy_from(part: Path, npy: Path, dtype: np.dtype) -> None:
 
 def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.ndarray]) -> None:
     """Journal -> .npy (and the label ``arrays``), manifest last, everything fsynced, then one rename
-    makes OUT appear whole."""
+    makes OUT appear whole. A manifest that readers would refuse (over their size limit) fails the
+    build first, OUT and the journal untouched."""
+    try:
+        text = manifest.encode(staging / MANIFEST)
+    except DatasetError as e:
+        raise BuildError(f"{out} cannot be written: readers would refuse its manifest ({e})") from None
     _npy_from(staging / INDEX_PART, staging / INDEX, INDEX_DTYPE)
     _npy_from(staging / SOURCES_PART, staging / SOURCES, np.dtype(np.uint8))
     for name, a in arrays.items():
         np.save(staging / name, a, allow_pickle=False)
     for name in (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART):
         (staging / name).unlink(missing_ok=True)  # packer compact writes no build state
-    (staging / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
+    (staging / MANIFEST).write_bytes(text)
     for p in staging.iterdir():
         fsync_path(p)
     fsync_path(staging)

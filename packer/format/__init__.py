@@ -7,6 +7,8 @@ runs code.
 
 from __future__ import annotations
 
+import builtins
+import errno
 import hashlib
 import io
 import json
@@ -126,6 +128,13 @@ class Manifest:
         fields["manifest_digest"] = manifest_digest(fields)
         return json.dumps(fields, indent=1, sort_keys=True)
 
+    def encode(self, path: str | os.PathLike) -> builtins.bytes:
+        """The bytes of manifest.json at ``path``, refused (DatasetError) unless a reader would accept
+        them (:meth:`parse`, too big say): a build never writes a dataset that no reader opens."""
+        text = self.to_json().encode("utf-8")  # JSON escapes every non-ASCII character
+        Manifest.parse(text, path)
+        return text
+
     @classmethod
     def load(cls, root: str | os.PathLike) -> Manifest:
         path = Path(root) / MANIFEST
@@ -141,11 +150,23 @@ class Manifest:
     @classmethod
     def read(cls, fd: int, path: str | os.PathLike) -> Manifest:
         """The manifest in the open file ``fd`` (``path`` names it in errors), checked."""
-        path = Path(path)
         try:
             with open(os.dup(fd), "rb") as f:
-                data = json.loads(f.read(MAX_MANIFEST + 1)[:MAX_MANIFEST].decode("utf-8"))
-        except (OSError, ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
+                text = f.read(MAX_MANIFEST + 1)
+        except OSError as e:
+            raise DatasetError(f"{path}: unreadable manifest ({e})") from None
+        return cls.parse(text, path)
+
+    @classmethod
+    def parse(cls, text: builtins.bytes, path: str | os.PathLike) -> Manifest:
+        """The manifest ``text`` (the bytes of ``path``), checked: every rule a reader applies, and
+        the one place they are, so that a build can apply them to what it writes (:meth:`encode`)."""
+        path = Path(path)
+        if len(text) > MAX_MANIFEST:
+            raise DatasetError(f"{path}: manifest is over {MAX_MANIFEST >> 20} MiB, the most packer reads")
+        try:
+            data = json.loads(text.decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
             raise DatasetError(f"{path}: unreadable manifest ({e})") from None
         if not isinstance(data, dict):
             raise DatasetError(f"{path}: manifest is not a JSON object")
@@ -296,11 +317,17 @@ def index_digest(rows: np.ndarray) -> str:
 
 
 def open_regular(path: str | os.PathLike, dir_fd: Optional[int] = None, label: str | os.PathLike = "") -> int:
-    """A read-only descriptor of ``path``, refused unless it is a regular file. Opened non-blocking,
-    so a FIFO put in a dataset's place cannot hang the open, and checked before any read, so a
-    device (/dev/zero) is never read. FileNotFoundError passes through for the caller to word;
-    ``label`` names the file in the error (``path`` relative to ``dir_fd`` otherwise)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    """A read-only descriptor of ``path``, refused unless it is a regular file, itself: a dataset's
+    files are its own, so a symlink (to another dataset's data file, to a device) is never followed.
+    Opened non-blocking, so a FIFO put in a dataset's place cannot hang the open, and checked before
+    any read, so a device (/dev/zero) is never read. FileNotFoundError passes through for the caller
+    to word; ``label`` names the file in the error (``path`` relative to ``dir_fd`` otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise DatasetError(f"{label or path}: is a symbolic link, not a regular file; refusing to read it") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -313,6 +340,16 @@ def open_regular(path: str | os.PathLike, dir_fd: Optional[int] = None, label: s
         }.get(stat.S_IFMT(mode), "not a file")
         raise DatasetError(f"{label or path}: is {kind}, not a regular file; refusing to read it")
     return fd
+
+
+def fd_path(fd: int) -> Optional[str]:
+    """A path that opens the file open as ``fd`` itself, wherever it is now, deleted or not
+    (/proc/self/fd/N on Linux, /dev/fd/N on macOS), for code that opens files by name (liblmdb);
+    None where the system has neither."""
+    for path in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}"):
+        if os.path.exists(path):
+            return path
+    return None
 
 
 def map_npy(fd: int, path: str | os.PathLike) -> np.ndarray:
@@ -481,7 +518,10 @@ class Layout:
         raise NotImplementedError
 
     def check_manifest(self, manifest: Manifest) -> bool:
-        """Whether the manifest's data file list is possible for this backend."""
+        """Whether the manifest's data file list is possible for this backend: data file k has the
+        name this backend's writers give file k, so no name is another file of the dataset's
+        (index.npy, manifest.json) and a refresh's new files, numbered after the old ones, never
+        take one that the old version uses."""
         return True
 
 
@@ -511,7 +551,11 @@ class LmdbLayout(Layout):
         return manifest.format_version >= 3
 
     def check_manifest(self, manifest: Manifest) -> bool:
-        return manifest.format_version < 3 or bool(manifest.shards)  # version 3 lists data.mdb at least
+        if manifest.format_version < 3:  # data.mdb alone, whatever the list says
+            return True
+        return bool(manifest.shards) and all(  # data.mdb at least; file k is segment k's name
+            s["file"] == lmdb_segment_name(k) for k, s in enumerate(manifest.shards)
+        )
 
     def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
         if manifest.format_version < 3:
@@ -532,6 +576,9 @@ class MemmapLayout(Layout):
         if (end < index["offset"]).any() or (end > sizes).any():
             first = int(np.flatnonzero((end < index["offset"]) | (end > sizes))[0])
             raise DatasetError(f"{root}: record {first} points outside its shard")
+
+    def check_manifest(self, manifest: Manifest) -> bool:
+        return all(s["file"] == shard_name(k) for k, s in enumerate(manifest.shards))
 
 
 #: Every backend's layout by the name manifests use (packer.backends.BACKENDS: the same names).

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -17,7 +18,17 @@ from ..builder.pipeline import build_lock, dataset_path
 from ..builder.segments import data_table
 from ..builder.staging import INDEX_PART, SOURCES_PART, finalize, staging_path
 from ..errors import BuildError, say
-from ..format import FORMAT_VERSION, LABELS, REPORT, TARGETS, Manifest, index_digest, logical_digest, source_path
+from ..format import (
+    FORMAT_VERSION,
+    LABELS,
+    REPORT,
+    TARGETS,
+    Manifest,
+    index_digest,
+    logical_digest,
+    open_regular,
+    source_path,
+)
 
 
 def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Manifest]:
@@ -56,8 +67,12 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         shards = writer.close()
         rows.tofile(staging / INDEX_PART)
         np.asarray(pinned.sources).tofile(staging / SOURCES_PART)
-        if (out / REPORT).is_file():
-            shutil.copyfile(out / REPORT, staging / REPORT)
+        with (
+            contextlib.suppress(FileNotFoundError),  # the dataset's own report, never what a symlink leads to
+            open(open_regular(out / REPORT), "rb") as src,
+            open(staging / REPORT, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst)
         arrays = {
             name: np.asarray(a) for name, a in ((LABELS, pinned.multi), (TARGETS, pinned.targets)) if a is not None
         }
