@@ -27,6 +27,7 @@ __all__ = [
     "DatasetReplaced",
     "LabelError",
     "Labelling",
+    "MixDataset",
     "PackerError",
     "ScanError",
     "ShardDataset",
@@ -51,6 +52,10 @@ def __getattr__(name: str) -> Any:
         from .read.dataset import ShardDataset
 
         return ShardDataset
+    if name == "MixDataset":
+        from .read.mix import MixDataset
+
+        return MixDataset
     if name == "ShardSampler":
         from .read.sampler import ShardSampler
 

@@ -73,6 +73,44 @@ if __name__ == "__main__":
     main(*sys.argv[1:])
 
 
+def ddp_steps(rank: int, world: int, port: int, scenarios: dict[str, Any], out: str) -> None:
+    """One gloo rank (torch.multiprocessing.spawn) of a DDP-style loop per scenario ``name: (paths,
+    sampler_args)``: a DataLoader with 2 persistent workers over ShardSampler (a MixDataset of several
+    paths), 2 epochs, and an all_reduce of the step number every step, as DDP's gradient sync makes:
+    a rank with fewer steps than another fails there. Saves each scenario's (record, epoch, draw) per
+    step."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from packer.read.mix import MixDataset
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    results: dict[str, list[list[tuple[int, int, int]]]] = {}
+    for name, (paths, sampler_args) in scenarios.items():
+        members = [ShardDataset(p, crop_size=CROP, seed=SEED, dtype=torch.uint8) for p in paths]
+        ds: Any = members[0] if len(members) == 1 else MixDataset(members)
+        sampler = ShardSampler(ds, **sampler_args)  # rank and world size from torch.distributed
+        loader = DataLoader(ds, batch_size=5, sampler=sampler, num_workers=2, persistent_workers=True)
+        steps = results[name] = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            listing = ShardSampler(ds, **sampler_args)
+            listing.set_epoch(epoch)
+            listed = list(listing)  # this rank's draws, in the loader's order
+            at = 0
+            for step, (images, _labels) in enumerate(loader):
+                where = torch.tensor([epoch, step])
+                dist.all_reduce(where)
+                assert where.tolist() == [world * epoch, world * step], f"{name}: rank {rank} is out of step"
+                steps.append([(int(d), d.epoch, d.draw) for d in listed[at : at + len(images)]])
+                at += len(images)
+    torch.save(results, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def kornia_jiggle(x: torch.Tensor) -> torch.Tensor:
     """kornia's ColorJiggle (random parameters from torch's global generator) on the uint8 crop."""
     import kornia.augmentation as K

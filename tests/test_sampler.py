@@ -120,10 +120,51 @@ def test_float_output_batch_transform_and_shape_errors(built) -> None:
     assert torch.equal(a[0], b[0].flip(0)) and torch.equal(a[1], 1 - b[1])
 
     ragged = ShardDataset(path, crop_size=None, transform=lambda x: x)  # whole images differ in size
-    with pytest.raises(ValueError, match=r"record \d+ is \(3, \d+, \d+\), the batch's first was"):
+    with pytest.raises(ValueError, match=r"record \d+ is torch.uint8 \(3, \d+, \d+\), the batch's first \(record 0\)"):
         ragged.__getitems__(list(range(len(ragged))))
     with pytest.raises(ValueError, match="batch_transform needs images of one size"):
         ShardDataset(path, crop_size=None, batch_transform=swap)
+
+
+def sometimes_float(x: torch.Tensor) -> torch.Tensor:
+    """A transform whose output dtype depends on the sample (the parity of its first pixel)."""
+    return x.float().div(255) if int(x[0, 0, 0]) % 2 else x
+
+
+def test_transform_output_contract_names_the_sample(built) -> None:
+    """Mixed uint8/float outputs, a uint8 output that cannot be normalized, and a batch_transform that
+    returns another number of labels or images are errors naming the record(s), through DataLoader
+    workers, not a batch mixing normalized and raw values or a shrunk batch."""
+    path = built("memmap", "raw")
+    mixed = ShardDataset(path, crop_size=CROP, transform=sometimes_float)
+    with pytest.raises(
+        ValueError, match=r"record \d+ is torch.(uint8|float32) \(3, 32, 32\), the batch's first \(record"
+    ):
+        list(DataLoader(mixed, batch_size=18, num_workers=2))
+    gray = ShardDataset(path, crop_size=CROP, transform=lambda x: x[:1])  # uint8, 1 channel, float32 batch
+    with pytest.raises(ValueError, match=r"record 0 is torch.uint8 \(1, 32, 32\).* must be 3 x H x W"):
+        list(DataLoader(gray, batch_size=4, num_workers=1))
+    assert next(
+        iter(DataLoader(ShardDataset(path, crop_size=CROP, dtype=torch.uint8, transform=lambda x: x[:1]), batch_size=4))
+    )[0].shape == (4, 1, 32, 32)
+
+    def three_labels(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return images, labels[:3]
+
+    def fewer_images(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return images[:2], labels[:2]
+
+    for bad, said in ((three_labels, "8 images, 3 labels"), (fewer_images, "2 images, 2 labels")):
+        ds = ShardDataset(path, crop_size=CROP, batch_transform=bad)
+        with pytest.raises(ValueError, match=rf"returned {said} for a batch of 8 \(records 0, 1, 2, 3, 4, 5, 6, 7\)"):
+            list(DataLoader(ds, batch_size=8, num_workers=1))
+
+    def only_labels(images: torch.Tensor, labels: torch.Tensor) -> Any:
+        return labels
+
+    labels_only = ShardDataset(path, crop_size=CROP, batch_transform=only_labels)
+    with pytest.raises(ValueError, match="batch_transform returned Tensor for a batch of 4"):
+        labels_only.__getitems__([0, 1, 2, 3])
 
 
 def test_a_record_drawn_twice_gets_two_crops(built) -> None:
@@ -147,12 +188,17 @@ def test_a_record_drawn_twice_gets_two_crops(built) -> None:
     [{}, {"repeats": 2}, {"balanced": True, "num_samples": 25}, {"order": "block", "block_size": 4, "window": 2}],
 )
 def test_elastic_determinism(built, args: dict) -> None:
-    """World size 1, 2 and 4 (rank arguments): the same multiset of (record, crop) in an epoch."""
+    """World size 1, 2 and 4 (rank arguments): the same multiset of (record, crop) in an epoch with
+    pad=False; padded (the default), the same plus the few draws that even out the ranks."""
     path = built("memmap", "raw")
     multisets = []
     for world in (1, 2, 4):
-        drawn = [d for r in range(world) for d in draws_seen(path, num_replicas=world, rank=r, **args)]
+        drawn = [d for r in range(world) for d in draws_seen(path, num_replicas=world, rank=r, pad=False, **args)]
         multisets.append(collections.Counter(drawn))
+        padded = [draws_seen(path, num_replicas=world, rank=r, **args) for r in range(world)]
+        assert len({len(p) for p in padded}) == 1  # every rank as many draws
+        extra = collections.Counter(d for p in padded for d in p) - multisets[-1]
+        assert extra.total() == len(padded[0]) * world - len(drawn)  # only added draws, none changed
     assert multisets[0] == multisets[1] == multisets[2]
     if "balanced" not in args:  # unweighted: every record exactly once (repeats times) across the ranks
         assert collections.Counter(r for r, _ in multisets[0].elements()) == {
@@ -176,11 +222,9 @@ def test_sampler_orders_weights_and_lengths(built) -> None:
     assert set(ShardSampler(ds, weights=weights, num_samples=50).sequence(0).tolist()) <= set(range(9))
     even = [ShardSampler(ds, num_replicas=4, rank=r, drop_last=True) for r in range(4)]
     assert [len(s) for s in even] == [4] * 4 and [len(ShardSampler(ds, num_replicas=4, rank=r)) for r in range(4)] == [
-        5,
-        5,
-        4,
-        4,
-    ]
+        5
+    ] * 4
+    assert [len(ShardSampler(ds, num_replicas=4, rank=r, pad=False)) for r in range(4)] == [5, 5, 4, 4]
     ranks = [ShardSampler(ds, num_replicas=2, rank=r) for r in range(2)]  # elastic resume: 2 ranks -> 3
     for r in ranks:
         r.set_epoch(5)
@@ -192,7 +236,9 @@ def test_sampler_orders_weights_and_lengths(built) -> None:
     for r in later:
         r.load_state_dict(state)
     rest = [d for r in later for d in r]
-    assert sorted(d.draw for d in rest) == list(range(8, 18)) and {d.epoch for d in rest} == {5}
+    assert sorted(d.draw for d in rest) == list(range(8, 20)) and {d.epoch for d in rest} == {5}  # 2 padded
+    first = ranks[0].sequence(5)[:2].tolist()
+    assert [int(d) for d in sorted(rest, key=lambda d: d.draw)][-2:] == first  # padding repeats the first records
     with pytest.raises(ValueError, match="rank must be"):
         ShardSampler(ds, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match=r"seed 3 .* would not continue"):
@@ -289,3 +335,194 @@ def test_batch_transform_mixes_a_multi_label_batch(tmp_path: Path) -> None:
         assert labels.dtype == torch.float32 and labels.shape == (3, 3)
         lam = (images - x.flip(0)).flatten()[0] / (x - x.flip(0)).flatten()[0]  # recovered from the pixels
         assert torch.allclose(labels, lam * y + (1 - lam) * y.flip(0), atol=1e-4)
+
+
+def part_of(raw_photos: Path, out: Path, keep: int, backend: str = "memmap") -> Path:
+    """A dataset of the first ``keep`` photos (sorted: landscape ones first) of the 18."""
+    from packer import build
+
+    raw = out.with_name(out.name + "-raw")
+    for f in sorted(raw_photos.rglob("*.jpg"))[:keep]:
+        (raw / f.parent.name).mkdir(parents=True, exist_ok=True)
+        (raw / f.parent.name / f.name).write_bytes(f.read_bytes())
+    build(raw, out, backend=backend, workers=1, quiet=True)
+    return out
+
+
+def test_ddp_ranks_take_the_same_number_of_steps(built, raw_photos: Path, tmp_path: Path) -> None:
+    """Two gloo ranks (torch.multiprocessing.spawn), DataLoaders with 2 workers, an all_reduce per
+    step: 11 records, batch 5, the sampler's defaults give both ranks 2 steps an epoch (padded with
+    one repeated record, under its own draw key); drop_last=True 1 step each; a MixDataset with
+    proportions as well, every member's draws keyed by the global draw."""
+    import torch.multiprocessing as mp
+
+    eleven, other = str(part_of(raw_photos, tmp_path / "eleven", 11)), str(built("lmdb", "jpeg"))
+    scenarios = {
+        "default": ([eleven], {}),
+        "drop_last": ([eleven], {"drop_last": True}),
+        "mix": ([eleven, other], {"proportions": [1, 2], "num_samples": 15}),
+    }
+    mp.spawn(run.ddp_steps, (2, free_port(), scenarios, str(tmp_path / "steps")), nprocs=2)
+    ranks = [torch.load(tmp_path / f"steps.{r}", weights_only=False) for r in range(2)]
+    assert [len(r["default"]) for r in ranks] == [4, 4] and [len(r["drop_last"]) for r in ranks] == [2, 2]
+    for name, total, steps in (("default", 11, 2), ("drop_last", 11, 1), ("mix", 15, 2)):
+        for epoch in range(2):
+            draws = [d for r in ranks for step in r[name][epoch * steps : (epoch + 1) * steps] for d in step]
+            assert {e for _, e, _ in draws} == {epoch}
+            keys = sorted(k for _, _, k in draws)
+            padded = -(-total // 2) * 2 if name != "drop_last" else total // 2 * 2
+            assert keys == list(range(padded)), name  # each draw once; padding adds draws past the end
+            if name == "default":
+                assert {r for r, _, _ in draws} == set(range(11))  # every record, one of them twice
+            if name == "mix":  # 5 draws of the first member (indices 0-10), 10 of the second
+                first = [r for r, _, k in draws if k < total]
+                assert sum(r < 11 for r in first) == 5 and sum(r >= 11 for r in first) == 10
+
+
+def test_mixing_datasets_keys_every_draw_and_resumes(built, raw_photos: Path, tmp_path: Path) -> None:
+    """MixDataset of two datasets (other backends and formats) under ShardSampler(proportions=...):
+    each member's draws get the global draw's crop key (new crops each epoch, the member's own
+    sample for that key), the same batches with 0 and 2 workers, each member's share as asked, a
+    mid-epoch resume continues bit for bit, and a state from other proportions is refused. A torch
+    ConcatDataset of packer datasets, or members that disagree on classes, are refused."""
+    from torch.utils.data import ConcatDataset
+
+    from packer import MixDataset
+
+    a = ShardDataset(built("memmap", "raw"), crop_size=CROP, seed=1, dtype=torch.uint8)
+    b = ShardDataset(built("lmdb", "jpeg"), crop_size=CROP, seed=2, dtype=torch.uint8, transform=jitter)
+    mix = MixDataset([a, b])
+    args = {"proportions": [3, 1], "num_samples": 24}
+
+    def epochs(workers: int, sampler: ShardSampler, first: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        loader = DataLoader(mix, batch_size=4, sampler=sampler, num_workers=workers)
+        out = []
+        for epoch in range(first, 2):
+            sampler.set_epoch(epoch)
+            out += [(x.clone(), y.clone()) for x, y in loader]
+        return out
+
+    runs = [epochs(w, ShardSampler(mix, **args)) for w in (0, 2)]
+    assert same(runs[0], runs[1]) and len(runs[0]) == 12
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for run_ in runs for x, _ in run_)
+    listing = ShardSampler(mix, **args)
+    images = torch.cat([x for x, _ in runs[0]])
+    crops: dict[tuple[int, int], bytes] = {}
+    for epoch in range(2):
+        listing.set_epoch(epoch)
+        draws = list(listing)
+        assert sum(d >= 18 for d in draws) == 6 and len({int(d) for d in draws if d < 18}) == 18  # 3:1, a whole
+        for k, d in enumerate(draws):
+            image = images[epoch * 24 + k]
+            member, record = (a, int(d)) if d < 18 else (b, int(d) - 18)
+            assert torch.equal(image, member[Draw(record, epoch, d.draw)][0])  # the member's sample for the key
+            crops[epoch, int(d)] = image.numpy().tobytes()
+    both = [r for r in range(36) if (0, r) in crops and (1, r) in crops]
+    assert len(both) >= 18 and all(crops[0, r] != crops[1, r] for r in both)  # new crops each epoch, both members
+    assert a.epoch == b.epoch == 1  # set_epoch reached the members
+
+    sampler = ShardSampler(mix, **args)  # stop after 3 batches of epoch 1, resume in a new sampler
+    sampler.set_epoch(1)
+    it = iter(DataLoader(mix, batch_size=4, sampler=sampler, num_workers=2))
+    for _ in range(3):
+        next(it)
+    state = sampler.state_dict(consumed=12)
+    del it
+    resumed = ShardSampler(mix, **args)
+    resumed.load_state_dict(state)
+    assert same(epochs(2, resumed, first=1), runs[0][6 + 3 :])
+    with pytest.raises(ValueError, match=r"proportions 18\+6 -> 12\+12"):
+        ShardSampler(mix, proportions=[1, 1], num_samples=24).load_state_dict(state)
+
+    with pytest.raises(ValueError, match=r"use packer\.MixDataset"):
+        ShardSampler(ConcatDataset([a, b]))
+    with pytest.raises(ValueError, match="proportions must be 2"):
+        ShardSampler(mix, proportions=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"needs a packer\.MixDataset"):
+        ShardSampler(a, proportions=[1])
+    landscapes = ShardDataset(part_of(raw_photos, tmp_path / "landscapes", 9), crop_size=CROP, dtype=torch.uint8)
+    assert landscapes.classes == ["landscape"]
+    with pytest.raises(ValueError, match="differ in classes"):
+        MixDataset([a, landscapes])
+    with pytest.raises(ValueError, match=r"differ in crop size .*: 16 vs 32"):
+        MixDataset([a, ShardDataset(built("memmap", "raw"), crop_size=16, dtype=torch.uint8)])
+
+
+def test_a_state_from_another_configuration_is_refused(built, raw_photos: Path, tmp_path: Path) -> None:
+    """Same seed and draws per epoch, another order: refused, naming what differs, and the sampler
+    keeps its state; a state saved without "config" (packer before this check) still loads; bad
+    arguments are ValueErrors at construction."""
+    ds = ShardDataset(built("memmap", "jpeg"), crop_size=CROP)
+    eleven = ShardDataset(part_of(raw_photos, tmp_path / "eleven", 11), crop_size=CROP)
+    pairs = [
+        (ShardSampler(ds, num_samples=22), ShardSampler(eleven, num_samples=22), "size 18 -> 11"),
+        (ShardSampler(ds, repeats=2, num_samples=9), ShardSampler(ds), "num_samples 9 -> 18, repeats 2 -> 1"),
+        (ShardSampler(ds, balanced=True), ShardSampler(ds), "weights [0-9a-f]+ -> \\(unset\\)"),
+        (ShardSampler(ds, order="block", block_size=4), ShardSampler(ds), "block_size 4 -> \\(unset\\)"),
+        (
+            ShardSampler(ds, order="block", block_size=4),
+            ShardSampler(ds, order="block", block_size=3),
+            "block_size 4 -> 3",
+        ),
+        (
+            ShardSampler(ds, replacement=True),
+            ShardSampler(ds, shuffle=False),
+            "order random -> sequential, replacement",
+        ),
+    ]
+    for saved, other, said in pairs:
+        saved.set_epoch(3)
+        state = saved.state_dict(consumed=4)
+        other.set_epoch(1)
+        before = other.state_dict()
+        with pytest.raises(ValueError, match=f"another configuration \\({said}"):
+            other.load_state_dict(state)
+        assert other.state_dict() == before and len(list(other)) == len(other)  # unchanged, usable
+
+    s = ShardSampler(ds, seed=3)
+    s.set_epoch(2)
+    for bad, said in (
+        ({**s.state_dict(), "epoch": -1}, "epoch -1 outside"),
+        ({"epoch": 1, "position": 0}, "not a ShardSampler state"),
+        ({**s.state_dict(), "position": 99}, "position 99 outside"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            s.load_state_dict(bad)
+        assert s.epoch == 2 and ds.epoch == 2 and s.state_dict() == ShardSampler(ds, seed=3).state_dict() | {"epoch": 2}
+    assert len(list(s)) == 18
+    with pytest.raises(ValueError, match="epoch must be"):
+        s.set_epoch(-1)
+    assert s.epoch == 2
+
+    old = {"epoch": 4, "position": 6, "seed": 3, "total": 18}  # what ShardSampler.state_dict() wrote before
+    fresh = ShardSampler(ds, seed=3)
+    with pytest.warns(UserWarning, match="has no 'config'"):
+        fresh.load_state_dict(old)
+    fresh.set_epoch(4)
+    assert [d.draw for d in fresh] == list(range(6, 18))
+    for bad_args in (
+        {"order": "block", "block_size": -1},
+        {"order": "block", "block_size": 0},
+        {"repeats": 1.5},
+        {"num_replicas": 0},
+        {"window": 0},
+    ):
+        with pytest.raises(ValueError, match="must be"):
+            ShardSampler(ds, **bad_args)
+
+
+def test_unshuffled_validation_iterated_twice_an_epoch_does_not_warn(built) -> None:
+    """Lightning runs its sanity check and then validation in one epoch: an unshuffled sampler gives
+    the same draws either way, so no warning; a shuffled one still warns."""
+    import warnings
+
+    ds = ShardDataset(built("memmap", "jpeg"), crop_size=CROP, train=False)
+    val = ShardSampler(ds, shuffle=False, num_replicas=2, rank=1, pad=False)
+    loader = DataLoader(ds, batch_size=4, sampler=val, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first, again = list(loader), list(loader)
+    assert same(first, again) and sum(len(y) for _, y in first) == 9
+    train = ShardSampler(ds)
+    with pytest.warns(UserWarning, match="without set_epoch"):
+        list(train), list(train)

@@ -11,7 +11,7 @@ Design points, each answering a known DataLoader failure:
   Python objects' reference counts.
 - Augmentation is a pure function of (seed, epoch, index) (packer.transform), so batches do not
   depend on the worker count and no two workers share a random stream. The epoch lives in shared
-  memory, so ``set_epoch`` reaches persistent workers too. A :class:`~packer.read.sampler.Draw` index
+  memory, so ``set_epoch`` reaches persistent workers too. A :class:`~packer.read.draw.Draw` index
   (from ShardSampler) carries its own epoch and draw number, which key it instead; a user
   ``transform`` runs with the global generators seeded from the same key (packer.read.rng).
 """
@@ -38,8 +38,8 @@ from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
 from ..transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
 from . import batchpool, rng
+from .draw import Draw
 from .reader import open_reader
-from .sampler import Draw
 
 #: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``.
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -140,10 +140,12 @@ class ShardDataset(Dataset):
     ``transform`` (any callable) receives each sample's uint8 crop - a C x H x W tensor, channels-last
     in memory; the whole stored image when ``crop_size=None`` - and returns a tensor. It runs with
     torch's, numpy's and Python's global random generators seeded from the sample's (seed, epoch,
-    draw) (see packer.read.rng), so its random choices are as reproducible as the crop. Outputs must share
-    one shape (the first sample's sets the batch's); a uint8 output is converted to ``dtype`` last, a
-    floating one is written as it is. ``batch_transform(images, labels)`` then receives the whole
-    batch (``dtype``, labels int64) in the worker and returns ``(images, labels)``.
+    draw) (see packer.read.rng), so its random choices are as reproducible as the crop. Outputs must
+    share one dtype and shape (the first sample's set the batch's; another is a ValueError naming the
+    record); a uint8 output is converted to ``dtype`` last (so it must be C x H x W, C the number of
+    ``mean`` values), a floating one is written as it is. ``batch_transform(images, labels)`` then
+    receives the whole batch (``dtype``, labels int64) in the worker and returns ``(images,
+    labels)``, as many of each as it was given.
     """
 
     def __init__(
@@ -322,7 +324,7 @@ class ShardDataset(Dataset):
 
     def _keyed(self, indices: Sequence[int]) -> tuple[list[int], Any, Optional[list[int]]]:
         """(records, epoch, keys): plain indices are keyed by record in the dataset's epoch (keys
-        None); :class:`~packer.read.sampler.Draw` indices by their own epoch and draw number. The blocks
+        None); :class:`~packer.read.draw.Draw` indices by their own epoch and draw number. The blocks
         a Draw says come next (``ahead``) are asked of the disk here, before this batch is read."""
         records = [self._check(i) for i in indices]
         if not any(type(i) is Draw for i in indices):
@@ -433,7 +435,7 @@ class ShardDataset(Dataset):
         scratch = np.empty((self.augment.crop_size,) * 2 + (3,), np.uint8) if self.augment else None
         datas = self._fetch(indices)
         seeds = rng.sample_seeds(self.seed, epoch, np.asarray(keys))
-        fmt, images = self.manifest.format, None
+        fmt, images, first = self.manifest.format, None, torch.uint8  # first: the first output's dtype
         heights, widths, crcs = rows["height"].tolist(), rows["width"].tolist(), rows["crc32"].tolist()
         with rng.seeded_samples() as seed:
             for k, i in enumerate(indices):
@@ -454,13 +456,25 @@ class ShardDataset(Dataset):
                     if not isinstance(x, torch.Tensor):
                         raise TypeError(f"transform returned {type(x).__name__} for record {i}, not a tensor")
                 if images is None:
+                    if (
+                        x.dtype == torch.uint8
+                        and self.dtype != torch.uint8
+                        and (x.dim() != 3 or x.shape[0] != len(self.mean))
+                    ):
+                        raise ValueError(
+                            f"transform output for record {i} is torch.uint8 {tuple(x.shape)}: a uint8 output is "
+                            f"normalized to {self.dtype} with {len(self.mean)} channel means, so it must be "
+                            f"{len(self.mean)} x H x W (or return a float tensor, or use dtype=torch.uint8)"
+                        )
+                    first = x.dtype
                     images = self._output(
                         len(indices), tuple(x.shape), self.dtype if x.dtype == torch.uint8 else x.dtype, shared
                     )
-                elif x.shape != images.shape[1:]:
+                elif x.shape != images.shape[1:] or x.dtype != first:
                     raise ValueError(
-                        f"transform output for record {i} is {tuple(x.shape)}, the batch's first was "
-                        f"{tuple(images.shape[1:])}: a batch needs one shape"
+                        f"transform output for record {i} is {x.dtype} {tuple(x.shape)}, the batch's first "
+                        f"(record {indices[0]}) was {first} {tuple(images.shape[1:])}: a batch needs one "
+                        "dtype and shape"
                     )
                 slot = images[k]
                 if x.dtype == torch.uint8 and slot.dtype != torch.uint8 and x.dim() == 3:
@@ -473,19 +487,36 @@ class ShardDataset(Dataset):
                 return []
             if self.batch_transform is not None:  # seeded by the first draw's key complemented: no sample's
                 seed(rng.sample_seeds(self.seed, epoch, ~np.asarray(keys[:1], dtype=np.int64))[0])
-                images, extras = self._batch_transformed(images, extras)
+                images, extras = self._batch_transformed(images, extras, indices)
         return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
 
     def _batch_transformed(
-        self, images: torch.Tensor, extras: list[tuple[Any, ...]]
+        self, images: torch.Tensor, extras: list[tuple[Any, ...]], indices: Sequence[int]
     ) -> tuple[torch.Tensor, list[tuple[Any, ...]]]:
         """``batch_transform`` on the batch and its labels as one tensor (int64 class ids, or the
         multi-hot / target rows stacked); the labels it returns are split back per sample (targets
-        beside labels pass through)."""
+        beside labels pass through). It must return as many images and labels as it was given."""
         column = [parts[0] for parts in extras]
         labels = torch.tensor(column, dtype=torch.int64) if isinstance(column[0], int) else torch.stack(column)
         assert self.batch_transform is not None, "called only with a batch_transform"
-        images, labels = self.batch_transform(images, labels)
+        out = self.batch_transform(images, labels)
+        n = len(extras)
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and all(isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) == n for t in out)
+        ):
+            got = (
+                ", ".join(f"{len(t) if t.dim() else 'a 0-d'} {what}" for t, what in zip(out, ("images", "labels")))
+                if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+                else type(out).__name__
+            )
+            shown = ", ".join(map(str, indices[:8])) + (", ..." if n > 8 else "")
+            raise ValueError(
+                f"batch_transform returned {got} for a batch of {n} (records {shown}): it must return "
+                f"(images, labels) with {n} of each"
+            )
+        images, labels = out
         split = labels.tolist() if labels.dtype == torch.int64 and labels.dim() == 1 else labels.unbind(0)
         return images, [(label, *parts[1:]) for label, parts in zip(split, extras)]
 

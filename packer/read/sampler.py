@@ -11,45 +11,36 @@ crops, and ``set_epoch`` on the sampler is all a loop needs.
 Distributed: rank ``r`` of ``W`` takes draws ``r, r + W, r + 2W, ...`` of the global sequence. The
 sequence and every draw's augmentation do not depend on ``W`` (nor on num_workers), so a run moved
 from 8 ranks to 4 sees the same samples, and unweighted every record is drawn exactly once per epoch
-across the ranks. Resuming: the state is (epoch, position), the number of global draws consumed;
-with all ranks in step, rank ``r`` then continues at ``position + r``, whatever ``W`` is now.
+across the ranks (but for the few draws padded or dropped at the epoch's end). Every rank takes
+as many draws (DDP's collectives need equal step counts): by default the sequence is padded at its
+end with the epoch's first records again (as DistributedSampler pads), each padded draw with its
+own key; ``drop_last=True`` drops the last draws instead, ``pad=False`` keeps the uneven split
+(each draw exactly once). Resuming: the state is (epoch, position), the number of global draws
+consumed, and what determines the sequence (refused when the sampler differs); with all ranks in
+step, rank ``r`` then continues at ``position + r``, whatever ``W`` is now.
+
+Several datasets: over a :class:`~packer.read.mix.MixDataset` the sequence holds the mix's indices
+(``proportions=`` sets each member's share of an epoch's draws) and the mix hands each member its
+draws with their keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import operator
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import ConcatDataset, Sampler
+
+from .dataset import ShardDataset
+from .draw import Draw, Ranges
+from .mix import MixDataset
 
 ORDERS = ("random", "sequential", "block")
-Ranges = tuple[tuple[int, int], ...]  # record ranges (first, end)
-
-
-class Draw(int):
-    """A record index drawn by :class:`ShardSampler`, carrying the key of its augmentation: the
-    epoch and its position ``draw`` in the epoch's global sequence. ``int(d)`` is the record.
-    ``ahead``: record ranges ``(first, end)`` that will be read soon (``order="block"``: the blocks
-    of the next window, on the window's first draw), for the dataset to ask of the disk at once."""
-
-    epoch: int
-    draw: int
-    ahead: Ranges
-
-    def __new__(cls, record: int, epoch: int, draw: int, ahead: Ranges = ()) -> Draw:
-        self = int.__new__(cls, record)
-        self.epoch, self.draw, self.ahead = epoch, draw, ahead
-        return self
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return Draw, (int(self), self.epoch, self.draw, *((self.ahead,) if self.ahead else ()))
-
-    def __repr__(self) -> str:
-        more = f", ahead={self.ahead}" if self.ahead else ""
-        return f"Draw(record={int(self)}, epoch={self.epoch}, draw={self.draw}{more})"
 
 
 class ShardSampler(Sampler[Draw]):
@@ -68,9 +59,15 @@ class ShardSampler(Sampler[Draw]):
       ``replacement=True``: uniform picks);
     - ``repeats=N``: each pick drawn N times in a row (repeated augmentation: N crops; distributed,
       on N consecutive ranks);
-    - ``num_replicas``/``rank``: default from torch.distributed when initialised, else 1/0;
-      ``drop_last=True`` drops the last draws so that every rank gets as many (a rank may otherwise
-      get one fewer, and DDP needs every rank to take the same number of steps).
+    - ``proportions`` (a :class:`~packer.read.mix.MixDataset` only, one share per member): each epoch
+      draws ``round(share * num_samples)`` indices of each member, without replacement within a
+      member while it lasts (then from a fresh permutation of it), all members' draws shuffled
+      together;
+    - ``num_replicas``/``rank``: default from torch.distributed when initialised, else 1/0. Every
+      rank gets the same number of draws, as DDP needs: the epoch's sequence is padded by repeating
+      its first records (``pad=True``, the default, as DistributedSampler does), or its last draws
+      are dropped (``drop_last=True``); ``pad=False`` leaves the split uneven (a rank may get one
+      draw fewer; for evaluation loops that run no collective per step).
 
     Exact mid-epoch resume: :meth:`state_dict` / :meth:`load_state_dict` (works with torchdata's
     StatefulDataLoader as it is, and with a plain DataLoader given the samples the loop consumed).
@@ -94,7 +91,10 @@ class ShardSampler(Sampler[Draw]):
         block_size: Optional[int] = None,
         window: int = 16,
         prefetch: int = 1,
+        pad: bool = True,
+        proportions: Optional[Sequence[float]] = None,
     ) -> None:
+        _refuse_concat(dataset)
         order = order or ("random" if shuffle else "sequential")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
@@ -115,16 +115,34 @@ class ShardSampler(Sampler[Draw]):
             if order == "block":
                 raise ValueError('order="block" draws every record once; it does not take weights')
             self.weights = w / w.sum()
+        repeats, window, prefetch = (
+            _integer("repeats", repeats),
+            _integer("window", window),
+            _integer("prefetch", prefetch),
+        )
+        num_samples = None if num_samples is None else _integer("num_samples", num_samples)
+        block_size = None if block_size is None else _integer("block_size", block_size)
         if repeats < 1 or (num_samples is not None and num_samples < 1) or window < 1 or prefetch < 0:
             raise ValueError("repeats, num_samples and window must be positive, prefetch not negative")
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be a positive number of records, not {block_size}")
+        self.members = _member_sizes(dataset)  # a MixDataset's member sizes, else None
+        self.counts: Optional[np.ndarray] = None  # draws per member (proportions=)
+        if proportions is not None:
+            if weights is not None or order == "block" or replacement:
+                raise ValueError("proportions= cannot be combined with weights, balanced, replacement or order='block'")
+            if self.members is None:
+                raise ValueError("proportions= needs a packer.MixDataset (one share per member dataset)")
+            self.counts = _member_counts(self.members, proportions, num_samples if num_samples is not None else n)
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 
             initialised = dist.is_available() and dist.is_initialized()
             num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if initialised else 1)
             rank = rank if rank is not None else (dist.get_rank() if initialised else 0)
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be in [0, {num_replicas}), not {rank}")
+        num_replicas, rank = _integer("num_replicas", num_replicas), _integer("rank", rank)
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}) and num_replicas positive, not {rank}")
         self.dataset = dataset
         self.seed = int(seed if seed is not None else getattr(dataset, "seed", 0))
         self.order = order
@@ -133,7 +151,7 @@ class ShardSampler(Sampler[Draw]):
         self.replacement = replacement or self.weights is not None
         self.repeats = repeats
         self.num_replicas, self.rank = num_replicas, rank
-        self.drop_last = drop_last
+        self.drop_last, self.pad = drop_last, pad
         self.block_size = block_size or _default_block(dataset)
         self.window = window
         self.prefetch = prefetch
@@ -164,6 +182,8 @@ class ShardSampler(Sampler[Draw]):
             picks = rng.choice(n, size=self.num_samples, replace=True, p=self.weights)
         elif self.replacement:
             picks = rng.integers(0, n, self.num_samples)
+        elif self.counts is not None:
+            picks = self._mixed(rng)
         elif self.order == "sequential":
             picks = np.arange(self.num_samples) % n
         elif self.order == "block":
@@ -178,6 +198,24 @@ class ShardSampler(Sampler[Draw]):
             picks = np.repeat(picks, self.repeats)
             windows = None if windows is None else np.repeat(windows, self.repeats)
         return picks, windows
+
+    def _mixed(self, rng: np.random.Generator) -> np.ndarray:
+        """proportions=: ``counts[m]`` draws of member ``m`` (mix indices), from as many permutations of
+        the member as it takes; shuffled together (``order="sequential"``: member after member)."""
+        assert self.counts is not None, "called with proportions only"
+        parts = []
+        assert self.members is not None, "proportions need a MixDataset"
+        offsets = np.cumsum(self.members) - self.members
+        for first, size, count in zip(offsets.tolist(), self.members.tolist(), self.counts.tolist()):
+            if count == 0:
+                continue
+            if self.order == "sequential":
+                parts.append(first + np.arange(count) % size)
+            else:
+                rounds = -(-count // size)
+                parts.append(first + np.concatenate([rng.permutation(size) for _ in range(rounds)])[:count])
+        picks = np.concatenate(parts)
+        return picks if self.order == "sequential" else rng.permutation(picks)
 
     def _block_permutation(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Blocks of ``block_size`` consecutive records in random order; records shuffled within
@@ -211,10 +249,14 @@ class ShardSampler(Sampler[Draw]):
     # --- iteration -------------------------------------------------------------------------------
 
     def _span(self, start: int) -> tuple[int, int]:
-        """(first, end) global positions of this rank's draws in an iteration starting at ``start``."""
-        end = self.total
-        if self.drop_last:
-            end -= (end - start) % self.num_replicas
+        """(first, end) global positions of this rank's draws in an iteration starting at ``start``:
+        the draws left, cut (drop_last) or padded (pad) to a multiple of the ranks. Padded positions
+        are past ``total``: position ``k`` draws the record of ``k % total``, under its own key."""
+        end, uneven = self.total, (self.total - start) % self.num_replicas
+        if uneven and self.drop_last:
+            end -= uneven
+        elif uneven and self.pad:
+            end += self.num_replicas - uneven
         return start + self.rank, end
 
     def __len__(self) -> int:
@@ -226,7 +268,7 @@ class ShardSampler(Sampler[Draw]):
     def __iter__(self) -> Iterator[Draw]:
         start, self._resume = self._resume or 0, None
         epoch = self.epoch
-        if start == 0 and self._done_epoch == epoch:
+        if start == 0 and self._done_epoch == epoch and (self.order != "sequential" or self.replacement):
             warnings.warn(
                 f"ShardSampler: epoch {epoch} iterated again without set_epoch(): the same order "
                 "and augmentation as last time",
@@ -236,6 +278,10 @@ class ShardSampler(Sampler[Draw]):
         first, end = self._span(start)
         positions = np.arange(first, end, self.num_replicas)
         sequence, windows = self._plan(epoch)
+        if end > self.total:  # padded: the wrapped draws' records, in the last window (kept ascending)
+            wrapped = np.arange(self.total, end) % self.total
+            sequence = np.concatenate([sequence, sequence[wrapped]])
+            windows = None if windows is None else np.concatenate([windows, np.full(len(wrapped), windows[-1])])
         ahead = self._ahead(sequence, windows, positions) if windows is not None and self.prefetch else {}
         for k, record in zip(positions.tolist(), sequence[positions].tolist()):
             self._yielded += 1
@@ -245,7 +291,9 @@ class ShardSampler(Sampler[Draw]):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order and augmentation (the dataset's ``set_epoch`` too). Setting the
         epoch a loaded state is in keeps its position; any other epoch starts at its beginning."""
-        epoch = int(epoch)
+        epoch = operator.index(epoch)
+        if not 0 <= epoch < 2**63:
+            raise ValueError(f"epoch must be in 0..2**63-1, not {epoch}")
         if epoch != self.epoch:
             self._resume, self._base, self._yielded = None, 0, 0
         self.epoch = epoch
@@ -254,8 +302,9 @@ class ShardSampler(Sampler[Draw]):
 
     # --- resume ----------------------------------------------------------------------------------
 
-    def state_dict(self, consumed: Optional[int] = None) -> dict[str, int]:
-        """``{"epoch", "position", "seed", "total"}``: ``position`` is the global draws consumed.
+    def state_dict(self, consumed: Optional[int] = None) -> dict[str, Any]:
+        """``{"epoch", "position", "seed", "total", "config"}``: ``position`` is the global draws
+        consumed, ``config`` what else determines the epoch's sequence (see :meth:`config`).
 
         ``consumed``: samples this rank's loop has taken from the current iteration (a plain
         DataLoader runs ahead of the loop: workers prefetch, so the sampler cannot know). Without
@@ -266,24 +315,130 @@ class ShardSampler(Sampler[Draw]):
         else:
             done = self._yielded if consumed is None else consumed
             position = min(self.total, self._base + done * self.num_replicas)
-        return {"epoch": self.epoch, "position": position, "seed": self.seed, "total": self.total}
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "seed": self.seed,
+            "total": self.total,
+            "config": self.config(),
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state`` (from any number of ranks): its epoch, at its position."""
-        if int(state["seed"]) != self.seed or int(state["total"]) != self.total:
+    def config(self) -> str:
+        """What the epoch's sequence depends on besides seed and epoch, as ``name=value`` words:
+        the dataset's size (a mix's member sizes), num_samples, repeats, order, replacement, a
+        digest of the weights, block_size and window (block order), the proportions' counts. Not
+        the ranks, drop_last or pad: a state resumes on any number of ranks."""
+        words = [
+            f"size={self.size}",
+            f"num_samples={self.num_samples}",
+            f"repeats={self.repeats}",
+            f"order={self.order}",
+        ]
+        if self.weights is not None:
+            words.append("weights=" + hashlib.sha256(self.weights.tobytes()).hexdigest()[:16])
+        elif self.replacement:
+            words.append("replacement=True")
+        if self.order == "block":
+            words += [f"block_size={self.block_size}", f"window={self.window}"]
+        if self.members is not None:
+            words.append("members=" + "+".join(map(str, self.members.tolist())))
+        if self.counts is not None:
+            words.append("proportions=" + "+".join(map(str, self.counts.tolist())))
+        return " ".join(words)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from any number of ranks): its epoch, at its position. A state
+        from a sampler with another configuration is refused (ValueError) and this one is left as it
+        was. A state saved by packer before states carried ``config`` is checked for seed and total
+        only (with a warning)."""
+        try:
+            epoch, position, seed, total = (operator.index(state[k]) for k in ("epoch", "position", "seed", "total"))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a ShardSampler state (integers epoch, position, seed, total): {state!r}") from e
+        if seed != self.seed or total != self.total:
             raise ValueError(
-                f"sampler state for seed {state['seed']} and {state['total']} draws an epoch, but this "
+                f"sampler state for seed {seed} and {total} draws an epoch, but this "
                 f"sampler has seed {self.seed} and {self.total}: it would not continue the same order"
             )
-        if not 0 <= int(state["position"]) <= self.total:
-            raise ValueError(f"sampler state position {state['position']} outside 0..{self.total}")
-        self.set_epoch(int(state["epoch"]))
-        self._resume = int(state["position"])
+        config = state.get("config")
+        if config is None:
+            warnings.warn(
+                "ShardSampler: this state has no 'config' (saved by an older packer): only its seed and "
+                "draws per epoch can be checked against this sampler's",
+                stacklevel=2,
+            )
+        elif config != self.config():
+            theirs, ours = _words(str(config)), _words(self.config())
+            differ = [
+                f"{k} {theirs.get(k, '(unset)')} -> {ours.get(k, '(unset)')}"
+                for k in sorted(theirs.keys() | ours.keys())
+                if theirs.get(k) != ours.get(k)
+            ]
+            raise ValueError(
+                f"sampler state from another configuration ({', '.join(differ)}): it would not continue the same order"
+            )
+        if not 0 <= position <= self.total:
+            raise ValueError(f"sampler state position {position} outside 0..{self.total}")
+        if not 0 <= epoch < 2**63:
+            raise ValueError(f"sampler state epoch {epoch} outside 0..2**63-1")
+        self.set_epoch(epoch)
+        self._resume = position
         self._done_epoch = None
 
 
 def _default_block(dataset: Any) -> int:
     """Records per block for order="block": about 4 MiB of records (at least 16)."""
-    lengths = getattr(dataset, "index", None)
-    mean = float(lengths["length"].mean()) if lengths is not None and len(lengths) else 65536.0
+    indexes = [getattr(d, "index", None) for d in getattr(dataset, "datasets", [dataset])]  # a mix: its members'
+    lengths = [i["length"] for i in indexes if i is not None and len(i)]
+    mean = float(np.concatenate(lengths).mean()) if lengths else 65536.0
     return max(16, math.ceil((4 << 20) / max(mean, 1.0)))
+
+
+def _words(config: str) -> dict[str, str]:
+    """:meth:`ShardSampler.config`'s ``name=value`` words as a dict."""
+    return dict(w.partition("=")[::2] for w in config.split())
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int (a bool or float is refused: 2.5 repeats is not a count)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, not {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, not {value!r}") from None
+
+
+def _refuse_concat(dataset: Any) -> None:
+    """A torch ConcatDataset of packer datasets would drop every draw's key (its index arithmetic
+    returns plain ints) and never pass set_epoch on: the same crops every epoch."""
+
+    def holds_shards(ds: Any) -> bool:
+        return isinstance(ds, (ShardDataset, MixDataset)) or (
+            isinstance(ds, ConcatDataset) and any(map(holds_shards, ds.datasets))
+        )
+
+    if isinstance(dataset, ConcatDataset) and holds_shards(dataset):
+        raise ValueError(
+            "ShardSampler over a torch ConcatDataset of ShardDatasets would give the same crops every "
+            "epoch (it drops the draws' keys and set_epoch): use packer.MixDataset([...]) instead "
+            "(and ShardSampler(mix, proportions=...) for per-dataset shares)"
+        )
+
+
+def _member_sizes(dataset: Any) -> Optional[np.ndarray]:
+    """A MixDataset's member sizes (what ``proportions`` and the state's config refer to), else None."""
+    return dataset.sizes if isinstance(dataset, MixDataset) else None
+
+
+def _member_counts(sizes: np.ndarray, proportions: Sequence[float], num_samples: int) -> np.ndarray:
+    """Draws per member for ``proportions`` (largest remainders, so they add up to num_samples)."""
+    p = np.asarray(proportions, dtype=np.float64)
+    if p.shape != sizes.shape or not np.isfinite(p).all() or (p < 0).any() or p.sum() <= 0:
+        raise ValueError(f"proportions must be {len(sizes)} finite non-negative numbers (one per member), not all zero")
+    if ((p > 0) & (sizes == 0)).any():
+        raise ValueError("proportions give draws to an empty member dataset")
+    exact = p / p.sum() * num_samples
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[: num_samples - int(counts.sum())]] += 1
+    return counts

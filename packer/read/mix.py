@@ -1,0 +1,173 @@
+"""MixDataset: several packer datasets drawn from as one, each sample keyed by its own draw.
+
+torch's ConcatDataset maps an index to its member by arithmetic that turns a ShardSampler
+:class:`~packer.read.draw.Draw` into a plain int, and has no ``set_epoch``: every member then crops by
+record in epoch 0, the same crops every epoch. A MixDataset hands each draw to its member with its
+epoch and draw number intact (a draw number is unique in the epoch across the whole mix, so no two
+samples share a key), reads each member's share of a batch in one ``__getitems__`` call, and passes
+``set_epoch`` to every member. A batch drawing from several members is copied once into one batch
+tensor (the members' parts cannot be written there directly). Each member's share of an epoch's draws:
+``ShardSampler(mix, proportions=...)``; without it, draws are spread as over one dataset of all the
+records.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset, get_worker_info
+
+from ..format import label_arrays as labelling
+from .dataset import Sample, ShardDataset, TargetSample
+from .draw import Draw, Ranges
+
+
+class MixDataset(Dataset):
+    """``MixDataset([a, b, ...])``: index ``i`` is record ``i - offsets[m]`` of member ``m``.
+
+    The members must agree on what a sample is: label kind, classes (in order: one class id means
+    one class), target names, crop size, dtype and memory format; and none may have a
+    ``batch_transform`` (it would see only its member's part of each batch). The mix's ``seed`` (the
+    sampler's default) is the first member's; each member crops with its own seed.
+    """
+
+    def __init__(self, datasets: Sequence[ShardDataset]) -> None:
+        members = list(datasets)
+        if not members:
+            raise ValueError("MixDataset needs at least one dataset")
+        for d in members:
+            if not isinstance(d, ShardDataset):
+                raise ValueError(f"MixDataset mixes ShardDatasets, not {type(d).__name__}")
+            if d.batch_transform is not None:
+                raise ValueError(
+                    f"{d.root}: a MixDataset member cannot have a batch_transform (it would see only its "
+                    "part of each batch); apply it to the loader's batches instead"
+                )
+        first = members[0]
+        for d in members[1:]:
+            for what, mine, theirs in (
+                ("label kind", d.label_kind, first.label_kind),
+                ("classes", d.classes, first.classes),
+                ("target names", d.target_names, first.target_names),
+                ("crop size", _crop(d), _crop(first)),
+                ("dtype", d.dtype, first.dtype),
+                ("memory format", d.memory_format, first.memory_format),
+            ):
+                if mine != theirs:
+                    detail = "" if what in ("classes", "target names") else f": {mine} vs {theirs}"
+                    raise ValueError(f"MixDataset members differ in {what} ({d.root} vs {first.root}){detail}")
+        self.datasets = members
+        self.sizes = np.array([len(d) for d in members], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.seed = first.seed
+
+    def __len__(self) -> int:
+        return int(self.sizes.sum())
+
+    # --- metadata (the members agree on it) ---------------------------------------------------------
+
+    @property
+    def classes(self) -> list[str]:
+        return self.datasets[0].classes
+
+    @property
+    def label_kind(self) -> str:
+        return self.datasets[0].label_kind
+
+    @property
+    def target_names(self) -> list[str]:
+        return self.datasets[0].target_names
+
+    @property
+    def labels(self) -> np.ndarray:
+        """int64 class id per index of the mix (see ShardDataset.labels)."""
+        return np.concatenate([d.labels for d in self.datasets])
+
+    def class_counts(self) -> np.ndarray:
+        return np.sum([d.class_counts() for d in self.datasets], axis=0)
+
+    def sample_weights(self) -> np.ndarray:
+        """Weights balancing the classes over the whole mix, for ``ShardSampler(mix, balanced=True)``."""
+        multi = None if self.label_kind != "multi" else np.concatenate([d._multi_rows() for d in self.datasets])
+        return labelling.sample_weights(self.label_kind, self.labels, multi, len(self.classes))
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(member, record) of mix index ``i``."""
+        n = len(self)
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise TypeError(f"indices are integers, not {type(i).__name__} ({i!r})") from None
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for a mix of {n}")
+        i %= n
+        m = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return m, i - int(self.offsets[m])
+
+    def source(self, i: int) -> str:
+        """Index ``i``'s original file: its member's root and the file's path in that raw folder."""
+        m, r = self.locate(i)
+        return f"{self.datasets[m].root}: {self.datasets[m].source(r)}"
+
+    @property
+    def epoch(self) -> int:
+        return self.datasets[0].epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Every member's epoch (what plain, non-Draw indices are cropped in)."""
+        for d in self.datasets:
+            d.set_epoch(epoch)
+
+    # --- samples ------------------------------------------------------------------------------------
+
+    def __getitem__(self, i: int) -> Sample | TargetSample:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample | TargetSample]:
+        """Each member's share of the batch through its own ``__getitems__`` (a Draw keeps its epoch
+        and draw number; its ``ahead`` ranges go to the members they cover), in the batch's order."""
+        routed: list[list[int]] = [[] for _ in self.datasets]
+        slots: list[list[int]] = [[] for _ in self.datasets]
+        ahead = tuple(r for i in indices if type(i) is Draw for r in i.ahead)
+        for k, i in enumerate(indices):
+            m, r = self.locate(i)
+            routed[m].append(Draw(r, i.epoch, i.draw) if type(i) is Draw else r)
+            slots[m].append(k)
+        out: list[Any] = [None] * len(indices)
+        for m, (d, local) in enumerate(zip(self.datasets, routed)):
+            if not local:
+                continue
+            mine = self._member_ranges(m, ahead)
+            head = local[0]
+            if mine and isinstance(head, Draw):
+                local[0] = Draw(int(head), head.epoch, head.draw, mine)
+            for k, sample in zip(slots[m], d.__getitems__(local)):
+                out[k] = sample
+        return self._one_batch(out) if sum(map(bool, routed)) > 1 else out
+
+    def _one_batch(self, samples: list[Any]) -> list[Any]:
+        """Several members' samples written into one batch tensor (pooled, channels-last as a
+        member's own), so that collate hands it on as it does one dataset's batch; images of
+        different shapes (whole images, a transform's) are left for the collate to refuse."""
+        first = samples[0].image
+        if any(s.image.shape != first.shape or s.image.dtype != first.dtype for s in samples):
+            return samples
+        batch = self.datasets[0]._output(len(samples), tuple(first.shape), first.dtype, get_worker_info() is not None)
+        for k, s in enumerate(samples):
+            batch[k].copy_(s.image)
+        return [s._replace(image=batch[k]) for k, s in enumerate(samples)]
+
+    def _member_ranges(self, m: int, ranges: Ranges) -> Ranges:
+        """The parts of mix index ranges ``(first, end)`` that lie in member ``m``, as its records."""
+        lo, hi = int(self.offsets[m]), int(self.offsets[m] + self.sizes[m])
+        return tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if a < hi and b > lo)
+
+    def __repr__(self) -> str:
+        return f"MixDataset({len(self)} records: " + ", ".join(f"{d.root} ({len(d)})" for d in self.datasets) + ")"
+
+
+def _crop(d: ShardDataset) -> Any:
+    return None if d.augment is None else d.augment.crop_size
