@@ -220,18 +220,26 @@ def _built_otherwise(out: Path) -> BuildError:
     )
 
 
-def _warn_class_changes(out: Path, old: list[str], new: list[str], quiet: bool) -> None:
-    """A refresh that renumbers classes says so (a class folder deleted or added shifts the ids after it)."""
+def _check_class_changes(out: Path, old: list[str], new: list[str], options: BuildOptions, quiet: bool) -> None:
+    """A refresh that renumbers classes (a class folder deleted or added shifts the ids after it) says
+    so, or with ``--on-class-change fail`` stops before anything is written: a job that reopens the
+    dataset would train on shifted labels."""
     moved = [f"{name!r} {i} -> {new.index(name)}" for i, name in enumerate(old) if name in new and new.index(name) != i]
     if moved:
         gone = [name for name in old if name not in new]
-        say(
-            f"warning: class ids change from those of {out}"
+        change = (
+            f"class ids change from those of {out}"
             + (f" (gone: {', '.join(map(repr, gone))})" if gone else "")
             + f": {', '.join(moved[:5])}"
-            + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""),
-            quiet,
+            + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
         )
+        if options.class_change_fails:
+            raise BuildError(
+                f"{change} (--on-class-change fail; {out} is left as it was: keep the ids with --classes "
+                f"FILE listing the old classes in order, new ones after them, or pass --on-class-change "
+                f"warn to renumber)"
+            )
+        say(f"warning: {change}", quiet)
 
 
 def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet: bool = False) -> Scan:
@@ -337,7 +345,7 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
     if options.keep_current and not options.update and out.exists():  # --resume of a build that finished
         raise _built_otherwise(out)
     if previous is not None:
-        _warn_class_changes(out, previous[0].classes, found.classes, quiet)
+        _check_class_changes(out, previous[0].classes, found.classes, options, quiet)
     cache = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
     staging = staging_path(out)
     state = open_staging(staging, settings | engine.marker, options.resume)

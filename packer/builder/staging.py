@@ -358,12 +358,31 @@ def _record_labels(found: Scan, rows: np.ndarray, staging: Path) -> dict[str, np
     return {name: a[at] for name, a in per_source.items()}
 
 
+def _nothing_packed(staging: Path, out: Path, candidates: int) -> BuildError:
+    """Every file was skipped: a broken decoder or environment far more often than a wanted empty
+    dataset, so the build fails, naming the first reason, before anything replaces OUT."""
+    first = ""
+    with open(staging / REPORT, "rb") as f:
+        for line in f:
+            entry = json.loads(line.decode("utf-8", "surrogateescape"))
+            if entry["status"] == "skipped":
+                first = f" (the first, {entry['path']}: {entry['reason']})"
+                break
+    kept = f"{out} is left as it was" if out.exists() else f"nothing written to {out}"
+    return BuildError(
+        f"packed 0 of {candidates} files: every one was skipped{first}, all listed in {staging / REPORT}; "
+        f"{kept} (pass --allow-empty to write an empty dataset)"
+    )
+
+
 def complete(
     staging: Path, out: Path, found: Scan, options: BuildOptions, sink: RecordSink, resumed_from: int
 ) -> BuildReport:
     """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
     written = sink.close()
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
+    if not len(rows) and len(found.sources) and not options.allow_empty:
+        raise _nothing_packed(staging, out, len(found.sources))
     arrays = _record_labels(found, rows, staging)
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))

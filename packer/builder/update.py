@@ -65,7 +65,7 @@ class Cache:
         """Old records ``old`` (record numbers, -1 for none) left in their data files, where those are
         linked (versions 1 and 2 key LMDB record j as j); None where a record is to be copied. A chunk
         at a time, in columns: a refresh of a million files asks for a million of them."""
-        if self.base is None:
+        if self.base is None or not len(self.index):  # nothing linked, or no old record at all
             return [None] * len(old)
         at = np.maximum(old, 0)
         rows = self.index[at]
