@@ -54,7 +54,7 @@ from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
 from .segments import Base, data_table
-from .update import Kept, inputs_digest
+from .update import Changes, Kept, inputs_digest
 
 BUILD_STATE = "build.json"
 PROGRESS = "progress.json"
@@ -79,18 +79,23 @@ class BuildReport:
     reused: int = 0  # records of the previous dataset kept (linked) or copied by --update
     up_to_date: bool = False  # --update found nothing to do and left OUT untouched
     splits: dict[str, BuildReport] = field(default_factory=dict)  # --split: one report per dataset
+    #: --update: the files added, changed, deleted and retried since the version it replaced (None for
+    #: a build that reused nothing); up to date: only the skipped files it tried again, still skipped
+    changes: Optional[Changes] = None
 
     def summary(self) -> str:
         if self.splits:
             return "\n".join(r.summary() for r in self.splits.values())
         if self.up_to_date:
-            return f"packer: {self.out} is up to date ({self.count} records, {self.digest}); nothing to do"
+            retried = len(self.changes.retried) if self.changes is not None else 0
+            again = f", {retried} skipped file{'s' * (retried != 1)} tried again and still skipped" if retried else ""
+            return f"packer: {self.out} is up to date ({self.count} records, {self.digest}{again}); nothing to do"
         rate = self.processed / self.seconds if self.seconds > 0 else 0.0
         return (
             f"packer: {self.out}: packed {self.count} of {self.scanned} scanned "
             f"({self.skipped} skipped, {self.ignored} ignored; see {REPORT}), "
             f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, "
-            f"{self.seconds:.1f} s, {rate:.1f} images/s"
+            f"{self.seconds:.1f} s, {rate:.1f} images/s" + (f"; {self.changes}" if self.changes is not None else "")
         )
 
     @classmethod

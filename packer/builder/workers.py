@@ -85,18 +85,19 @@ class _Worker:
 
     def receive(self) -> Optional[list[Result]]:
         """The answer to the oldest chunk; None where that was the hello. EOFError: the process died
-        on a file; BuildError where it died before it even started serving (nothing a file did)."""
+        (a file's doing, or a signal's: the OOM killer); BuildError where it exited before it even
+        started serving, which no file did (an exception while the worker started)."""
         try:
             answer = self.conn.recv()
         except (EOFError, OSError):
-            if self.started:
-                raise EOFError from None
-            self.proc.join(timeout=5)
-            code = self.proc.exitcode
-            how = f"killed by signal {-code} (out of memory?)" if code is not None and code < 0 else f"status {code}"
-            raise BuildError(
-                f"a decoding worker process died while starting ({how}), before any file; {_GUARD}"
-            ) from None
+            if not self.started:
+                self.proc.join(timeout=5)
+                if self.proc.exitcode is not None and self.proc.exitcode > 0:
+                    raise BuildError(
+                        f"a decoding worker process exited while starting (status {self.proc.exitcode}), "
+                        f"before any file; {_GUARD}"
+                    ) from None
+            raise EOFError from None
         if not self.started:
             self.started = True
             return None
@@ -140,9 +141,9 @@ def results(root: str, rels: Sequence[str], opts: Options, workers: int, chunk: 
     A worker that dies (a decoder crash, the kernel's OOM killer) is replaced, and the files of the
     chunk it held run one by one in fresh processes: the file that kills its process is skipped with
     a reason, every other file is packed. A pool that cannot work at all is a BuildError instead of a
-    build that skips every file: a worker that dies before it starts serving (a script without the
-    ``__main__`` guard), or CRASH_LIMIT files in a row that each kill a fresh worker before any
-    worker has answered.
+    build that skips every file: a worker that exits with an error before it starts serving (a script
+    without the ``__main__`` guard), or CRASH_LIMIT files in a row that each kill a fresh worker
+    before any worker has answered.
     """
 
     def paths(k: int) -> list[str]:
