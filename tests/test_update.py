@@ -17,7 +17,7 @@ from PIL import Image
 
 import packer.builder.preprocess
 from packer import BuildError, build
-from packer.builder.split import split_of
+from packer.builder.split import split_of, split_path
 from packer.format import INDEX_DTYPE, Manifest, load_index, source_path
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
@@ -392,7 +392,8 @@ def test_update_of_a_dataset_with_no_records(tmp_path: Path) -> None:
     assert Manifest.load(out).count == 1 and verify(out).ok
 
 
-def test_update_of_an_empty_split_that_gets_its_first_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+def test_update_of_an_empty_split_that_gets_its_first_file(tmp_path: Path, backend: str) -> None:
     raw, out = tmp_path / "raw", tmp_path / "out"
     splits = {"test": 0.02}
     names = [f"img{i}.jpg" for i in range(1000)]
@@ -400,11 +401,12 @@ def test_update_of_an_empty_split_that_gets_its_first_file(tmp_path: Path) -> No
     first_test = next(n for n in names if split_of(f"cat/{n}", splits, 0) == "test")
     for k, name in enumerate(train):
         write_image(raw / "cat" / name, k)
-    args = [*PACKER, "build", str(raw), str(out), "--backend", "memmap", "--split", "test=0.02", "--update", "--quiet"]
+    args = [*PACKER, "build", str(raw), str(out), "--backend", backend, "--split", "test=0.02", "--update", "--quiet"]
     first = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
-    assert Manifest.load(out / "test").count == 0
+    test = split_path(out, "test", backend)
+    assert Manifest.load(test).count == 0
     write_image(raw / "cat" / first_test, 99)
     refreshed = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert refreshed.returncode == 0, refreshed.stderr
-    assert Manifest.load(out / "test").count == 1 and verify(out / "test").ok
+    assert Manifest.load(test).count == 1 and verify(test).ok
