@@ -104,9 +104,9 @@ class BuildOptions:
     )
     on_class_change: Optional[str] = _option(
         None,
-        "What --update (or --resume) does when the classes found give classes of OUT other ids (a class "
-        "folder added or deleted before others): warn: say which ids change and renumber; fail: stop, "
-        "OUT untouched (pin ids with --classes FILE). Default: fail with --on-error fail, else warn.",
+        "When --update would give classes of OUT other ids (a class folder added or deleted before "
+        "others): warn: say which ids change, and renumber; fail: stop, OUT untouched (to keep ids, pin "
+        "them with --classes FILE). Default: fail with --on-error fail, else warn.",
         ON_CLASS_CHANGE,
     )
     allow_empty: bool = _flag(
