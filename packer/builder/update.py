@@ -70,7 +70,7 @@ class Changes:
 
 def skipped_before(out: Path) -> Optional[dict[str, str]]:
     """The files OUT's report lists as skipped, with their reasons, in scan order; None where the
-    report cannot be read (then every file without a record counts as new)."""
+    report cannot be read."""
     skipped: dict[str, str] = {}
     try:
         with open(out / REPORT, "rb") as f:
@@ -98,7 +98,7 @@ def still_skipped(
     for rel, _ in found.missing:
         before.pop(rel, None)
     rels = Paths.of(before)
-    fresh = results(str(raw), rels, opts, workers if len(rels) > 1 else 1, chunk=2)
+    fresh = results(str(raw), rels, opts, workers, chunk=2)  # in worker processes: some crashed theirs
     try:
         for rel, result in zip(rels, fresh):
             if not isinstance(result, Skip) or result.reason != before[rel]:
@@ -270,10 +270,10 @@ def _changes(
 ) -> Changes:
     """A refresh's :class:`Changes` from its path join: ``candidate`` (per source, the old row with its
     path, or -1) and ``changed`` (the sources whose old row's identity differs)."""
-    _, index, paths = previous
+    manifest, index, paths = previous
     rels = found.sources.paths
     new = np.flatnonzero(candidate < 0)
-    skipped = skipped_before(out) or {}
+    skipped = (skipped_before(out) or {}) if manifest.skipped else {}
     was_skipped = np.fromiter((rels[k] in skipped for k in new.tolist()), bool, count=len(new))
     retried = np.zeros(len(rels), bool)
     retried[new[was_skipped]] = True

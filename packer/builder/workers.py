@@ -48,9 +48,10 @@ _CRASHED = "the decoder crashed its worker process (killed by a signal or out of
 #: before any worker of the build had answered at all: not a bad file but a broken decoding
 #: environment (its libraries, its memory), so the build fails instead of skipping every file.
 CRASH_LIMIT = 8
+_IN_PROCESS = "pass workers=0 (--workers 0) to decode in this process"
 _GUARD = (
     'a script that calls packer.build() must do so under `if __name__ == "__main__":`, as worker '
-    "processes import the main module again; or pass workers=0 (--workers 0) to decode in this process"
+    f"processes import the main module again; or {_IN_PROCESS}"
 )
 
 
@@ -75,7 +76,7 @@ class _Worker:
         try:
             self.proc.start()
         except OSError as e:
-            raise BuildError(f"cannot start a decoding worker process ({e.strerror or e}); {_GUARD}") from None
+            raise BuildError(f"cannot start a decoding worker process ({e.strerror or e}); {_IN_PROCESS}") from None
         finally:
             child.close()
         # (chunk number, paths) handed over and not yet answered, oldest first; two at a time, so the
