@@ -479,7 +479,7 @@ def test_a_script_without_the_main_guard_fails_clearly_and_keeps_out(raw: Path, 
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("packer.options.BuildError: a decoding worker process exited while starting (status 1)")
+    assert last.startswith("packer.errors.BuildError: a decoding worker process exited while starting (status 1)")
     assert 'if __name__ == "__main__":' in last
     assert (out / "manifest.json").read_bytes() == before and verify(out).ok
     script.write_text(f"import packer\nif __name__ == '__main__':\n    {call}\n")
