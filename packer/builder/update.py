@@ -21,7 +21,7 @@ from .._version import __version__
 from ..backends import BACKENDS, record_places
 from ..backends.walk import InOrder
 from ..errors import say
-from ..format import MANIFEST, REPORT, DatasetError, Manifest, load_index
+from ..format import MANIFEST, REPORT, DatasetError, Manifest, load_index, open_regular
 from .preprocess import Options, Record, Result, Skip, process_chunk
 from .scan import Paths, Scan, Sources
 from .segments import Base
@@ -70,15 +70,15 @@ class Changes:
 
 def skipped_before(out: Path) -> Optional[dict[str, str]]:
     """The files OUT's report lists as skipped, with their reasons, in scan order; None where the
-    report cannot be read."""
+    report cannot be read (or is not the dataset's own regular file)."""
     skipped: dict[str, str] = {}
     try:
-        with open(out / REPORT, "rb") as f:
+        with open(open_regular(out / REPORT), "rb") as f:
             for line in f:
                 entry = json.loads(line.decode("utf-8", "surrogateescape"))
                 if entry["status"] == "skipped":
                     skipped[entry["path"]] = entry["reason"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, DatasetError, ValueError, KeyError, TypeError):
         return None
     return skipped
 
