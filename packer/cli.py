@@ -212,8 +212,9 @@ def build(
     One build per OUT at a time: a second one fails at once with "OUT is being built by pid N" (or
     waits, with --wait). OUT may be a symlink: the dataset it points to is built or replaced (staged
     beside it, on its disk) and the link kept. Exit status: 0 when OUT is complete (skipped files do
-    not change that: see OUT/report.jsonl, or use --on-error fail), 1 on an error, 130/143 when
-    interrupted (Ctrl-C/SIGTERM; OUT untouched, continue with --resume).
+    not change that: see OUT/report.jsonl, or use --on-error fail; unless every file was skipped:
+    see --allow-empty), 1 on an error, 130/143 when interrupted (Ctrl-C/SIGTERM; OUT untouched,
+    continue with --resume).
     """
     from .builder.labels import Labelling
 

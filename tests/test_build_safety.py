@@ -8,9 +8,12 @@ JPEGs; a lock held "by another build" is held by a real process (this one, or a 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import io
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -435,3 +438,109 @@ def test_pillows_bomb_guard_is_left_alone(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(Image.DecompressionBombError):
         Image.open(path)  # still in force for everyone else
     assert Image.MAX_IMAGE_PIXELS == 1000
+
+
+# ------------------------------------------------------------------------------ refreshes that renumber classes
+
+
+def test_on_class_change_fail_stops_a_refresh_that_would_renumber_classes(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.lmdb"
+    assert packer("build", raw, out, "--quiet").returncode == 0
+    before = (out / "manifest.json").read_bytes()
+    jpeg(raw / "0new" / "x.jpg", 7)  # sorts first: a 0 -> 1, b 1 -> 2, c 2 -> 3
+    for args in (["--on-class-change", "fail"], ["--on-error", "fail"]):  # the second: fail by default
+        run = packer("build", raw, out, "--update", *args)
+        assert run.returncode == 1, run.stderr
+        assert run.stderr.startswith(f"packer: error: class ids change from those of {out}: 'a' 0 -> 1, 'b' 1 -> 2")
+        assert "--classes" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+        assert (out / "manifest.json").read_bytes() == before
+    (raw / "0new" / "x.jpg").rename(raw / "0new" / "y.jpg")
+    (raw / "0new").rename(raw / "z")  # a class added after the others shifts nobody
+    assert packer("build", raw, out, "--update", "--on-class-change", "fail", "--quiet").returncode == 0
+    assert Manifest.load(out).classes == ["a", "b", "c", "z"]
+    jpeg(raw / "0new" / "x.jpg", 8)
+    warned = packer("build", raw, out, "--update", "--on-class-change", "warn")
+    assert warned.returncode == 0 and "packer: warning: class ids change from those of" in warned.stderr
+    assert Manifest.load(out).classes == ["0new", "a", "b", "c", "z"]
+
+
+# ------------------------------------------------------------------------------ builds that pack nothing
+
+
+def test_a_script_without_the_main_guard_fails_clearly_and_keeps_out(raw: Path, tmp_path: Path) -> None:
+    """Forkserver workers import the main module again: without the guard each one runs the script's
+    build, which fails on OUT's lock, so every worker dies before it serves a file."""
+    out = tmp_path / "out.lmdb"
+    assert packer("build", raw, out, "--quiet").returncode == 0
+    before = (out / "manifest.json").read_bytes()
+    call = f"packer.build({str(raw)!r}, {str(out)!r}, force=True, workers=2, quiet=True)"
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"import packer\n{call}\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("packer.errors.BuildError: a decoding worker process exited while starting (status 1)")
+    assert 'if __name__ == "__main__":' in last
+    assert (out / "manifest.json").read_bytes() == before and verify(out).ok
+    script.write_text(f"import packer\nif __name__ == '__main__':\n    {call}\n")
+    guarded = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert guarded.returncode == 0, guarded.stderr
+    assert Manifest.load(out).count == 12 and verify(out).ok
+
+
+def test_a_build_that_packs_nothing_fails_and_keeps_out_unless_allowed(raw: Path, tmp_path: Path) -> None:
+    out, bad = tmp_path / "out", tmp_path / "bad"
+    assert packer("build", raw, out, "--quiet").returncode == 0
+    before = (out / "manifest.json").read_bytes()
+    for i in range(3):
+        (bad / "a").mkdir(parents=True, exist_ok=True)
+        (bad / "a" / f"{i}.jpg").write_bytes(b"not a jpeg")
+    run = packer("build", bad, out, "--force", "--quiet")
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.stderr.startswith("packer: error: packed 0 of 3 files: every one was skipped (the first, a/0.jpg: ")
+    assert f"{out} is left as it was (pass --allow-empty" in run.stderr
+    assert (out / "manifest.json").read_bytes() == before
+    allowed = packer("build", bad, out, "--force", "--allow-empty", "--quiet")
+    assert allowed.returncode == 0, allowed.stderr
+    m = Manifest.load(out)
+    assert (m.count, m.skipped) == (0, 3) and verify(out).ok
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_a_pool_whose_workers_keep_dying_fails_the_build(tmp_path: Path) -> None:
+    """Every decoding process is SIGKILLed the moment it opens an image (a decoder that crashes on
+    everything, an OOM killer that never stops): after CRASH_LIMIT files the build fails, OUT untouched."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    rng = np.random.default_rng(0)
+    for i in range(10):  # PNGs of noise take tens of milliseconds to decode: the kill comes first
+        (raw / "a").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (1000, 1000, 3), dtype=np.uint8)).save(raw / "a" / f"{i}.png")
+    libc = ctypes.CDLL(None, use_errno=True)
+    watch = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert watch >= 0 and libc.inotify_add_watch(watch, os.fsencode(raw / "a"), 0x20) >= 0  # IN_OPEN
+    args = [*PACKER, "build", str(raw), str(out), "--workers", "2", "--quiet"]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    killed = 0
+    try:
+        while proc.poll() is None:
+            if select.select([watch], [], [], 0.05)[0]:
+                os.read(watch, 1 << 16)
+                for server in _children(proc.pid):  # the fork server; the workers are its children
+                    for worker in _children(server):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(worker, signal.SIGKILL)
+                            killed += 1
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        os.close(watch)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and killed >= 8, stderr
+    assert stderr.startswith("packer: error: the decoding worker processes keep dying: each of the first 8 files"), (
+        stderr
+    )
+    assert not out.exists()

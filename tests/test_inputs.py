@@ -325,7 +325,7 @@ def test_degenerate_sizes_pack_when_the_rule_allows(tmp_path: Path) -> None:
     raw = tmp_path / "raw"
     save(raw / "c" / "one-pixel.png", Image.new("RGB", (1, 1), (9, 8, 7)))
     save(raw / "c" / "sliver.png", Image.fromarray(gradient(400, 20)))
-    build(raw, tmp_path / "strict", workers=1, quiet=True, format="raw")
+    build(raw, tmp_path / "strict", workers=1, quiet=True, format="raw", allow_empty=True)
     assert Manifest.load(tmp_path / "strict").skipped == 2
     build(raw, tmp_path / "loose", workers=1, quiet=True, format="raw", min_size=1, max_aspect=400)
     packed = read_back(tmp_path / "loose")

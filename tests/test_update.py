@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +17,7 @@ from PIL import Image
 
 import packer.builder.preprocess
 from packer import BuildError, build
-from packer.builder.split import split_of
+from packer.builder.split import split_of, split_path
 from packer.format import INDEX_DTYPE, Manifest, load_index, source_path
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
@@ -298,3 +300,113 @@ def test_verify_notices_an_edited_source_identity(raw: Path, tmp_path: Path) -> 
     del index
     problems = verify(out).problems
     assert problems == ["index.npy: rows differ from those the build wrote (manifest index_digest; damaged or edited)"]
+
+
+# ------------------------------------------------------------------ refresh summary, retries, empty datasets
+
+
+def test_a_refresh_says_what_was_added_changed_deleted_and_retried(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.lmdb"
+    build(raw, out, workers=1, quiet=True)
+    change_tree(raw)
+    report = build(raw, out, workers=1, quiet=True, update=True)
+    changes = report.changes
+    assert changes is not None
+    assert list(changes.added) == ["cat/new0.jpg", "dog/img4-moved.jpg", "ship/new1.jpg"]
+    assert list(changes.changed) == ["dog/img2.jpg"]
+    assert list(changes.deleted) == ["cat/img4.jpg", "ship/img3.jpg"]
+    assert list(changes.retried) == ["cat/broken.jpg"]  # skipped last time: decoded again
+    assert report.summary().endswith("; 3 added, 1 changed, 2 deleted, 1 retried")
+    assert "5 processed, 16 reused" in report.summary()
+
+
+def _file_permissions_bind() -> None:
+    """preexec_fn: root's CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH leave the bounding set, so that a
+    file's permissions bind the build as they bind any other user (prctl PR_CAPBSET_DROP)."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for capability in (1, 2):
+            if libc.prctl(24, capability, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_file_skipped_for_a_passing_reason_is_retried_when_nothing_else_changed(raw: Path, tmp_path: Path) -> None:
+    """A file unreadable at the first build (still being copied with its final permissions to come)
+    becomes readable without a new size or mtime: --update must decode it, not say "up to date"."""
+    out = tmp_path / "out.lmdb"
+    late = raw / "dog" / "img0.jpg"
+    mtime = late.stat().st_mtime_ns
+    late.chmod(0)
+
+    def update() -> subprocess.CompletedProcess:
+        args = [*PACKER, "build", str(raw), str(out), "--update", "--workers", "2"]
+        return subprocess.run(args, capture_output=True, text=True, timeout=120, preexec_fn=_file_permissions_bind)
+
+    first = update()
+    assert first.returncode == 0, first.stderr
+    report = {e["path"]: e for e in map(json.loads, (out / "report.jsonl").read_text().splitlines())}
+    assert report["dog/img0.jpg"]["reason"] == "unreadable: Permission denied"
+    manifest = (out / "manifest.json").read_bytes()
+    still = update()  # both skipped files are tried again, skipped again for the same reasons
+    assert still.returncode == 0 and "is up to date" in still.stderr, still.stderr
+    assert "2 skipped files tried again and still skipped); nothing to do" in still.stderr
+    assert (out / "manifest.json").read_bytes() == manifest
+    late.chmod(0o644)
+    assert late.stat().st_mtime_ns == mtime  # nothing a size-and-mtime comparison could see
+    fixed = update()
+    assert fixed.returncode == 0 and "up to date" not in fixed.stderr, fixed.stderr
+    assert "0 added, 0 changed, 0 deleted, 2 retried" in fixed.stderr
+    assert Manifest.load(out).count == 19
+    full = tmp_path / "full.lmdb"
+    build(raw, full, workers=1, quiet=True)
+    same_dataset(out, full)
+    assert "1 skipped file tried again and still skipped" in update().stderr
+
+
+def test_the_first_checksum_refresh_of_a_dataset_built_without_says_why_it_decodes_everything(
+    raw: Path, tmp_path: Path, decoded: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out.lmdb"
+    build(raw, out, workers=1, quiet=True)
+    decoded.clear()
+    build(raw, out, workers=1, update=True, checksum=True)
+    assert "stores no content hashes to compare: every file is decoded this once" in capsys.readouterr().err
+    assert len(decoded) == 20
+    write_image(raw / "ship" / "img5.jpg", 4321)
+    decoded.clear()
+    report = build(raw, out, workers=1, quiet=True, update=True, checksum=True)
+    assert sorted(decoded) == ["cat/broken.jpg", "ship/img5.jpg"] and report.reused == 18
+
+
+def test_update_of_a_dataset_with_no_records(tmp_path: Path) -> None:
+    """Every file skipped the first time (--allow-empty), then one good file: a refresh, no IndexError."""
+    raw, out = tmp_path / "raw", tmp_path / "out.lmdb"
+    (raw / "cat").mkdir(parents=True)
+    (raw / "cat" / "bad.jpg").write_bytes(b"not a jpeg")
+    args = [*PACKER, "build", str(raw), str(out), "--update", "--quiet"]
+    empty = subprocess.run([*args, "--allow-empty"], capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 0 and Manifest.load(out).count == 0, empty.stderr
+    write_image(raw / "cat" / "good.jpg", 3)
+    refreshed = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert Manifest.load(out).count == 1 and verify(out).ok
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+def test_update_of_an_empty_split_that_gets_its_first_file(tmp_path: Path, backend: str) -> None:
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    splits = {"test": 0.02}
+    names = [f"img{i}.jpg" for i in range(1000)]
+    train = [n for n in names if split_of(f"cat/{n}", splits, 0) == "train"][:5]
+    first_test = next(n for n in names if split_of(f"cat/{n}", splits, 0) == "test")
+    for k, name in enumerate(train):
+        write_image(raw / "cat" / name, k)
+    args = [*PACKER, "build", str(raw), str(out), "--backend", backend, "--split", "test=0.02", "--update", "--quiet"]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    test = split_path(out, "test", backend)
+    assert Manifest.load(test).count == 0
+    write_image(raw / "cat" / first_test, 99)
+    refreshed = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert Manifest.load(test).count == 1 and verify(test).ok

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 SHARD_SIZE = 10_000  # records per memmap shard of a local build
 DASK_TASK_SIZE = 1_000  # files per task of a --dask build (each task's records form one memmap shard)
 ON_ERROR = ("skip", "fail")
+ON_CLASS_CHANGE = ("warn", "fail")
 # A checkpoint (fsync of data and journal, then progress.json) happens every CHECKPOINT_RECORDS
 # records or every ``checkpoint_seconds``, whichever comes first: the count bounds the work lost in a
 # fast build, the clock makes even a small or slow build resumable after a few seconds.
@@ -101,6 +102,17 @@ class BuildOptions:
         "its class id.",
         ON_ERROR,
     )
+    on_class_change: Optional[str] = _option(
+        None,
+        "When --update would give classes of OUT other ids (a class folder added or deleted before "
+        "others): warn: say which ids change, and renumber; fail: stop, OUT untouched (to keep ids, pin "
+        "them with --classes FILE). Default: fail with --on-error fail, else warn.",
+        ON_CLASS_CHANGE,
+    )
+    allow_empty: bool = _flag(
+        "Write the dataset even when every file was skipped (0 records). By default such a build fails "
+        "and leaves OUT as it was: a broken decoder or worker pool must not replace a dataset with nothing.",
+    )
     max_pixels: int = _option(256_000_000, "Refuse images with more pixels (decompression bombs).", int)
     min_size: int = _option(16, "Skip images with a shorter edge.", int)
     max_aspect: float = _option(10.0, "Skip images whose long/short edge ratio exceeds this.", float)
@@ -159,7 +171,8 @@ class BuildOptions:
         ]
         if not 1 <= self.quality <= 100:
             found.append(("quality", "must be 1..100"))
-        for name, allowed in (("backend", BACKENDS), ("format", FORMATS), ("on_error", ON_ERROR)):
+        choices = {"backend": BACKENDS, "format": FORMATS, "on_error": ON_ERROR, "on_class_change": ON_CLASS_CHANGE}
+        for name, allowed in choices.items():
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 found.append((name, f"must be one of {', '.join(allowed)}"))
         return found
@@ -181,6 +194,11 @@ class BuildOptions:
     def processes(self) -> int:
         """Decoding processes: all cores by default; 0 and 1 decode in this process (no pool)."""
         return self.workers if self.workers is not None else os.cpu_count() or 1
+
+    @property
+    def class_change_fails(self) -> bool:
+        """A refresh that renumbers classes fails (see ``on_class_change``)."""
+        return (self.on_class_change or ("fail" if self.on_error == "fail" else "warn")) == "fail"
 
     @property
     def keep_current(self) -> bool:

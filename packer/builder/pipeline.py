@@ -33,7 +33,7 @@ from ..errors import DatasetError, local_path, say
 from ..format import MANIFEST, MAX_MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions
-from .scan import Scan, ScanError, confusable, identify, scan
+from .scan import Paths, Scan, ScanError, confusable, identify, scan
 from .segments import link_base, old_files, plan
 from .split import TRAIN, split_path, split_scan
 from .staging import (
@@ -47,7 +47,7 @@ from .staging import (
     open_staging,
     staging_path,
 )
-from .update import Cache, inputs_digest, ordered_results, previous_dataset, reuse_plan
+from .update import Cache, Changes, inputs_digest, ordered_results, previous_dataset, reuse_plan, still_skipped
 
 __all__ = ["BuildError", "BuildOptions", "BuildReport", "build", "clean", "prepare", "run_build"]
 
@@ -208,9 +208,11 @@ def clean(out: str | os.PathLike) -> list[Path]:
     return doomed
 
 
-def _up_to_date(out: Path, manifest: Manifest) -> BuildReport:
-    """The report of a build that finds OUT already built from the same inputs and options."""
-    return BuildReport.of(out, manifest, up_to_date=True)
+def _up_to_date(out: Path, manifest: Manifest, retried: Optional[Paths] = None) -> BuildReport:
+    """The report of a build that finds OUT already built from the same inputs and options (and
+    ``retried``, its skipped files tried again, skipped again)."""
+    changes = Changes.only_retried(retried) if retried is not None else None
+    return BuildReport.of(out, manifest, up_to_date=True, changes=changes)
 
 
 def _built_otherwise(out: Path) -> BuildError:
@@ -220,18 +222,26 @@ def _built_otherwise(out: Path) -> BuildError:
     )
 
 
-def _warn_class_changes(out: Path, old: list[str], new: list[str], quiet: bool) -> None:
-    """A refresh that renumbers classes says so (a class folder deleted or added shifts the ids after it)."""
+def _check_class_changes(out: Path, old: list[str], new: list[str], options: BuildOptions, quiet: bool) -> None:
+    """A refresh that renumbers classes (a class folder deleted or added shifts the ids after it) says
+    so, or with ``--on-class-change fail`` stops before anything is written: a job that reopens the
+    dataset would train on shifted labels."""
     moved = [f"{name!r} {i} -> {new.index(name)}" for i, name in enumerate(old) if name in new and new.index(name) != i]
     if moved:
         gone = [name for name in old if name not in new]
-        say(
-            f"warning: class ids change from those of {out}"
+        change = (
+            f"class ids change from those of {out}"
             + (f" (gone: {', '.join(map(repr, gone))})" if gone else "")
             + f": {', '.join(moved[:5])}"
-            + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""),
-            quiet,
+            + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
         )
+        if options.class_change_fails:
+            raise BuildError(
+                f"{change} (--on-class-change fail; {out} is left as it was: keep the ids with --classes "
+                f"FILE listing the old classes in order, new ones after them, or pass --on-class-change "
+                f"warn to renumber)"
+            )
+        say(f"warning: {change}", quiet)
 
 
 def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet: bool = False) -> Scan:
@@ -293,6 +303,11 @@ class Engine(Protocol):
     marker: dict[str, str]
     shard_size: int  # the --shard-size default
 
+    @property
+    def raw(self) -> str | os.PathLike[str]:
+        """raw/ (where --update tries the files skipped last time again, on this machine)."""
+        ...
+
     def pack(
         self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
     ) -> tuple[RecordSink, int]:
@@ -334,11 +349,15 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
     settings = options.settings(found)
     previous = previous_dataset(out, quiet) if options.keep_current else None
     if previous is not None and previous[0].inputs == inputs_digest(found, settings):
-        return _up_to_date(out, previous[0])
+        if not options.update:
+            return _up_to_date(out, previous[0])
+        retried = still_skipped(Path(engine.raw), out, previous[0], found, options.preprocess, options.processes)
+        if retried is not None:
+            return _up_to_date(out, previous[0], retried)
     if options.keep_current and not options.update and out.exists():  # --resume of a build that finished
         raise _built_otherwise(out)
     if previous is not None:
-        _warn_class_changes(out, previous[0].classes, found.classes, quiet)
+        _check_class_changes(out, previous[0].classes, found.classes, options, quiet)
     cache = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
     staging = staging_path(out)
     state = open_staging(staging, settings | engine.marker, options.resume)
@@ -359,6 +378,7 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
             f"free some space, then run the same build with --resume)"
         ) from e
     report.processed = len(found.sources) - resumed_from - report.reused
+    report.changes = cache.changes if cache is not None else None
     report.seconds = time.monotonic() - t0
     return report
 

@@ -55,7 +55,7 @@ from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
 from .segments import Base, data_table
-from .update import Kept, inputs_digest
+from .update import Changes, Kept, inputs_digest
 
 BUILD_STATE = "build.json"
 PROGRESS = "progress.json"
@@ -80,18 +80,23 @@ class BuildReport:
     reused: int = 0  # records of the previous dataset kept (linked) or copied by --update
     up_to_date: bool = False  # --update found nothing to do and left OUT untouched
     splits: dict[str, BuildReport] = field(default_factory=dict)  # --split: one report per dataset
+    #: --update: the files added, changed, deleted and retried since the version it replaced (None for
+    #: a build that reused nothing); up to date: only the skipped files it tried again, still skipped
+    changes: Optional[Changes] = None
 
     def summary(self) -> str:
         if self.splits:
             return "\n".join(r.summary() for r in self.splits.values())
         if self.up_to_date:
-            return f"packer: {self.out} is up to date ({self.count} records, {self.digest}); nothing to do"
+            retried = len(self.changes.retried) if self.changes is not None else 0
+            again = f", {retried} skipped file{'s' * (retried != 1)} tried again and still skipped" if retried else ""
+            return f"packer: {self.out} is up to date ({self.count} records, {self.digest}{again}); nothing to do"
         rate = self.processed / self.seconds if self.seconds > 0 else 0.0
         return (
             f"packer: {self.out}: packed {self.count} of {self.scanned} scanned "
             f"({self.skipped} skipped, {self.ignored} ignored; see {REPORT}), "
             f"{self.processed} processed, {self.reused} reused, {self.bytes / 1e6:.1f} MB, "
-            f"{self.seconds:.1f} s, {rate:.1f} images/s"
+            f"{self.seconds:.1f} s, {rate:.1f} images/s" + (f"; {self.changes}" if self.changes is not None else "")
         )
 
     @classmethod
@@ -359,12 +364,31 @@ def _record_labels(found: Scan, rows: np.ndarray, staging: Path) -> dict[str, np
     return {name: a[at] for name, a in per_source.items()}
 
 
+def _nothing_packed(staging: Path, out: Path, candidates: int) -> BuildError:
+    """Every file was skipped: a broken decoder or environment far more often than a wanted empty
+    dataset, so the build fails, naming the first reason, before anything replaces OUT."""
+    first = ""
+    with open(staging / REPORT, "rb") as f:
+        for line in f:
+            entry = json.loads(line.decode("utf-8", "surrogateescape"))
+            if entry["status"] == "skipped":
+                first = f" (the first, {entry['path']}: {entry['reason']})"
+                break
+    kept = f"{out} is left as it was" if out.exists() else f"nothing written to {out}"
+    return BuildError(
+        f"packed 0 of {candidates} files: every one was skipped{first}, all listed in {staging / REPORT}; "
+        f"{kept} (pass --allow-empty to write an empty dataset)"
+    )
+
+
 def complete(
     staging: Path, out: Path, found: Scan, options: BuildOptions, sink: RecordSink, resumed_from: int
 ) -> BuildReport:
     """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
     written = sink.close()
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
+    if not len(rows) and len(found.sources) and not options.allow_empty:
+        raise _nothing_packed(staging, out, len(found.sources))
     arrays = _record_labels(found, rows, staging)
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))

@@ -21,9 +21,9 @@ from .._version import __version__
 from ..backends import BACKENDS, record_places
 from ..backends.walk import InOrder
 from ..errors import say
-from ..format import MANIFEST, DatasetError, Manifest, load_index
-from .preprocess import Options, Record, Result, process_chunk
-from .scan import Scan, Sources
+from ..format import MANIFEST, REPORT, DatasetError, Manifest, load_index, open_regular
+from .preprocess import Options, Record, Result, Skip, process_chunk
+from .scan import Paths, Scan, Sources
 from .segments import Base
 from .workers import results
 
@@ -49,6 +49,65 @@ def previous_dataset(out: Path, quiet: bool) -> Optional[tuple[Manifest, np.ndar
         return None
 
 
+@dataclass(frozen=True)
+class Changes:
+    """What a refresh changed since the version it replaces, by source path: files added, changed
+    (same path, other identity), deleted, and skipped last time and so decoded again (retried)."""
+
+    added: Paths
+    changed: Paths
+    deleted: Paths
+    retried: Paths
+
+    def __str__(self) -> str:
+        return ", ".join(f"{len(getattr(self, name))} {name}" for name in ("added", "changed", "deleted", "retried"))
+
+    @classmethod
+    def only_retried(cls, retried: Paths) -> Changes:
+        none = Paths.of(())
+        return cls(none, none, none, retried)
+
+
+def skipped_before(out: Path) -> Optional[dict[str, str]]:
+    """The files OUT's report lists as skipped, with their reasons, in scan order; None where the
+    report cannot be read (or is not the dataset's own regular file)."""
+    skipped: dict[str, str] = {}
+    try:
+        with open(open_regular(out / REPORT), "rb") as f:
+            for line in f:
+                entry = json.loads(line.decode("utf-8", "surrogateescape"))
+                if entry["status"] == "skipped":
+                    skipped[entry["path"]] = entry["reason"]
+    except (OSError, DatasetError, ValueError, KeyError, TypeError):
+        return None
+    return skipped
+
+
+def still_skipped(
+    raw: Path, out: Path, manifest: Manifest, found: Scan, opts: Options, workers: int
+) -> Optional[Paths]:
+    """The files skipped when OUT was built, decoded again (a decoder installed since, a transient
+    error gone): all of them when each is skipped again for the same reason, so OUT still holds what a
+    rebuild would write ("up to date"); None at the first that packs or fails otherwise (the refresh
+    then decodes them). Skips the scan made (--labels rows without a file) are not decoding's."""
+    if manifest.skipped == len(found.missing):
+        return Paths.of(())
+    before = skipped_before(out)
+    if before is None:
+        return None
+    for rel, _ in found.missing:
+        before.pop(rel, None)
+    rels = Paths.of(before)
+    fresh = results(str(raw), rels, opts, workers, chunk=2)  # in worker processes: some crashed theirs
+    try:
+        for rel, result in zip(rels, fresh):
+            if not isinstance(result, Skip) or result.reason != before[rel]:
+                return None
+    finally:
+        fresh.close()
+    return rels
+
+
 @dataclass
 class Cache:
     """The records of the dataset being replaced that --update reuses instead of decoding again."""
@@ -57,6 +116,7 @@ class Cache:
     manifest: Manifest
     index: np.ndarray
     old_of: np.ndarray  # per source in scan order: its record number in the old dataset, or -1
+    changes: Changes
     #: set once the old data files are linked into the staging folder (packer.builder.segments): records are
     #: then kept where they lie, not copied
     base: Optional[Base] = None
@@ -65,7 +125,7 @@ class Cache:
         """Old records ``old`` (record numbers, -1 for none) left in their data files, where those are
         linked (versions 1 and 2 key LMDB record j as j); None where a record is to be copied. A chunk
         at a time, in columns: a refresh of a million files asks for a million of them."""
-        if self.base is None:
+        if self.base is None or not len(self.index):  # nothing linked, or no old record at all
             return [None] * len(old)
         at = np.maximum(old, 0)
         rows = self.index[at]
@@ -140,7 +200,12 @@ def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]
     if manifest.packer_version != __version__:
         changed.append(f"packer {manifest.packer_version} -> {__version__}")
     if settings["checksum"] and not manifest.options.get("checksum"):
-        changed.append("built without --checksum, so no content hashes to compare")
+        # size and mtime cannot stand in for the hash: a file edited keeping both would keep its stale
+        # record, and now with its new hash beside it, so every later --checksum refresh would trust it
+        changed.append(
+            "built without --checksum, so it stores no content hashes to compare: every file is decoded "
+            "this once, and the new version stores them for the next --checksum refresh"
+        )
     return ", ".join(changed) or None
 
 
@@ -193,7 +258,38 @@ def reuse_plan(
         same &= index[name][candidate[known]] == found.identities()[name][known]
     old_of = np.full(len(found.sources), -1, dtype=np.int64)
     old_of[known[same]] = candidate[known[same]]
-    return Cache(out, manifest, index, old_of)
+    return Cache(out, manifest, index, old_of, _changes(out, previous, found, candidate, known[~same]))
+
+
+def _changes(
+    out: Path,
+    previous: tuple[Manifest, np.ndarray, np.ndarray],
+    found: Scan,
+    candidate: np.ndarray,
+    changed: np.ndarray,
+) -> Changes:
+    """A refresh's :class:`Changes` from its path join: ``candidate`` (per source, the old row with its
+    path, or -1) and ``changed`` (the sources whose old row's identity differs)."""
+    manifest, index, paths = previous
+    rels = found.sources.paths
+    new = np.flatnonzero(candidate < 0)
+    skipped = (skipped_before(out) or {}) if manifest.skipped else {}
+    was_skipped = np.fromiter((rels[k] in skipped for k in new.tolist()), bool, count=len(new))
+    retried = np.zeros(len(rels), bool)
+    retried[new[was_skipped]] = True
+    added = candidate < 0
+    added[retried] = False
+    edited = np.zeros(len(rels), bool)
+    edited[changed] = True
+    kept = np.zeros(len(index), bool)
+    kept[candidate[candidate >= 0]] = True
+    gone = np.flatnonzero(~kept)
+    return Changes(
+        rels.select(added),
+        rels.select(edited),
+        Paths.of(_old_paths(index[gone], paths, 0, len(gone))),
+        rels.select(retried),
+    )
 
 
 def ordered_results(

@@ -14,7 +14,9 @@ from collections import deque
 from collections.abc import Generator, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, SpawnContext
+from typing import Optional
 
+from ..errors import BuildError
 from .preprocess import Options, Result, Skip, process_chunk
 
 Context = ForkServerContext | SpawnContext  # the start methods packer's build workers use
@@ -42,12 +44,23 @@ def _worker_context() -> Context:
 
 
 _CRASHED = "the decoder crashed its worker process (killed by a signal or out of memory)"
+#: A pool "keeps dying" when this many files in a row, each run alone in a fresh worker, killed it
+#: before any worker of the build had answered at all: not a bad file but a broken decoding
+#: environment (its libraries, its memory), so the build fails instead of skipping every file.
+CRASH_LIMIT = 8
+_IN_PROCESS = "pass workers=0 (--workers 0) to decode in this process"
+_GUARD = (
+    'a script that calls packer.build() must do so under `if __name__ == "__main__":`, as worker '
+    f"processes import the main module again; or {_IN_PROCESS}"
+)
 
 
 def _serve(conn: Connection, opts: Options) -> None:
-    """A worker's loop: a chunk of paths in, their results out, until told to stop (None or EOF)."""
+    """A worker's loop: a hello (it started), then a chunk of paths in, their results out, until told
+    to stop (None or EOF)."""
     _worker_signals()
     with contextlib.suppress(EOFError, OSError):  # the parent went away: nothing left to do
+        conn.send(None)
         while (batch := conn.recv()) is not None:
             conn.send(process_chunk(batch, opts))
 
@@ -60,11 +73,36 @@ class _Worker:
     def __init__(self, ctx: Context, opts: Options) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, opts), daemon=True)
-        self.proc.start()
-        child.close()
+        try:
+            self.proc.start()
+        except OSError as e:
+            raise BuildError(f"cannot start a decoding worker process ({e.strerror or e}); {_IN_PROCESS}") from None
+        finally:
+            child.close()
         # (chunk number, paths) handed over and not yet answered, oldest first; two at a time, so the
         # next chunk is already waiting in the pipe while the parent writes the last results
         self.tasks: deque[tuple[int, list[str]]] = deque()
+        self.started = False  # its hello came: it runs _serve, so a later death is a file's doing
+
+    def receive(self) -> Optional[list[Result]]:
+        """The answer to the oldest chunk; None where that was the hello. EOFError: the process died
+        (a file's doing, or a signal's: the OOM killer); BuildError where it exited before it even
+        started serving, which no file did (an exception while the worker started)."""
+        try:
+            answer = self.conn.recv()
+        except (EOFError, OSError):
+            if not self.started:
+                self.proc.join(timeout=5)
+                if self.proc.exitcode is not None and self.proc.exitcode > 0:
+                    raise BuildError(
+                        f"a decoding worker process exited while starting (status {self.proc.exitcode}), "
+                        f"before any file; {_GUARD}"
+                    ) from None
+            raise EOFError from None
+        if not self.started:
+            self.started = True
+            return None
+        return answer
 
     def give(self, k: int, batch: list[str]) -> None:
         """Hand over a chunk; if the process is already gone, the sentinel reports it as a death."""
@@ -83,15 +121,16 @@ class _Worker:
         self.conn.close()
 
 
-def _isolated(path: str, opts: Options, ctx: Context) -> Result:
-    """``path`` alone in a fresh process: did this file kill the worker, or was it a bystander?"""
+def _isolated(path: str, opts: Options, ctx: Context) -> Optional[Result]:
+    """``path`` alone in a fresh process: did this file kill the worker (None), or was it a bystander?"""
     worker = _Worker(ctx, opts)
     try:
         worker.give(0, [path])
-        wait([worker.conn, worker.proc.sentinel])
-        return worker.conn.recv()[0] if worker.conn.poll() else Skip(_CRASHED)
-    except (EOFError, OSError):
-        return Skip(_CRASHED)
+        while (answer := worker.receive()) is None:
+            pass
+        return answer[0]
+    except EOFError:
+        return None
     finally:
         worker.stop(now=False)
 
@@ -102,7 +141,10 @@ def results(root: str, rels: Sequence[str], opts: Options, workers: int, chunk: 
 
     A worker that dies (a decoder crash, the kernel's OOM killer) is replaced, and the files of the
     chunk it held run one by one in fresh processes: the file that kills its process is skipped with
-    a reason, every other file is packed.
+    a reason, every other file is packed. A pool that cannot work at all is a BuildError instead of a
+    build that skips every file: a worker that exits with an error before it starts serving (a script
+    without the ``__main__`` guard), or CRASH_LIMIT files in a row that each kill a fresh worker
+    before any worker has answered.
     """
 
     def paths(k: int) -> list[str]:
@@ -117,6 +159,23 @@ def results(root: str, rels: Sequence[str], opts: Options, workers: int, chunk: 
     pool = [_Worker(ctx, opts) for _ in range(min(workers, count))]
     done: dict[int, list[Result]] = {}
     handed, emitted = 0, 0  # chunks given to workers; chunks yielded in order
+    answered, crashes = False, 0  # any answer from a worker yet; files in a row that killed theirs
+
+    def alone(path: str) -> Result:
+        nonlocal answered, crashes
+        result = _isolated(path, opts, ctx)
+        if result is not None:
+            answered, crashes = True, 0
+            return result
+        crashes += 1
+        if not answered and crashes >= CRASH_LIMIT:
+            raise BuildError(
+                f"the decoding worker processes keep dying: each of the first {crashes} files run alone "
+                f"killed its process, and none has decoded any file (broken decoder libraries, or too "
+                f"little memory: try fewer --workers); last: {path}"
+            )
+        return Skip(_CRASHED)
+
     window = 8 * workers  # finished-but-not-yet-yielded chunks stay few: memory stays flat
     try:
         while emitted < count:
@@ -134,13 +193,16 @@ def results(root: str, rels: Sequence[str], opts: Options, workers: int, chunk: 
                 if not w.tasks or not (w.conn in ready or w.proc.sentinel in ready):
                     continue
                 try:
-                    done[w.tasks[0][0]] = w.conn.recv()
+                    if (answer := w.receive()) is None:
+                        continue  # its hello: the chunk's answer comes next
+                    done[w.tasks[0][0]] = answer
                     w.tasks.popleft()
-                except (EOFError, OSError):  # it died holding these chunks
+                    answered, crashes = True, 0
+                except EOFError:  # it died holding these chunks
                     w.stop(now=True)
                     pool[n] = _Worker(ctx, opts)
                     for k, batch in w.tasks:
-                        done[k] = [_isolated(path, opts, ctx) for path in batch]
+                        done[k] = [alone(path) for path in batch]
         for w in pool:
             w.stop(now=False)
     finally:
