@@ -16,6 +16,7 @@ import numpy as np
 
 from .builder.options import BuildOptions, cli_fields, flag
 from .errors import PackerError
+from .format.records import FORMATS
 
 
 class Terminated(KeyboardInterrupt):
@@ -277,7 +278,7 @@ def info(out: Path, as_json: bool) -> None:
     click.echo(
         f"{facts['path']}: {facts['count']} images, {len(facts['classes'])} classes{kind}, "
         f"{facts['format']} in {facts['backend']}, short edge {facts['short_edge']}"
-        + (f", quality {facts['quality']}" if facts["format"] == "jpeg" else "")
+        + (f", quality {facts['quality']}" if FORMATS[facts["format"]].lossy else "")
     )
     click.echo(f"  bytes on disk {facts['bytes']:,}; mean {facts['mean_bytes']:,.0f} bytes/image")
     click.echo(f"  scanned {facts['scanned']}, skipped {facts['skipped']}, ignored {facts['ignored']}")

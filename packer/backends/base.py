@@ -80,7 +80,6 @@ class Backend(Layout):
     the default (``out.lmdb``). ``cold_advice``: what ``packer bench`` suggests for a dataset of this
     backend bigger than the page cache. ``write_errors``: what its writer raises besides OSError."""
 
-    name = ""
     suffix = ""
     cold_advice: tuple[str, ...] = ()
     write_errors: tuple[type[Exception], ...] = ()

@@ -418,7 +418,7 @@ class Lmdb(LmdbLayout, Backend):
     """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
     file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
 
-    name, suffix, keyed = "lmdb", ".lmdb", True
+    suffix, keyed = ".lmdb", True
     write_errors = (lmdb.Error,)
     cold_advice = ("memmap shards read from disk faster than LMDB (`--backend memmap`)",)
     reader = LmdbReader

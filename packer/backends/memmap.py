@@ -171,7 +171,7 @@ def _map_shard(root: str, info: dict, open_file) -> Shard:
 class Memmap(MemmapLayout, Backend):
     """memmap: shards of ``shard_size`` records, record ``i`` at byte ``offset`` of shard ``shard``."""
 
-    name, concatenated = "memmap", True
+    concatenated = True
     reader = MemmapReader
 
     def open_writer(

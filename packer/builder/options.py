@@ -13,10 +13,10 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..backends import BACKENDS as TABLE
+from ..backends import BACKENDS
 from ..codec import codec_name
 from ..errors import BuildError
-from ..format import BACKENDS, FORMATS
+from ..format.records import FORMATS
 from .labels import Labelling
 from .preprocess import Options
 from .split import check_splits
@@ -64,11 +64,11 @@ def _flag(help: str) -> Any:
 class BuildOptions:
     """How to build a dataset; the defaults are ``packer build``'s. Invalid values: BuildError."""
 
-    backend: Optional[str] = _option(None, "Default: lmdb when OUT ends in .lmdb, else memmap.", BACKENDS)
+    backend: Optional[str] = _option(None, "Default: lmdb when OUT ends in .lmdb, else memmap.", tuple(BACKENDS))
     format: str = _option(
         "jpeg",
         "jpeg: re-encoded JPEG; raw: decoded uint8 H x W x 3 pixels (bigger, no decode at read).",
-        FORMATS,
+        tuple(FORMATS),
     )
     short_edge: int = _option(320, "Target short edge; never upscales.", int)
     quality: int = _option(90, "JPEG quality (1..100).", int)
@@ -214,7 +214,7 @@ def flag(name: str) -> str:
 def default_backend(out: str | os.PathLike) -> str:
     """The backend of the longest suffix OUT ends with (``out.lmdb``: LMDB; every name ends with memmap's "")."""
     name = str(out).rstrip("/")
-    return max((b for b in TABLE.values() if name.endswith(b.suffix)), key=lambda b: len(b.suffix)).name
+    return max((b for b in BACKENDS.values() if name.endswith(b.suffix)), key=lambda b: len(b.suffix)).name
 
 
 def cli_fields() -> list[Any]:

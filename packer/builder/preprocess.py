@@ -25,7 +25,8 @@ import numpy as np
 from PIL import Image
 
 from .. import codec
-from ..codec import decode_jpeg, encode_jpeg, native_shrink, shrink_factor, turbojpeg
+from ..codec import decode_jpeg, native_shrink, shrink_factor, turbojpeg
+from ..format.records import FORMATS
 from .scan import open_regular
 
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
@@ -198,7 +199,7 @@ def process(path: str, opts: Options) -> Result:
         im = load(path, opts)
         rgb = np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
         h, w = rgb.shape[:2]
-        data = encode_jpeg(rgb, opts.quality) if opts.format == "jpeg" else rgb.tobytes()
+        data = FORMATS[opts.format].encode(rgb, quality=opts.quality)
         return Record(data, h, w, zlib.crc32(data))
     except MemoryError:
         return Skip("out of memory while decoding")

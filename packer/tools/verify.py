@@ -22,7 +22,6 @@ must be there.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -45,9 +44,7 @@ from ..format import (
     source_path,
 )
 from ..format.label_arrays import arrays_digest, class_counts
-
-#: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+from ..format.records import FORMATS
 
 
 @dataclass
@@ -71,27 +68,6 @@ class Verification:
         self.found += 1
         if len(self.problems) < self.limit:
             self.problems.append(problem)
-
-
-def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:
-    """(height, width) from the JPEG frame header, or None when ``data`` is not a JPEG we can parse."""
-    if bytes(data[:2]) != b"\xff\xd8":
-        return None
-    pos, end = 2, len(data)
-    while pos + 4 <= end:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        (seg,) = struct.unpack(">H", data[pos + 2 : pos + 4])
-        if marker in _SOF and pos + 9 <= end:
-            return struct.unpack(">HH", data[pos + 5 : pos + 9])
-        if marker == 0xDA or seg < 2:  # start of scan: no frame header came first
-            return None
-        pos += 2 + seg
-    return None
 
 
 def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
@@ -177,11 +153,7 @@ def _record_problem(manifest: Manifest, row: np.void, data: Optional[bytes], crc
         return f"{len(data)} bytes, the index says {int(row['length'])}"
     if crc != int(row["crc32"]):
         return f"crc32 {crc:08x} differs from the index's {int(row['crc32']):08x} (damaged bytes)"
-    if manifest.format == "jpeg":
-        size = jpeg_size(data)
-        if size != (int(row["height"]), int(row["width"])):
-            return f"JPEG frame size {size} differs from the index's {(int(row['height']), int(row['width']))}"
-    return None
+    return FORMATS[manifest.format].problem(data, height=int(row["height"]), width=int(row["width"]))
 
 
 def _first_gap(offsets: np.ndarray, lengths: np.ndarray, total: int) -> Optional[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import codec
+from ..format.records import FORMATS
 from .decode import decode_jpeg, decode_jpeg_band, raw_image
 from .geometry import Crop, crop_box, dct_scale
 from .resize import Clock, backend, resize_into
@@ -20,7 +21,7 @@ def crop_into(
     """One record's crop, resized to ``out``'s size and flipped if the crop says so, written into
     ``out`` (a uint8 H x W x C array)."""
     size = out.shape[0]
-    if fmt == "raw":
+    if not FORMATS[fmt].compressed:
         img, box = raw_image(data, height, width), crop_box(crop, None)
     else:
         factor = dct_scale(crop, size)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import codec
+from ..format.records import FORMATS
 
 #: Each thread's decode destination, grown as needed: a 427x320 RGBX decode is 0.5 MB, worth not
 #: reallocating per sample.
@@ -76,5 +77,6 @@ def decode_jpeg_band(
 def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.Tensor:
     """One record -> the whole stored image as uint8 HWC, a copy (decode buffers are reused, record
     bytes transient)."""
-    img = raw_image(data, height, width) if fmt == "raw" else decode_jpeg(data, height, width)
+    out = _buffer(height * width * 3)[: height * width * 3].reshape(height, width, 3)
+    img = FORMATS[fmt].decode(data, height=height, width=width, out=out)
     return torch.from_numpy(img.copy())
