@@ -129,7 +129,7 @@ def test_worker_killed_mid_build(client, mixed_raw: Path, tmp_path: Path) -> Non
         import packer.builder.dask as d
         import packer.builder.preprocess as p
 
-        def slow(paths: list[str], opts: p.Options) -> list:
+        def slow(paths: list[str], opts: p.PreprocessSpec) -> list:
             t.sleep(seconds)
             return p.process_chunk(paths, opts)
 

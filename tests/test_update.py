@@ -53,7 +53,7 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = packer.builder.preprocess.process
 
-    def spy(path: str, opts: packer.builder.preprocess.Options) -> packer.builder.preprocess.Result:
+    def spy(path: str, opts: packer.builder.preprocess.PreprocessSpec) -> packer.builder.preprocess.Result:
         seen.append(Path(path).relative_to(Path(path).parents[1]).as_posix())
         return real(path, opts)
 

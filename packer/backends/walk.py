@@ -32,7 +32,7 @@ from ..format import Manifest
 from . import BACKENDS, data_files, record_places
 from .base import ExtraKeys, Raw
 
-Record = tuple[int, Optional[bytes], int]  # the same, copied, and the bytes' CRC-32 (0 when missing)
+Fetched = tuple[int, Optional[bytes], int]  # a Raw copied, with the bytes' CRC-32 (0 when missing)
 CHUNK_BYTES, CHUNK_RECORDS = 4 << 20, 1024  # records handed from the reading thread at a time
 
 
@@ -41,7 +41,7 @@ def walk(
     manifest: Manifest,
     index: np.ndarray,
     extra_keys: Optional[ExtraKeys] = None,
-) -> Generator[Record, None, None]:
+) -> Generator[Fetched, None, None]:
     """Every record of the dataset at ``root`` (laid out as ``manifest`` says), ``(i, bytes, crc32)``,
     in the order they lie on disk: data file by data file, each by position (byte offset or LMDB key
     number, :func:`packer.backends.record_places`); for a dataset written in one go, index order. Bytes
@@ -70,13 +70,13 @@ def _by_file(
         yield i, None
 
 
-def _ahead(records: Generator[Raw, None, None]) -> Generator[Record, None, None]:
+def _ahead(records: Generator[Raw, None, None]) -> Generator[Fetched, None, None]:
     """``records`` with their CRC-32s, read in a thread (always the same one: an LMDB transaction
     belongs to its thread) a chunk ahead of the caller, who works on the chunk before. Chunks of
     ~CHUNK_BYTES (at most CHUNK_RECORDS): a hand-over per record would cost more than a small record."""
 
-    def fetch() -> list[Record]:
-        chunk: list[Record] = []
+    def fetch() -> list[Fetched]:
+        chunk: list[Fetched] = []
         size = 0
         for i, data in records:
             if data is None:
@@ -91,7 +91,7 @@ def _ahead(records: Generator[Raw, None, None]) -> Generator[Record, None, None]
 
     with ThreadPoolExecutor(1, thread_name_prefix="packer-walk") as pool:
         try:
-            pending: Future[list[Record]] = pool.submit(fetch)
+            pending: Future[list[Fetched]] = pool.submit(fetch)
             while chunk := pending.result():
                 pending = pool.submit(fetch)
                 yield from chunk
@@ -114,7 +114,7 @@ class InOrder:
         order = np.lexsort((self.position, self.number))
         bounds = np.searchsorted(self.number[order], np.arange(len(self.files) + 1))
         self._rows = [order[bounds[k] : bounds[k + 1]] for k in range(len(self.files))]
-        self._walks: dict[int, tuple[Generator[Record, None, None], list[int]]] = {}
+        self._walks: dict[int, tuple[Generator[Fetched, None, None], list[int]]] = {}
 
     def get(self, j: int) -> tuple[Optional[bytes], int]:
         """Row ``j``'s bytes and their CRC-32 (None and 0 when missing from its data file)."""

@@ -18,7 +18,7 @@ from ..codec import codec_name
 from ..errors import BuildError
 from ..format.records import FORMATS
 from .labels import Labelling
-from .preprocess import Options
+from .preprocess import PreprocessSpec
 from .split import check_splits
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ ON_ERROR = ("skip", "fail")
 # records or every ``checkpoint_seconds``, whichever comes first: the count bounds the work lost in a
 # fast build, the clock makes even a small or slow build resumable after a few seconds.
 CHECKPOINT_RECORDS = 2000
-PREPROCESS_FIELDS = tuple(f.name for f in fields(Options))  # each a BuildOptions field of the same name
+PREPROCESS_FIELDS = tuple(f.name for f in fields(PreprocessSpec))  # each a BuildOptions field of the same name
 
 
 def parse_splits(specs: tuple[str, ...]) -> Optional[dict[str, float]]:
@@ -173,9 +173,9 @@ class BuildOptions:
         return self.but(backend=self.backend or default_backend(out), shard_size=self.shard_size or shard_size)
 
     @property
-    def preprocess(self) -> Options:
+    def preprocess(self) -> PreprocessSpec:
         """What each file's preprocessing needs (sent to every worker)."""
-        return Options(**{name: getattr(self, name) for name in PREPROCESS_FIELDS})
+        return PreprocessSpec(**{name: getattr(self, name) for name in PREPROCESS_FIELDS})
 
     @property
     def processes(self) -> int:

@@ -22,7 +22,7 @@ from ..backends import BACKENDS, record_places
 from ..backends.walk import InOrder
 from ..errors import say
 from ..format import MANIFEST, DatasetError, Manifest, load_index
-from .preprocess import Options, Record, Result, process_chunk
+from .preprocess import PreprocessSpec, Record, Result, process_chunk
 from .scan import Scan, Sources
 from .segments import Base
 from .workers import results
@@ -201,7 +201,7 @@ def ordered_results(
     todo: Sources,
     old_of: np.ndarray,
     cache: Optional[Cache],
-    opts: Options,
+    opts: PreprocessSpec,
     workers: int,
     fresh: Optional[Generator[Result, None, None]] = None,
 ) -> Generator[tuple[Result | Kept, bool], None, None]:

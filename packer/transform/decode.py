@@ -31,9 +31,10 @@ def raw_image(data: memoryview, height: int, width: int) -> np.ndarray:
 
 
 def decode_jpeg(
-    data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]] = None, rgbx: bool = False
+    data: memoryview, *, height: int, width: int, factor: Optional[tuple[int, int]] = None, rgbx: bool = False
 ) -> np.ndarray:
-    """Decode a whole JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size.
+    """Decode a whole JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size
+    (keyword-only, as :func:`packer.codec.decode_jpeg`'s, so the two orders cannot be swapped).
 
     The result is this thread's buffer, valid until the thread's next decode.
     """
@@ -41,7 +42,7 @@ def decode_jpeg(
     w, h = codec.scaled_size(width, height, factor)
     channels = 4 if rgbx else 3
     out = _buffer(h * w * channels)[: h * w * channels].reshape(h, w, channels)
-    return codec.decode_jpeg(data, width, height, factor, rgbx, out)
+    return codec.decode_jpeg(data, width=width, height=height, factor=factor, rgbx=rgbx, out=out)
 
 
 def decode_jpeg_band(
