@@ -115,7 +115,6 @@ def _cycles(graph: object) -> list[list[str]]:
 def test_no_import_cycle() -> None:
     """No packer module reaches itself through the imports that run, those inside functions included
     (grimp's graph, the one import-linter checks the layers of in ``make lint``): an import placed in a
-    function to dodge a cycle would show here. Imports for type checking alone are left out: the
-    backends and the pinned version they read name each other's types."""
+    function to dodge a cycle would show here, and so would one placed under ``TYPE_CHECKING``."""
     grimp = pytest.importorskip("grimp")
-    assert _cycles(grimp.build_graph("packer", exclude_type_checking_imports=True)) == []
+    assert _cycles(grimp.build_graph("packer")) == []

@@ -23,20 +23,15 @@ import weakref
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import lmdb
 import numpy as np
 
 from ..format import DatasetError, LmdbLayout, Manifest, lmdb_key, lmdb_segment_name, open_regular
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader
+from .base import Backend, Buffer, ExtraKeys, Pinned, Raw, Reader, Shard
 from .lmdbguard import Damaged, PageGuard
-
-if TYPE_CHECKING:
-    from .memmap import Shard
-    from .pin import Pinned
-
 
 EnvKey = tuple[int, int]  # (st_dev, st_ino) of an LMDB data file: what py-lmdb's "already open" guard keys on
 

@@ -15,10 +15,9 @@ import numpy as np
 
 from ..format import DatasetError, Manifest, MemmapLayout, shard_name
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader
+from .base import Backend, Buffer, ExtraKeys, Raw, Reader, Shard
 from .write import sync_file
 
-Shard = tuple[np.ndarray, Optional["Mapping"]]  # a shard's bytes, and their mapping (None when empty)
 READ_BLOCK = 8 << 20  # bytes per buffered read of a shard in a walk
 
 
