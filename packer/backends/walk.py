@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -34,6 +34,29 @@ from .base import ExtraKeys, Raw
 
 Fetched = tuple[int, Optional[bytes], int]  # a Raw copied, with the bytes' CRC-32 (0 when missing)
 CHUNK_BYTES, CHUNK_RECORDS = 4 << 20, 1024  # records handed from the reading thread at a time
+
+
+class ByFile(NamedTuple):
+    """The rows of a dataset grouped by data file: each row's file ``number`` and ``position`` in it
+    (:func:`packer.backends.record_places`), the row numbers in ``order`` of both (stable: index
+    order where positions tie), and where each file's rows start in that order (``bounds``: one
+    more than there are data files; the rows after the last bound name a file that is not listed)."""
+
+    number: np.ndarray
+    position: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
+
+    def rows(self, k: int) -> np.ndarray:
+        """Data file ``k``'s rows, by position."""
+        return self.order[self.bounds[k] : self.bounds[k + 1]]
+
+
+def by_file(manifest: Manifest, index: np.ndarray) -> ByFile:
+    """``index``'s rows grouped by the data file they point into, each file's by position."""
+    number, position = record_places(manifest, index)
+    order = np.lexsort((position, number))
+    return ByFile(number, position, order, np.searchsorted(number[order], np.arange(len(data_files(manifest)) + 1)))
 
 
 def walk(
@@ -58,14 +81,11 @@ def _by_file(
     extra_keys: Optional[ExtraKeys],
 ) -> Generator[Raw, None, None]:
     """The rows of each data file in turn, in the order of their positions in it."""
-    backend, files = BACKENDS[manifest.backend], data_files(manifest)
-    number, position = record_places(manifest, index)
-    order = np.lexsort((position, number))  # stable: index order where positions tie
-    bounds = np.searchsorted(number[order], np.arange(len(files) + 1))
+    backend, files, places = BACKENDS[manifest.backend], data_files(manifest), by_file(manifest, index)
     for k, name in enumerate(files):
-        rows = order[bounds[k] : bounds[k + 1]]
-        yield from backend.walk_file(root / name, rows, position[rows], index["length"][rows], extra_keys)
-    beyond = order[bounds[-1] :]  # rows naming a file that is not listed
+        rows = places.rows(k)
+        yield from backend.walk_file(root / name, rows, places.position[rows], index["length"][rows], extra_keys)
+    beyond = places.order[places.bounds[-1] :]  # rows naming a file that is not listed
     for i in beyond.tolist():
         yield i, None
 
@@ -110,10 +130,9 @@ class InOrder:
     def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
         self.root, self.backend = Path(root), BACKENDS[manifest.backend]
         self.files, self.index = data_files(manifest), index
-        self.number, self.position = record_places(manifest, index)
-        order = np.lexsort((self.position, self.number))
-        bounds = np.searchsorted(self.number[order], np.arange(len(self.files) + 1))
-        self._rows = [order[bounds[k] : bounds[k + 1]] for k in range(len(self.files))]
+        places = by_file(manifest, index)
+        self.number, self.position = places.number, places.position
+        self._rows = [places.rows(k) for k in range(len(self.files))]
         self._walks: dict[int, tuple[Generator[Fetched, None, None], list[int]]] = {}
 
     def get(self, j: int) -> tuple[Optional[bytes], int]:

@@ -27,7 +27,7 @@ from PIL import Image
 from .. import codec
 from ..codec import decode_jpeg, native_shrink, shrink_factor, turbojpeg
 from ..format.records import FORMATS
-from .scan import open_regular
+from .scan import open_source
 
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
 HEIF_EXTENSIONS = frozenset((".heic", ".heif"))
@@ -142,7 +142,7 @@ def open_image(data: bytes) -> Image.Image:
 
 def load(path: str, opts: PreprocessSpec) -> Image.Image:
     """Decode ``path`` as an upright RGB image already shrunk to the target short edge."""
-    with open_regular(path) as f:
+    with open_source(path) as f:
         data = f.read()
     with open_image(data) as im:  # reads the header only: size, mode, EXIF
         width, height = im.size

@@ -492,6 +492,14 @@ def listed_sizes(root: Path, index: np.ndarray, manifest: Manifest) -> np.ndarra
     return np.array([int(s["bytes"]) for s in manifest.shards], dtype=np.uint64)[index["shard"]]
 
 
+def bytes_per_file(number: np.ndarray, lengths: np.ndarray, files: int) -> np.ndarray:
+    """The sum of ``lengths`` per data file ``number`` (0 to ``files - 1``): the record bytes rows
+    point to in each file (int64: float weights would round big sums)."""
+    total = np.zeros(files, np.int64)
+    np.add.at(total, number, lengths.astype(np.int64))
+    return total
+
+
 class LmdbLayout(Layout):
     """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
     file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""

@@ -28,9 +28,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..backends import BACKENDS, data_files, record_places
+from ..backends import BACKENDS, data_files
 from ..backends.pin import pin
-from ..backends.walk import walk
+from ..backends.walk import by_file, walk
 from ..format import (
     INDEX,
     LABELS,
@@ -39,6 +39,7 @@ from ..format import (
     DatasetError,
     Digest,
     Manifest,
+    bytes_per_file,
     index_digest,
     logical_digest,
     source_path,
@@ -200,8 +201,8 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
     """Record counts and sizes as the manifest lists them per data file. Versions 1 and 2: memmap
     shards filled in index order, records back to back. Version 3 (segments): no two rows share bytes
     or a key, and a memmap dataset's bytes no row points to add up to ``dead_bytes``."""
-    backend, files = BACKENDS[manifest.backend], data_files(manifest)
-    number, position = record_places(manifest, index)
+    backend, files, places = BACKENDS[manifest.backend], data_files(manifest), by_file(manifest, index)
+    number, order = places.number, places.order
     counts = np.bincount(number, minlength=len(files)).tolist()
     listed = [int(s["count"]) for s in manifest.shards]
     if counts != listed:
@@ -210,8 +211,7 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
     if total != manifest.bytes:
         result.add(f"manifest: bytes {manifest.bytes} differ from the data files' total {total}")
     if manifest.format_version >= 3:
-        order = np.lexsort((position, number))
-        n, at = number[order], position[order]
+        n, at = number[order], places.position[order]
         ends = at + (1 if backend.keyed else index["length"][order].astype(np.int64))
         shared = np.flatnonzero((n[1:] == n[:-1]) & (at[1:] < ends[:-1]))
         if len(shared):
@@ -223,8 +223,7 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
         if segments != manifest.segments:
             result.add(f"manifest: segments {manifest.segments} differ from the data files' {segments}")
         if not backend.keyed:  # keyed (LMDB): the walk counts the unused records' bytes
-            live = np.zeros(len(files), np.int64)
-            np.add.at(live, number, index["length"].astype(np.int64))
+            live = bytes_per_file(number, index["length"], len(files))
             for s, n, d in zip(manifest.shards, live.tolist(), dead):
                 if int(s["bytes"]) - n != d:
                     result.add(f"{s['file']}: {int(s['bytes']) - n} bytes no record uses, the manifest says {d}")
