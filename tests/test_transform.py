@@ -17,6 +17,7 @@ from packer import codec, transform
 from packer.read.dataset import ShardDataset
 from packer.transform import DRAWS, random_resized_crops, resize, to_device, uniforms
 
+from .conftest import FORMAT_NAMES
 from .test_dataset import CROP, load
 
 #: The resize kernels this install has (packer's own needs packer._native built).
@@ -74,7 +75,7 @@ def test_batched_crops_match_torchvision_semantics() -> None:
     assert ((boxes[:, 1] >= 0) & (boxes[:, 1] + boxes[:, 3] <= widths)).all()
 
 
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_memory_formats_and_resize_backends_agree(built, fmt: str, monkeypatch) -> None:
     """channels-last (default) and contiguous batches hold the same values; torch's, Pillow's and
     packer's antialiased bilinear resizes agree to within rounding away from the crop's border, and
@@ -166,7 +167,7 @@ def test_raw_bytes_matches_tobytes() -> None:
         assert resize._raw_bytes(im, "RGB") == im.tobytes("raw", "RGB")
 
 
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_threads_sharing_a_dataset_get_the_same_samples(built, fmt: str) -> None:
     """Decode buffers are per thread: a thread pool over one dataset (decodes release the GIL)
     gives what a single thread gives."""
@@ -229,7 +230,7 @@ def test_crop_decoder_refuses_bad_data_and_boxes() -> None:
 
 
 @pytest.mark.skipif(codec._native is None, reason="packer._native not built (no C compiler or libjpeg headers)")
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_native_packing_matches_pillows(built, fmt: str, monkeypatch) -> None:
     """Writing a Pillow-resized crop to its batch slot with the compiled RGBX->RGB packer (mirroring
     included) gives Pillow's own transpose + tobytes result, byte for byte."""
@@ -312,7 +313,7 @@ def test_batches_are_bit_identical_to_the_recorded_ones(built, monkeypatch) -> N
         monkeypatch.setenv("PACKER_RESIZE", backend)
         transform.resize_backend.cache_clear()
         try:
-            for fmt in ("jpeg", "raw"):
+            for fmt in FORMAT_NAMES:
                 for name, value in batches(built("memmap", fmt)).items():
                     found[f"{backend} {fmt} {name}"] = value
         finally:
