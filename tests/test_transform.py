@@ -202,10 +202,10 @@ def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_
         try:
             for train in (True, False):
                 ds = ShardDataset(out, crop_size=224, train=train, seed=2, dtype=torch.uint8)
-                band = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
+                band = torch.stack([s.image for s in ds.__getitems__(list(range(len(ds))))])
                 with monkeypatch.context() as m:
                     m.setattr(codec, "_native", None)
-                    full = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
+                    full = torch.stack([s.image for s in ds.__getitems__(list(range(len(ds))))])
                 assert (band.int() - full.int()).abs().max() <= tolerance, (backend, train)
         finally:
             monkeypatch.delenv("PACKER_RESIZE")
@@ -239,9 +239,9 @@ def test_native_packing_matches_pillows(built, fmt: str, monkeypatch) -> None:
     try:
         ds = ShardDataset(built("memmap", fmt), crop_size=CROP, seed=4, dtype=torch.uint8)
         indices = list(range(len(ds)))
-        native = torch.stack([s.image for s in ds._batch(indices, 0)])
+        native = torch.stack([s.image for s in ds.__getitems__(indices)])
         monkeypatch.setattr(resize, "_native", None)
-        fallback = torch.stack([s.image for s in ds._batch(indices, 0)])
+        fallback = torch.stack([s.image for s in ds.__getitems__(indices)])
     finally:
         monkeypatch.delenv("PACKER_RESIZE")
         transform.resize_backend.cache_clear()
@@ -285,7 +285,8 @@ def batches(path: Path) -> dict[str, str]:
 
     def batch(name: str, epoch: int = 0, **kw) -> None:
         ds = ShardDataset(path, **kw)
-        out[name] = digest([s.image for s in ds._batch(list(range(n)), epoch)])
+        ds.set_epoch(epoch)
+        out[name] = digest([s.image for s in ds.__getitems__(list(range(n)))])
 
     batch("train-u8", crop_size=64, seed=3, dtype=torch.uint8)
     batch("train-u8-epoch5", epoch=5, crop_size=64, seed=3, dtype=torch.uint8)
@@ -297,7 +298,7 @@ def batches(path: Path) -> dict[str, str]:
     batch("whole-f32", crop_size=None)
     batch("whole-transform-u8", crop_size=None, dtype=torch.uint8, transform=lambda x: x[:, :200, :200])
     ds = ShardDataset(path, crop_size=64, seed=3, dtype=torch.uint8)
-    u8 = torch.stack([s.image for s in ds._batch(list(range(n)), 0)])
+    u8 = torch.stack([s.image for s in ds.__getitems__(list(range(n)))])
     out["to_device-cpu"] = digest([transform.to_device(u8, "cpu")])
     out["to_device-cpu-f16"] = digest([transform.to_device(u8, "cpu", dtype=torch.float16)])
     with pytest.MonkeyPatch.context() as m:  # without packer's libjpeg binding: whole-record decodes
