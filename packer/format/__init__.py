@@ -394,7 +394,7 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
         raise DatasetError(
             f"{root}: record {first}: stored size {int(index[first]['height'])} x "
             f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
-            f"or a JPEG edge over {FORMATS['jpeg'].max_edge})"
+            f"or an edge over {fmt.max_edge}, the most a {fmt.name} record holds)"
         )
     LAYOUTS[manifest.backend].check_places(root, index, manifest)
 
