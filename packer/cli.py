@@ -18,6 +18,7 @@ import numpy as np
 from .builder.options import BuildOptions, cli_fields, flag
 from .errors import PackerError, is_url, local_path
 from .format import json_text
+from .format.records import FORMATS
 
 
 class Terminated(KeyboardInterrupt):
@@ -309,7 +310,7 @@ def info(out: Path, as_json: bool) -> None:
     click.echo(
         f"{facts['path']}: {facts['count']} images, {len(facts['classes'])} classes{kind}, "
         f"{facts['format']} in {facts['backend']}, short edge {facts['short_edge']}"
-        + (f", quality {facts['quality']}" if facts["format"] == "jpeg" else "")
+        + (f", quality {facts['quality']}" if FORMATS[facts["format"]].lossy else "")
     )
     click.echo(f"  bytes on disk {facts['bytes']:,}; mean {facts['mean_bytes']:,.0f} bytes/image")
     click.echo(f"  scanned {facts['scanned']}, skipped {facts['skipped']}, ignored {facts['ignored']}")

@@ -104,6 +104,7 @@ def shrink_factor(width: int, height: int, min_short: int) -> tuple[int, int]:
 
 def decode_jpeg(
     data: bytes | memoryview,
+    *,
     width: int,
     height: int,
     factor: tuple[int, int] = (1, 1),
@@ -111,7 +112,8 @@ def decode_jpeg(
     out: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """Decode a whole JPEG of ``width`` x ``height`` pixels (its header's, or the index's) to an
-    H x W x 3 uint8 RGB array (x 4 RGBX with ``rgbx``), DCT-scaled by ``factor``.
+    H x W x 3 uint8 RGB array (x 4 RGBX with ``rgbx``), DCT-scaled by ``factor``. The size is
+    keyword-only: width-then-height here and height-then-width in an array shape are easy to swap.
 
     RGBX is Pillow's own pixel layout, so a Pillow image can map the result without converting it.
     ``out`` is the destination when it has the decoded shape and is C-contiguous (saves an allocation

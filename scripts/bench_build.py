@@ -57,7 +57,7 @@ def floor_turbojpeg(path: str) -> int:
     with open(path, "rb") as f:
         data = f.read()
     w, h = Image.open(io.BytesIO(data)).size
-    return decode_jpeg(data, w, h, shrink_factor(w, h, SHORT)).size
+    return decode_jpeg(data, width=w, height=h, factor=shrink_factor(w, h, SHORT)).size
 
 
 def floor_pillow_draft(path: str) -> int:
@@ -181,7 +181,8 @@ def quality(out: Path, raw: Path, sample: int) -> dict:
     ours, theirs = [], []
     for i in np.linspace(0, len(index) - 1, sample).astype(int):
         ref = naive_pixels(raw / source_path(sources, index[i])).astype(np.float64)
-        mine = decode_jpeg(reader.get(int(i)), int(index[i]["width"]), int(index[i]["height"])).astype(np.float64)
+        row = index[i]
+        mine = decode_jpeg(reader.get(int(i)), width=int(row["width"]), height=int(row["height"])).astype(np.float64)
         buf = io.BytesIO()
         Image.fromarray(ref.astype(np.uint8)).save(buf, format="JPEG", quality=90)
         naive_jpeg = np.asarray(Image.open(buf)).astype(np.float64)

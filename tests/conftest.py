@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
 
 import pytest
+
+from packer.backends import BACKENDS
+from packer.format.records import FORMATS
 
 # 18 real photos covering every EXIF orientation flag, downscaled, with their licence (see its README.md).
 PHOTOS = Path(__file__).resolve().parent / "data" / "exif-orientation"
@@ -40,4 +44,10 @@ def built(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-COMBOS = [("lmdb", "jpeg"), ("lmdb", "raw"), ("memmap", "jpeg"), ("memmap", "raw")]
+#: The backend contract suite's parameters, from packer's own tables: every backend and every record
+#: format (a new one is tested by adding it there), every (backend, format) pair, and a cheaper cover
+#: that has each backend and each format once, for tests too slow to run on every pair.
+BACKEND_NAMES, FORMAT_NAMES = tuple(BACKENDS), tuple(FORMATS)
+COMBOS = list(itertools.product(BACKEND_NAMES, FORMAT_NAMES))
+_PAIRS = max(len(BACKEND_NAMES), len(FORMAT_NAMES))
+ONE_EACH = [(BACKEND_NAMES[i % len(BACKEND_NAMES)], FORMAT_NAMES[i % len(FORMAT_NAMES)]) for i in range(_PAIRS)]

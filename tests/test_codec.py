@@ -28,23 +28,23 @@ def test_truncated_jpegs_raise_in_every_thread(decoder: str, monkeypatch) -> Non
     pixels = rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
     good = codec.encode_jpeg(pixels, 90)
     truncated = good[: len(good) * 2 // 3]
-    want = codec.decode_jpeg(good, 160, 120)
+    want = codec.decode_jpeg(good, width=160, height=120)
     with pytest.raises(ValueError, match="corrupt JPEG data"):
-        codec.decode_jpeg(truncated, 160, 120)
+        codec.decode_jpeg(truncated, width=160, height=120)
     with pytest.raises(
         ValueError, match=r"corrupt JPEG data \((decodes to 160x120, expected|crop .* the 160x120 image)"
     ):
-        codec.decode_jpeg(good, 161, 120)  # the size the index or header said is not the data's
+        codec.decode_jpeg(good, width=161, height=120)  # the size the index or header said is not the data's
 
     def work(k: int) -> str:
         if k % 3 == 0:
             try:
-                codec.decode_jpeg(truncated, 160, 120, rgbx=k % 2 == 0)
+                codec.decode_jpeg(truncated, width=160, height=120, rgbx=k % 2 == 0)
             except ValueError:
                 return "refused"
             return "decoded a truncated JPEG"
         if k % 3 == 1:
-            same = np.array_equal(codec.decode_jpeg(good, 160, 120), want)
+            same = np.array_equal(codec.decode_jpeg(good, width=160, height=120), want)
             return "decoded" if same else "wrong pixels"
         warnings.warn("another thread's warning", UserWarning, stacklevel=1)
         return "warned"

@@ -29,8 +29,10 @@ from packer.format import INDEX, MANIFEST, SOURCES, DatasetError, Manifest, load
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
+from .conftest import FORMAT_NAMES
+
 PACKER = [sys.executable, "-m", "packer.cli"]
-KINDS = [("lmdb", "jpeg"), ("memmap", "jpeg"), ("memmap", "raw")]
+KINDS = [("lmdb", "jpeg"), ("memmap", "jpeg"), ("memmap", "raw")]  # fuzzing: every backend and format, not every pair
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -127,7 +129,7 @@ def test_truncated_data_mdb_is_refused_not_a_sigbus(pristine, tmp_path: Path) ->
     assert run.returncode == 1 and "truncated" in run.stderr and "Traceback" not in run.stderr
 
 
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_truncated_shard_is_refused_and_verify_names_the_records(pristine, tmp_path: Path, fmt: str) -> None:
     root = copy(pristine("memmap", fmt), tmp_path / "d")
     shard = root / "shard-00001.bin"
@@ -450,7 +452,7 @@ def _leaf_nodes(data: bytes, psize: int = 4096) -> list[int]:
     return offsets
 
 
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_damaged_node_size_with_restored_mtime_is_an_error_not_sigbus(pristine, tmp_path: Path, fmt: str) -> None:
     """Bit rot that kept the file's mtime (cp -p, rsync --inplace): one leaf node's 4-byte size made
     huge. Nothing is keyed on the mtime any more: the read path checks the pages a record's lookup

@@ -26,6 +26,7 @@ from packer.builder.staging import staging_path  # noqa: E402
 from packer.format import LABELS, TARGETS, Manifest, load_index  # noqa: E402
 from packer.sample import make_sample  # noqa: E402
 
+from .conftest import ONE_EACH  # noqa: E402
 from .test_build import stored_images  # noqa: E402
 
 
@@ -69,7 +70,7 @@ def assert_same_dataset(dask_out: Path, local_out: Path) -> None:
     assert [img.shape[:2] for img in images] == [(r["height"], r["width"]) for r in index]
 
 
-@pytest.mark.parametrize("backend,fmt", [("lmdb", "jpeg"), ("memmap", "raw")])
+@pytest.mark.parametrize("backend,fmt", ONE_EACH)
 def test_digest_equals_local_build(client, mixed_raw: Path, tmp_path: Path, backend: str, fmt: str) -> None:
     local = tmp_path / f"local-{backend}"
     build(mixed_raw, local, backend=backend, format=fmt, workers=1, quiet=True)
@@ -129,7 +130,7 @@ def test_worker_killed_mid_build(client, mixed_raw: Path, tmp_path: Path) -> Non
         import packer.builder.dask as d
         import packer.builder.preprocess as p
 
-        def slow(paths: list[str], opts: p.Options) -> list:
+        def slow(paths: list[str], opts: p.PreprocessSpec) -> list:
             t.sleep(seconds)
             return p.process_chunk(paths, opts)
 
@@ -202,7 +203,7 @@ def _edit(raw: Path) -> None:
     shutil.copyfile(photos[0], photos[2])
 
 
-@pytest.mark.parametrize("backend,fmt", [("lmdb", "jpeg"), ("memmap", "raw")])
+@pytest.mark.parametrize("backend,fmt", ONE_EACH)
 def test_update_equals_local_update(client, mixed_raw: Path, tmp_path: Path, backend: str, fmt: str) -> None:
     """--dask --update: the local reuse plan, only the added/changed files sent to tasks, the local
     --update's dataset; then up to date for either engine (their ``inputs`` digests are the same)."""

@@ -23,6 +23,7 @@ from packer.format import lmdb_key
 from packer.read.dataset import ShardDataset
 
 from . import _sampler_run as run
+from .conftest import BACKEND_NAMES
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -85,7 +86,7 @@ def test_each_window_names_the_next_windows_blocks(built) -> None:
     assert set(locality.records(first.ahead, 18).tolist()) == set(sequence[6:18].tolist())
 
 
-@pytest.mark.parametrize("backend", ["memmap", "lmdb"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_prefetch_brings_a_blocks_bytes_into_the_page_cache(built, backend: str) -> None:
     path = built(backend, "raw")
     ds = ShardDataset(path, crop_size=run.CROP)

@@ -21,6 +21,8 @@ from torch.utils.data import DataLoader
 
 from packer import DatasetError, DatasetReplaced, ShardDataset, build
 
+from .conftest import COMBOS, ONE_EACH
+
 CLASSES = 3
 PER_CLASS = 7
 CROP = 16
@@ -101,11 +103,8 @@ def open_loader(out: Path, ctx: str, persistent: bool) -> tuple[ShardDataset, Da
     return ds, loader
 
 
-KINDS = [("lmdb", "jpeg"), ("lmdb", "raw"), ("memmap", "jpeg"), ("memmap", "raw")]
-
-
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
-@pytest.mark.parametrize("backend,fmt", KINDS)
+@pytest.mark.parametrize("backend,fmt", COMBOS)
 def test_fork_workers_keep_the_version_they_opened(
     raw: Path, tmp_path: Path, backend: str, fmt: str, persistent: bool
 ) -> None:
@@ -122,7 +121,7 @@ def test_fork_workers_keep_the_version_they_opened(
     check(ds, [0, 20], torch.stack([ds[0][0], ds[20][0]]), torch.tensor([ds[0][1], ds[20][1]]))  # the parent too
 
 
-@pytest.mark.parametrize("backend,fmt", [("lmdb", "jpeg"), ("memmap", "raw")])
+@pytest.mark.parametrize("backend,fmt", ONE_EACH)
 def test_spawn_workers_keep_the_version_or_say_it_was_replaced(
     raw: Path, tmp_path: Path, backend: str, fmt: str
 ) -> None:

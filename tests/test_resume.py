@@ -27,6 +27,8 @@ from packer.builder.staging import PROGRESS, staging_path
 from packer.format import Manifest
 from packer.tools.verify import verify
 
+from .conftest import BACKEND_NAMES
+
 PACKER = [sys.executable, "-m", "packer.cli"]
 N_IMAGES = 480
 
@@ -122,7 +124,7 @@ def check_resumed(raw: Path, out: Path, reference: Path, backend: str) -> None:
     assert not staging_path(out).exists()
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_kill_9_then_resume_gives_the_same_digest(raw: Path, reference: Path, tmp_path: Path, backend: str) -> None:
     out = tmp_path / "out"
     proc = start_build(raw, out, "--backend", backend)
@@ -237,7 +239,7 @@ def test_output_on_a_read_only_filesystem(raw: Path, tmp_path: Path) -> None:
         )
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_disk_full_then_resume_after_freeing_space(raw: Path, reference: Path, tmp_path: Path, backend: str) -> None:
     with tmpfs(tmp_path / "small", "size=2m") as small:
         out = small / "out"

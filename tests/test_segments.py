@@ -36,8 +36,9 @@ from packer.format import (
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
+from .conftest import BACKEND_NAMES
+
 PACKER = [sys.executable, "-m", "packer.cli"]
-BACKENDS = ["lmdb", "memmap"]
 
 
 def paint(path: Path, cls: int, number: int, size: tuple[int, int] = (40, 32)) -> None:
@@ -92,7 +93,7 @@ def same_as_full_rebuild(raw: Path, out: Path, tmp_path: Path, backend: str, **o
     assert verify(out).ok and verify(full).ok
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_a_refresh_links_the_old_files_and_writes_only_the_change(raw: Path, tmp_path: Path, backend: str) -> None:
     out = out_path(tmp_path, backend)
     build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8)
@@ -117,7 +118,7 @@ def test_a_refresh_links_the_old_files_and_writes_only_the_change(raw: Path, tmp
     assert info["segments"] == 2 and info["dead_bytes"] == after.dead_bytes and info["count"] == 30
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_walks_read_every_record_of_a_segmented_dataset_once(raw: Path, tmp_path: Path, backend: str) -> None:
     out = out_path(tmp_path, backend)
     build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8)
@@ -145,7 +146,7 @@ def test_walks_read_every_record_of_a_segmented_dataset_once(raw: Path, tmp_path
         records.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_compact_rewrites_into_one_segment_with_the_same_digest(raw: Path, tmp_path: Path, backend: str) -> None:
     out = out_path(tmp_path, backend)
     build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8)
@@ -169,7 +170,7 @@ def test_compact_rewrites_into_one_segment_with_the_same_digest(raw: Path, tmp_p
     assert up.up_to_date  # compact keeps the recorded inputs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_too_much_dead_rewrites_everything_and_too_many_segments_the_later_ones(
     raw: Path, tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -209,7 +210,7 @@ def test_a_filesystem_without_hard_links_rewrites_with_a_note(
     same_as_full_rebuild(raw, out, tmp_path, "memmap", shard_size=8)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_an_interrupted_refresh_resumes_over_its_links(raw: Path, tmp_path: Path, backend: str) -> None:
     out = out_path(tmp_path, backend)
     build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8)
@@ -272,7 +273,7 @@ def test_a_version_2_lmdb_dataset_reads_verifies_and_refreshes_into_segments(raw
     same_as_full_rebuild(raw, out, tmp_path, "lmdb")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_fork_workers_of_the_old_version_read_it_whole_while_a_refresh_lands(
     raw: Path, tmp_path: Path, backend: str
 ) -> None:

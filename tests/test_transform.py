@@ -17,6 +17,7 @@ from packer import codec, transform
 from packer.read.dataset import ShardDataset
 from packer.transform import DRAWS, random_resized_crops, resize, to_device, uniforms
 
+from .conftest import FORMAT_NAMES
 from .test_dataset import CROP, load
 
 #: The resize kernels this install has (packer's own needs packer._native built).
@@ -74,7 +75,7 @@ def test_batched_crops_match_torchvision_semantics() -> None:
     assert ((boxes[:, 1] >= 0) & (boxes[:, 1] + boxes[:, 3] <= widths)).all()
 
 
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_memory_formats_and_resize_backends_agree(built, fmt: str, monkeypatch) -> None:
     """channels-last (default) and contiguous batches hold the same values; torch's, Pillow's and
     packer's antialiased bilinear resizes agree to within rounding away from the crop's border, and
@@ -166,7 +167,7 @@ def test_raw_bytes_matches_tobytes() -> None:
         assert resize._raw_bytes(im, "RGB") == im.tobytes("raw", "RGB")
 
 
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_threads_sharing_a_dataset_get_the_same_samples(built, fmt: str) -> None:
     """Decode buffers are per thread: a thread pool over one dataset (decodes release the GIL)
     gives what a single thread gives."""
@@ -201,10 +202,10 @@ def test_crop_on_decode_matches_a_full_decode(raw_photos, tmp_path: Path, short_
         try:
             for train in (True, False):
                 ds = ShardDataset(out, crop_size=224, train=train, seed=2, dtype=torch.uint8)
-                band = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
+                band = torch.stack([s.image for s in ds.__getitems__(list(range(len(ds))))])
                 with monkeypatch.context() as m:
                     m.setattr(codec, "_native", None)
-                    full = torch.stack([s.image for s in ds._batch(list(range(len(ds))), 0)])
+                    full = torch.stack([s.image for s in ds.__getitems__(list(range(len(ds))))])
                 assert (band.int() - full.int()).abs().max() <= tolerance, (backend, train)
         finally:
             monkeypatch.delenv("PACKER_RESIZE")
@@ -229,7 +230,7 @@ def test_crop_decoder_refuses_bad_data_and_boxes() -> None:
 
 
 @pytest.mark.skipif(codec._native is None, reason="packer._native not built (no C compiler or libjpeg headers)")
-@pytest.mark.parametrize("fmt", ["jpeg", "raw"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_native_packing_matches_pillows(built, fmt: str, monkeypatch) -> None:
     """Writing a Pillow-resized crop to its batch slot with the compiled RGBX->RGB packer (mirroring
     included) gives Pillow's own transpose + tobytes result, byte for byte."""
@@ -238,9 +239,9 @@ def test_native_packing_matches_pillows(built, fmt: str, monkeypatch) -> None:
     try:
         ds = ShardDataset(built("memmap", fmt), crop_size=CROP, seed=4, dtype=torch.uint8)
         indices = list(range(len(ds)))
-        native = torch.stack([s.image for s in ds._batch(indices, 0)])
+        native = torch.stack([s.image for s in ds.__getitems__(indices)])
         monkeypatch.setattr(resize, "_native", None)
-        fallback = torch.stack([s.image for s in ds._batch(indices, 0)])
+        fallback = torch.stack([s.image for s in ds.__getitems__(indices)])
     finally:
         monkeypatch.delenv("PACKER_RESIZE")
         transform.resize_backend.cache_clear()
@@ -284,7 +285,8 @@ def batches(path: Path) -> dict[str, str]:
 
     def batch(name: str, epoch: int = 0, **kw) -> None:
         ds = ShardDataset(path, **kw)
-        out[name] = digest([s.image for s in ds._batch(list(range(n)), epoch)])
+        ds.set_epoch(epoch)
+        out[name] = digest([s.image for s in ds.__getitems__(list(range(n)))])
 
     batch("train-u8", crop_size=64, seed=3, dtype=torch.uint8)
     batch("train-u8-epoch5", epoch=5, crop_size=64, seed=3, dtype=torch.uint8)
@@ -296,7 +298,7 @@ def batches(path: Path) -> dict[str, str]:
     batch("whole-f32", crop_size=None)
     batch("whole-transform-u8", crop_size=None, dtype=torch.uint8, transform=lambda x: x[:, :200, :200])
     ds = ShardDataset(path, crop_size=64, seed=3, dtype=torch.uint8)
-    u8 = torch.stack([s.image for s in ds._batch(list(range(n)), 0)])
+    u8 = torch.stack([s.image for s in ds.__getitems__(list(range(n)))])
     out["to_device-cpu"] = digest([transform.to_device(u8, "cpu")])
     out["to_device-cpu-f16"] = digest([transform.to_device(u8, "cpu", dtype=torch.float16)])
     with pytest.MonkeyPatch.context() as m:  # without packer's libjpeg binding: whole-record decodes
@@ -312,7 +314,7 @@ def test_batches_are_bit_identical_to_the_recorded_ones(built, monkeypatch) -> N
         monkeypatch.setenv("PACKER_RESIZE", backend)
         transform.resize_backend.cache_clear()
         try:
-            for fmt in ("jpeg", "raw"):
+            for fmt in FORMAT_NAMES:
                 for name, value in batches(built("memmap", fmt)).items():
                     found[f"{backend} {fmt} {name}"] = value
         finally:

@@ -22,6 +22,8 @@ from packer.format import INDEX_DTYPE, Manifest, load_index, source_path
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
+from .conftest import BACKEND_NAMES
+
 REPO = Path(__file__).resolve().parents[1]
 PACKER = [sys.executable, "-m", "packer.cli"]
 
@@ -55,7 +57,7 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = packer.builder.preprocess.process
 
-    def spy(path: str, opts: packer.builder.preprocess.Options) -> packer.builder.preprocess.Result:
+    def spy(path: str, opts: packer.builder.preprocess.PreprocessSpec) -> packer.builder.preprocess.Result:
         seen.append(Path(path).relative_to(Path(path).parents[1]).as_posix())
         return real(path, opts)
 
@@ -90,7 +92,7 @@ def change_tree(raw: Path) -> None:
     (raw / "cat" / "img4.jpg").rename(raw / "dog" / "img4-moved.jpg")
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_update_decodes_only_changed_files_and_equals_a_full_rebuild(
     raw: Path, tmp_path: Path, decoded: list[str], backend: str
 ) -> None:

@@ -27,7 +27,7 @@ __all__ = [
     "record_places",
 ]
 
-#: Every backend by the name manifests and ``--backend`` use (packer.format.BACKENDS lists the same).
+#: Every backend by the name manifests and ``--backend`` use (packer.format.LAYOUTS: their layouts).
 BACKENDS: dict[str, Backend] = {b.name: b for b in (Lmdb(), Memmap())}
 #: What the backends' writers raise on a full disk (a build turns it into one clear error).
 WRITE_ERRORS: tuple[type[Exception], ...] = (OSError, *(e for b in BACKENDS.values() for e in b.write_errors))

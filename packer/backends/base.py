@@ -1,4 +1,5 @@
-"""What every backend provides (:class:`Backend`) and the reader interface they share (:class:`Reader`).
+"""What every backend provides (:class:`Backend`), the reader interface they share (:class:`Reader`)
+and the pinned version of a dataset readers read from (:class:`Pinned`, opened by packer.backends.pin).
 
 A backend is the pair of a way to store records (LMDB files keyed by number, or memmap shards of
 concatenated bytes) and everything that knows it: the writer, the reader, the sequential walk over one
@@ -9,22 +10,92 @@ manifest's ``backend`` from one table; nothing else looks at the name.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from ..format import DatasetError, Layout, Manifest
-
-if TYPE_CHECKING:
-    from .memmap import Shard
-    from .pin import Pinned
+from ..errors import DatasetReplaced
+from ..format import LAYOUTS, DatasetError, Layout, Manifest, fd_path
 
 Buffer = memoryview  # zero-copy view of one record's bytes, valid while its reader lives
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
 #: told of the records of a data file that no index row names: (file name, records, bytes)
 ExtraKeys = Callable[[str, int, int], None]
+
+
+class Mapped(Protocol):
+    """A memmap shard's mapping (packer.backends.memmap.Mapping), as its reader uses it."""
+
+    def __len__(self) -> int: ...
+    def madvise(self, advice: int, start: int = 0, length: Optional[int] = None) -> None: ...
+
+
+Shard = tuple[np.ndarray, Optional[Mapped]]  # a shard's bytes, and their mapping (None when empty)
+FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
+
+
+def file_key(st: os.stat_result) -> FileKey:
+    """A file's identity (:data:`FileKey`) from its stat."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class Pinned:
+    """Manifest, index, source paths, label arrays and data files of one version of the dataset at
+    ``root`` (:func:`packer.backends.pin.pin` opens one; here, beside the readers that take it, so that
+    the backends need not import pin). ``files`` names each file's identity; ``multi``/``targets``
+    are the label arrays the dataset has (else None); ``data_fds`` hold the LMDB data files open, in
+    segment order (:func:`packer.backends.data_files`); ``shards`` are the memmap shards' mappings, in
+    order."""
+
+    def __init__(
+        self,
+        root: str,
+        manifest: Manifest,
+        arrays: tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]],
+        files: dict[str, FileKey],
+        data_fds: list[int],
+        shards: list[Shard],
+    ) -> None:
+        self.root, self.manifest = root, manifest
+        self.index, self.sources, self.multi, self.targets = arrays
+        self.files, self.data_fds, self.shards = files, data_fds, shards
+        self.data_names = LAYOUTS[manifest.backend].data_files(manifest) if data_fds else []
+        if data_fds:
+            self._close = weakref.finalize(self, close_fds, list(data_fds))
+
+    def data_key(self, k: int) -> FileKey:
+        """The identity of LMDB data file ``k``: what py-lmdb's "already open" guard keys on (its
+        first two fields), shared by every version of the dataset that keeps that file."""
+        return self.files[self.data_names[k]]
+
+    def data_path(self, k: int) -> str:
+        """A path that opens the pinned LMDB data file ``k`` itself, deleted or not (/proc/self/fd/N
+        on Linux, /dev/fd/N on macOS); elsewhere its path, while the file there is still the pinned one."""
+        at = fd_path(self.data_fds[k])
+        if at is not None:
+            return at
+        path = os.path.join(self.root, self.data_names[k])
+        try:
+            if file_key(os.stat(path)) == self.data_key(k):
+                return path
+        except OSError:
+            pass
+        raise replaced(self.root)
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def replaced(root: str) -> DatasetReplaced:
+    return DatasetReplaced(
+        f"{root}: the dataset was replaced since it was opened (a build --update or --force ran); "
+        f"create a new ShardDataset to read the new version"
+    )
 
 
 class Reader:
@@ -80,7 +151,6 @@ class Backend(Layout):
     the default (``out.lmdb``). ``cold_advice``: what ``packer bench`` suggests for a dataset of this
     backend bigger than the page cache. ``write_errors``: what its writer raises besides OSError."""
 
-    name = ""
     suffix = ""
     cold_advice: tuple[str, ...] = ()
     write_errors: tuple[type[Exception], ...] = ()

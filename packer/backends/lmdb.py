@@ -23,21 +23,16 @@ import weakref
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import lmdb
 import numpy as np
 
 from ..format import DatasetError, LmdbLayout, Manifest, fd_path, lmdb_key, lmdb_segment_name, open_regular
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader
+from .base import Backend, Buffer, ExtraKeys, Pinned, Raw, Reader, Shard
 from .lmdbguard import Damaged, PageGuard
 from .write import open_written
-
-if TYPE_CHECKING:
-    from .memmap import Shard
-    from .pin import Pinned
-
 
 EnvKey = tuple[int, int]  # (st_dev, st_ino) of an LMDB data file: what py-lmdb's "already open" guard keys on
 
@@ -433,7 +428,7 @@ class Lmdb(LmdbLayout, Backend):
     """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
     file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
 
-    name, suffix, keyed = "lmdb", ".lmdb", True
+    suffix, keyed = ".lmdb", True
     write_errors = (lmdb.Error,)
     cold_advice = ("memmap shards read from disk faster than LMDB (`--backend memmap`)",)
     reader = LmdbReader

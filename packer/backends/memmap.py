@@ -15,10 +15,9 @@ import numpy as np
 
 from ..format import DatasetError, Manifest, MemmapLayout, open_regular, shard_name
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader
+from .base import Backend, Buffer, ExtraKeys, Raw, Reader, Shard
 from .write import open_written, sync_file
 
-Shard = tuple[np.ndarray, Optional["Mapping"]]  # a shard's bytes, and their mapping (None when empty)
 READ_BLOCK = 8 << 20  # bytes per buffered read of a shard in a walk
 
 
@@ -177,7 +176,7 @@ def _map_shard(root: str, info: dict, open_file) -> Shard:
 class Memmap(MemmapLayout, Backend):
     """memmap: shards of ``shard_size`` records, record ``i`` at byte ``offset`` of shard ``shard``."""
 
-    name, concatenated = "memmap", True
+    concatenated = True
     reader = MemmapReader
 
     def open_writer(

@@ -20,14 +20,12 @@ size, mtime) with the version its parent pinned: a dataset replaced since is ref
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
-from ..errors import DatasetReplaced
 from ..format import (
     INDEX,
     MANIFEST,
@@ -35,72 +33,16 @@ from ..format import (
     DatasetError,
     Manifest,
     check_index,
-    fd_path,
     load_label_arrays,
     map_npy,
     open_regular,
 )
-from . import BACKENDS, data_files
-
-if TYPE_CHECKING:
-    from .memmap import Shard
-
-FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns): one version of one file
+from . import BACKENDS
+from .base import FileKey, Pinned, close_fds, file_key, replaced
 
 
 class _Moved(Exception):
     """The directory was renamed or deleted while it was being opened (a refresh): open it again."""
-
-
-def _key(st: os.stat_result) -> FileKey:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-class Pinned:
-    """Manifest, index, source paths, label arrays and data files of one version of the dataset at
-    ``root``. ``files`` names each file's identity; ``multi``/``targets`` are the label arrays the
-    dataset has (else None); ``data_fds`` hold the LMDB data files open, in segment order
-    (:func:`packer.backends.data_files`); ``shards`` are the memmap shards' mappings, in order."""
-
-    def __init__(
-        self,
-        root: str,
-        manifest: Manifest,
-        arrays: tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]],
-        files: dict[str, FileKey],
-        data_fds: list[int],
-        shards: list[Shard],
-    ) -> None:
-        self.root, self.manifest = root, manifest
-        self.index, self.sources, self.multi, self.targets = arrays
-        self.files, self.data_fds, self.shards = files, data_fds, shards
-        self.data_names = data_files(manifest) if data_fds else []
-        if data_fds:
-            self._close = weakref.finalize(self, _close_all, list(data_fds))
-
-    def data_key(self, k: int) -> FileKey:
-        """The identity of LMDB data file ``k``: what py-lmdb's "already open" guard keys on (its
-        first two fields), shared by every version of the dataset that keeps that file."""
-        return self.files[self.data_names[k]]
-
-    def data_path(self, k: int) -> str:
-        """A path that opens the pinned LMDB data file ``k`` itself, deleted or not (/proc/self/fd/N
-        on Linux, /dev/fd/N on macOS); elsewhere its path, while the file there is still the pinned one."""
-        at = fd_path(self.data_fds[k])
-        if at is not None:
-            return at
-        path = os.path.join(self.root, self.data_names[k])
-        try:
-            if _key(os.stat(path)) == self.data_key(k):
-                return path
-        except OSError:
-            pass
-        raise replaced(self.root)
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 def pin(root: str, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
@@ -112,13 +54,6 @@ def pin(root: str, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
         except _Moved:
             continue
     raise DatasetError(f"{root}: the dataset kept being replaced while it was opened; try again")
-
-
-def replaced(root: str) -> DatasetReplaced:
-    return DatasetReplaced(
-        f"{root}: the dataset was replaced since it was opened (a build --update or --force ran); "
-        f"create a new ShardDataset to read the new version"
-    )
 
 
 def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
@@ -138,14 +73,14 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
                 here = os.stat(root)
             except OSError:
                 here = None
-            if here is None or (here.st_dev, here.st_ino) != tuple(_key(os.fstat(dir_fd))[:2]):
+            if here is None or (here.st_dev, here.st_ino) != tuple(file_key(os.fstat(dir_fd))[:2]):
                 raise _Moved() from None  # removed or swapped under us: the version at root is another
             if expect is not None:
                 raise replaced(root) from None
             if name == MANIFEST:
                 raise DatasetError(f"{root}: not a packer dataset (no {MANIFEST}; incomplete or wrong path)") from None
             raise DatasetError(f"{os.path.join(root, name)}: missing") from None
-        files[name] = _key(os.fstat(fd))
+        files[name] = file_key(os.fstat(fd))
         if expect is not None and expect.get(name) != files[name]:
             os.close(fd)
             raise replaced(root)
@@ -163,7 +98,7 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
         multi, targets = load_label_arrays(root, manifest, open_file)
         data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, open_file)
     except BaseException:
-        _close_all(data_fds)
+        close_fds(data_fds)
         raise
     finally:
         os.close(dir_fd)

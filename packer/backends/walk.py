@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -32,8 +32,31 @@ from ..format import Manifest
 from . import BACKENDS, data_files, record_places
 from .base import ExtraKeys, Raw
 
-Record = tuple[int, Optional[bytes], int]  # the same, copied, and the bytes' CRC-32 (0 when missing)
+Fetched = tuple[int, Optional[bytes], int]  # a Raw copied, with the bytes' CRC-32 (0 when missing)
 CHUNK_BYTES, CHUNK_RECORDS = 4 << 20, 1024  # records handed from the reading thread at a time
+
+
+class ByFile(NamedTuple):
+    """The rows of a dataset grouped by data file: each row's file ``number`` and ``position`` in it
+    (:func:`packer.backends.record_places`), the row numbers in ``order`` of both (stable: index
+    order where positions tie), and where each file's rows start in that order (``bounds``: one
+    more than there are data files; the rows after the last bound name a file that is not listed)."""
+
+    number: np.ndarray
+    position: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
+
+    def rows(self, k: int) -> np.ndarray:
+        """Data file ``k``'s rows, by position."""
+        return self.order[self.bounds[k] : self.bounds[k + 1]]
+
+
+def by_file(manifest: Manifest, index: np.ndarray) -> ByFile:
+    """``index``'s rows grouped by the data file they point into, each file's by position."""
+    number, position = record_places(manifest, index)
+    order = np.lexsort((position, number))
+    return ByFile(number, position, order, np.searchsorted(number[order], np.arange(len(data_files(manifest)) + 1)))
 
 
 def walk(
@@ -41,7 +64,7 @@ def walk(
     manifest: Manifest,
     index: np.ndarray,
     extra_keys: Optional[ExtraKeys] = None,
-) -> Generator[Record, None, None]:
+) -> Generator[Fetched, None, None]:
     """Every record of the dataset at ``root`` (laid out as ``manifest`` says), ``(i, bytes, crc32)``,
     in the order they lie on disk: data file by data file, each by position (byte offset or LMDB key
     number, :func:`packer.backends.record_places`); for a dataset written in one go, index order. Bytes
@@ -58,25 +81,22 @@ def _by_file(
     extra_keys: Optional[ExtraKeys],
 ) -> Generator[Raw, None, None]:
     """The rows of each data file in turn, in the order of their positions in it."""
-    backend, files = BACKENDS[manifest.backend], data_files(manifest)
-    number, position = record_places(manifest, index)
-    order = np.lexsort((position, number))  # stable: index order where positions tie
-    bounds = np.searchsorted(number[order], np.arange(len(files) + 1))
+    backend, files, places = BACKENDS[manifest.backend], data_files(manifest), by_file(manifest, index)
     for k, name in enumerate(files):
-        rows = order[bounds[k] : bounds[k + 1]]
-        yield from backend.walk_file(root / name, rows, position[rows], index["length"][rows], extra_keys)
-    beyond = order[bounds[-1] :]  # rows naming a file that is not listed
+        rows = places.rows(k)
+        yield from backend.walk_file(root / name, rows, places.position[rows], index["length"][rows], extra_keys)
+    beyond = places.order[places.bounds[-1] :]  # rows naming a file that is not listed
     for i in beyond.tolist():
         yield i, None
 
 
-def _ahead(records: Generator[Raw, None, None]) -> Generator[Record, None, None]:
+def _ahead(records: Generator[Raw, None, None]) -> Generator[Fetched, None, None]:
     """``records`` with their CRC-32s, read in a thread (always the same one: an LMDB transaction
     belongs to its thread) a chunk ahead of the caller, who works on the chunk before. Chunks of
     ~CHUNK_BYTES (at most CHUNK_RECORDS): a hand-over per record would cost more than a small record."""
 
-    def fetch() -> list[Record]:
-        chunk: list[Record] = []
+    def fetch() -> list[Fetched]:
+        chunk: list[Fetched] = []
         size = 0
         for i, data in records:
             if data is None:
@@ -91,7 +111,7 @@ def _ahead(records: Generator[Raw, None, None]) -> Generator[Record, None, None]
 
     with ThreadPoolExecutor(1, thread_name_prefix="packer-walk") as pool:
         try:
-            pending: Future[list[Record]] = pool.submit(fetch)
+            pending: Future[list[Fetched]] = pool.submit(fetch)
             while chunk := pending.result():
                 pending = pool.submit(fetch)
                 yield from chunk
@@ -110,11 +130,10 @@ class InOrder:
     def __init__(self, root: str | os.PathLike, manifest: Manifest, index: np.ndarray) -> None:
         self.root, self.backend = Path(root), BACKENDS[manifest.backend]
         self.files, self.index = data_files(manifest), index
-        self.number, self.position = record_places(manifest, index)
-        order = np.lexsort((self.position, self.number))
-        bounds = np.searchsorted(self.number[order], np.arange(len(self.files) + 1))
-        self._rows = [order[bounds[k] : bounds[k + 1]] for k in range(len(self.files))]
-        self._walks: dict[int, tuple[Generator[Record, None, None], list[int]]] = {}
+        places = by_file(manifest, index)
+        self.number, self.position = places.number, places.position
+        self._rows = [places.rows(k) for k in range(len(self.files))]
+        self._walks: dict[int, tuple[Generator[Fetched, None, None], list[int]]] = {}
 
     def get(self, j: int) -> tuple[Optional[bytes], int]:
         """Row ``j``'s bytes and their CRC-32 (None and 0 when missing from its data file)."""

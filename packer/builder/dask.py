@@ -45,7 +45,7 @@ from ..errors import ShardError, say
 from ..format import INDEX_DTYPE, shard_name
 from .options import DASK_TASK_SIZE, BuildError, BuildOptions
 from .pipeline import run_build
-from .preprocess import Options, Record, Result, Skip, process_chunk
+from .preprocess import PreprocessSpec, Record, Result, Skip, process_chunk
 from .scan import Scan
 from .staging import PROGRESS, BuildReport, Progress, RecordSink, Writer, fill, write_json_atomic
 from .update import Cache, ordered_results
@@ -69,7 +69,7 @@ def paths_digest(rels: list[str]) -> str:
 # ----------------------------------------------------------------------------------------- worker side
 
 
-def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Options) -> dict[str, Any]:
+def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: PreprocessSpec) -> dict[str, Any]:
     """One task: preprocess ``rels`` (paths under ``raw``) into fragment ``k``; returns its metadata.
 
     Files go through ``process_chunk`` one at a time and straight to disk, so worker memory stays at
@@ -273,7 +273,7 @@ def _run_tasks(
     fragments: Path,
     tasks: list[list[str]],
     todo: list[int],
-    opts: Options,
+    opts: PreprocessSpec,
     on_error: Optional[str],
     progress: Progress,
     retries: int,

@@ -10,15 +10,16 @@ compared by ``--resume``) and what the manifest's ``inputs`` digest covers.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..backends import BACKENDS as TABLE
+from ..backends import BACKENDS
 from ..codec import codec_name
 from ..errors import BuildError
-from ..format import BACKENDS, FORMATS
+from ..format.records import FORMATS
 from .labels import Labelling
-from .preprocess import Options
+from .preprocess import PreprocessSpec
 from .split import check_splits
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ ON_CLASS_CHANGE = ("warn", "fail")
 # records or every ``checkpoint_seconds``, whichever comes first: the count bounds the work lost in a
 # fast build, the clock makes even a small or slow build resumable after a few seconds.
 CHECKPOINT_RECORDS = 2000
-PREPROCESS_FIELDS = tuple(f.name for f in fields(Options))  # each a BuildOptions field of the same name
+PREPROCESS_FIELDS = tuple(f.name for f in fields(PreprocessSpec))  # each a BuildOptions field of the same name
 
 
 def parse_splits(specs: tuple[str, ...]) -> Optional[dict[str, float]]:
@@ -65,11 +66,11 @@ def _flag(help: str) -> Any:
 class BuildOptions:
     """How to build a dataset; the defaults are ``packer build``'s. Invalid values: BuildError."""
 
-    backend: Optional[str] = _option(None, "Default: lmdb when OUT ends in .lmdb, else memmap.", BACKENDS)
+    backend: Optional[str] = _option(None, "Default: lmdb when OUT ends in .lmdb, else memmap.", tuple(BACKENDS))
     format: str = _option(
         "jpeg",
         "jpeg: re-encoded JPEG; raw: decoded uint8 H x W x 3 pixels (bigger, no decode at read).",
-        FORMATS,
+        tuple(FORMATS),
     )
     short_edge: int = _option(320, "Target short edge; never upscales.", int)
     quality: int = _option(90, "JPEG quality (1..100).", int)
@@ -171,7 +172,12 @@ class BuildOptions:
         ]
         if not 1 <= self.quality <= 100:
             found.append(("quality", "must be 1..100"))
-        choices = {"backend": BACKENDS, "format": FORMATS, "on_error": ON_ERROR, "on_class_change": ON_CLASS_CHANGE}
+        choices: dict[str, Collection[str]] = {
+            "backend": BACKENDS,
+            "format": FORMATS,
+            "on_error": ON_ERROR,
+            "on_class_change": ON_CLASS_CHANGE,
+        }
         for name, allowed in choices.items():
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 found.append((name, f"must be one of {', '.join(allowed)}"))
@@ -186,9 +192,9 @@ class BuildOptions:
         return self.but(backend=self.backend or default_backend(out), shard_size=self.shard_size or shard_size)
 
     @property
-    def preprocess(self) -> Options:
+    def preprocess(self) -> PreprocessSpec:
         """What each file's preprocessing needs (sent to every worker)."""
-        return Options(**{name: getattr(self, name) for name in PREPROCESS_FIELDS})
+        return PreprocessSpec(**{name: getattr(self, name) for name in PREPROCESS_FIELDS})
 
     @property
     def processes(self) -> int:
@@ -232,7 +238,7 @@ def flag(name: str) -> str:
 def default_backend(out: str | os.PathLike) -> str:
     """The backend of the longest suffix OUT ends with (``out.lmdb``: LMDB; every name ends with memmap's "")."""
     name = str(out).rstrip("/")
-    return max((b for b in TABLE.values() if name.endswith(b.suffix)), key=lambda b: len(b.suffix)).name
+    return max((b for b in BACKENDS.values() if name.endswith(b.suffix)), key=lambda b: len(b.suffix)).name
 
 
 def cli_fields() -> list[Any]:

@@ -25,8 +25,9 @@ import numpy as np
 from PIL import Image
 
 from .. import codec
-from ..codec import decode_jpeg, encode_jpeg, native_shrink, shrink_factor, turbojpeg
-from .scan import open_regular
+from ..codec import decode_jpeg, native_shrink, shrink_factor, turbojpeg
+from ..format.records import FORMATS
+from .scan import open_source
 
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
 HEIF_EXTENSIONS = frozenset((".heic", ".heif"))
@@ -47,7 +48,7 @@ HEIF_AVAILABLE = _register_heif()  # at import, so every worker process register
 
 
 @dataclass(frozen=True)
-class Options:
+class PreprocessSpec:
     """What one file's preprocessing needs: :attr:`packer.builder.options.BuildOptions.preprocess` (which holds
     the defaults and checks the values)."""
 
@@ -86,7 +87,7 @@ def target_size(width: int, height: int, short_edge: int) -> tuple[int, int]:
     return max(1, round(width * scale)), short_edge
 
 
-def _check_geometry(width: int, height: int, opts: Options) -> Optional[str]:
+def _check_geometry(width: int, height: int, opts: PreprocessSpec) -> Optional[str]:
     if width * height > opts.max_pixels:
         return (
             f"decompression bomb guard: {width}x{height} = {width * height} pixels "
@@ -139,9 +140,9 @@ def open_image(data: bytes) -> Image.Image:
     raise Image.UnidentifiedImageError("cannot identify image file")
 
 
-def load(path: str, opts: Options) -> Image.Image:
+def load(path: str, opts: PreprocessSpec) -> Image.Image:
     """Decode ``path`` as an upright RGB image already shrunk to the target short edge."""
-    with open_regular(path) as f:
+    with open_source(path) as f:
         data = f.read()
     with open_image(data) as im:  # reads the header only: size, mode, EXIF
         width, height = im.size
@@ -152,7 +153,7 @@ def load(path: str, opts: Options) -> Image.Image:
         orientation = im.getexif().get(0x0112, 1)
         if im.format == "JPEG" and im.mode in ("RGB", "L") and turbojpeg() is not None:
             factor = shrink_factor(width, height, opts.short_edge)
-            rgb = Image.fromarray(shrink(decode_jpeg(data, width, height, factor), target), "RGB")
+            rgb = Image.fromarray(shrink(decode_jpeg(data, width=width, height=height, factor=factor), target), "RGB")
         else:
             if im.format == "JPEG" and target != (width, height):
                 im.draft(im.mode, target)  # DCT-domain downscale; result stays >= the requested size
@@ -190,7 +191,7 @@ def _apply_orientation(im: Image.Image, orientation: int) -> Image.Image:
     return im.transpose(method) if method is not None else im
 
 
-def process(path: str, opts: Options) -> Result:
+def process(path: str, opts: PreprocessSpec) -> Result:
     """The whole per-file job; never raises for bad input, returns a Skip naming the problem."""
     if not HEIF_AVAILABLE and os.path.splitext(path)[1].lower() in HEIF_EXTENSIONS:
         return Skip(HEIF_MISSING)
@@ -198,7 +199,7 @@ def process(path: str, opts: Options) -> Result:
         im = load(path, opts)
         rgb = np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
         h, w = rgb.shape[:2]
-        data = encode_jpeg(rgb, opts.quality) if opts.format == "jpeg" else rgb.tobytes()
+        data = FORMATS[opts.format].encode(rgb, quality=opts.quality)
         return Record(data, h, w, zlib.crc32(data))
     except MemoryError:
         return Skip("out of memory while decoding")
@@ -215,6 +216,6 @@ def _describe(e: Exception) -> str:
     return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
 
 
-def process_chunk(paths: list[str], opts: Options) -> list[Result]:
+def process_chunk(paths: list[str], opts: PreprocessSpec) -> list[Result]:
     """Unit of work sent to a worker process: a few files, to amortise inter-process overhead."""
     return [process(p, opts) for p in paths]

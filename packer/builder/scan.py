@@ -244,10 +244,11 @@ class Scan:
         )
 
 
-def open_regular(path: str) -> BinaryIO:
-    """``path`` opened for reading if it is a regular file, else OSError: never blocks on a FIFO or
-    streams a device that replaced a file after the scan (opened non-blocking, checked, then made
-    blocking again)."""
+def open_source(path: str) -> BinaryIO:
+    """The source image ``path`` opened for reading if it is a regular file, else OSError (the file
+    is skipped): never blocks on a FIFO or streams a device that replaced a file after the scan
+    (opened non-blocking, checked, then made blocking again). A symlink is followed, as the scan
+    follows it; a dataset's own files are opened by :func:`packer.format.open_regular` instead."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -264,7 +265,7 @@ def _content_hash(path: str, stop: threading.Event) -> int:
     ``stop`` is set: the build is being interrupted)."""
     h = hashlib.blake2b(digest_size=8)
     try:
-        with open_regular(path) as f:
+        with open_source(path) as f:
             while chunk := f.read(1 << 20):
                 if stop.is_set():
                     return 0

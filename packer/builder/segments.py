@@ -29,7 +29,7 @@ import numpy as np
 
 from ..backends import BACKENDS, data_files, record_places
 from ..errors import DatasetError, say
-from ..format import Manifest, open_regular
+from ..format import Manifest, bytes_per_file, open_regular
 
 #: A refresh rewrites every record into one segment when, after it, more than this share of the record
 #: bytes in the old data files would be dead (records of deleted or changed files)...
@@ -51,18 +51,11 @@ class Base:
         return [str(e["file"]) for e in self.entries]
 
 
-def _per_file(number: np.ndarray, lengths: np.ndarray, files: int) -> np.ndarray:
-    """Bytes of ``lengths`` per data file ``number`` (int64: float weights would round big sums)."""
-    total = np.zeros(files, np.int64)
-    np.add.at(total, number, lengths.astype(np.int64))
-    return total
-
-
 def old_files(manifest: Manifest, index: np.ndarray) -> list[dict[str, Any]]:
     """The old version's data files in order: ``file``, ``segment`` (0 before version 3) and ``stored``
     (record bytes in it: its rows' lengths plus its ``dead``)."""
     files = data_files(manifest)
-    live = _per_file(record_places(manifest, index)[0], index["length"], len(files))
+    live = bytes_per_file(record_places(manifest, index)[0], index["length"], len(files))
     listed = manifest.shards if manifest.format_version >= 3 else [{} for _ in files]
     return [
         {"file": name, "segment": int(e.get("segment", 0)), "stored": int(n) + int(e.get("dead", 0))}
@@ -89,7 +82,7 @@ def plan(manifest: Manifest, index: np.ndarray, kept: np.ndarray, backend: str, 
             f"rewriting the live records of its last {manifest.segments - 1} segments into one "
             f"(over {MAX_SEGMENTS} segments otherwise)"
         )
-    live = _per_file(record_places(manifest, index)[0][kept], index["length"][kept], len(files))
+    live = bytes_per_file(record_places(manifest, index)[0][kept], index["length"][kept], len(files))
     stored = sum(f["stored"] for f in files[:keep])
     dead = stored - int(live[:keep].sum())
     if stored and dead > MAX_DEAD * stored:
@@ -150,7 +143,7 @@ def data_table(
     names = [str(e["file"]) for e in old] + [str(s["file"]) for s in written]
     number = rows["shard"].astype(np.int64)
     counts: list[int] = np.bincount(number, minlength=len(names)).tolist()
-    live: list[int] = _per_file(number, rows["length"], len(names)).tolist()
+    live: list[int] = bytes_per_file(number, rows["length"], len(names)).tolist()
     segment = max((int(e["segment"]) for e in old), default=-1) + 1
     table: list[dict[str, Any]] = []
     for k, name in enumerate(names):

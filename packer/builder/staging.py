@@ -17,7 +17,6 @@ manifest, with the digest of the index's logical content (docs/FORMAT.md, "The d
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import shutil
@@ -336,15 +335,6 @@ def fill(
     sink.checkpoint(done)
 
 
-def _file_digest(path: Path) -> str:
-    """:func:`~packer.format.index_digest` of the array a journal file holds, read in blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
-
-
 def _record_labels(found: Scan, rows: np.ndarray, staging: Path) -> dict[str, np.ndarray]:
     """The per-record label arrays (LABELS, TARGETS) the scan has for this dataset's records.
 
@@ -416,7 +406,7 @@ def complete(
         label_kind=found.kind,
         targets=found.target_names,
         labels_digest=labels_digest,
-        sources_digest=_file_digest(staging / SOURCES_PART),
+        sources_digest=index_digest(np.fromfile(staging / SOURCES_PART, np.uint8)),
         dead_bytes=dead,
         segments=segments,
     )

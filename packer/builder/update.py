@@ -22,7 +22,7 @@ from ..backends import BACKENDS, record_places
 from ..backends.walk import InOrder
 from ..errors import say
 from ..format import MANIFEST, REPORT, DatasetError, Manifest, load_index, open_regular
-from .preprocess import Options, Record, Result, Skip, process_chunk
+from .preprocess import PreprocessSpec, Record, Result, Skip, process_chunk
 from .scan import Paths, Scan, Sources
 from .segments import Base
 from .workers import results
@@ -84,7 +84,7 @@ def skipped_before(out: Path) -> Optional[dict[str, str]]:
 
 
 def still_skipped(
-    raw: Path, out: Path, manifest: Manifest, found: Scan, opts: Options, workers: int
+    raw: Path, out: Path, manifest: Manifest, found: Scan, opts: PreprocessSpec, workers: int
 ) -> Optional[Paths]:
     """The files skipped when OUT was built, decoded again (a decoder installed since, a transient
     error gone): all of them when each is skipped again for the same reason, so OUT still holds what a
@@ -297,7 +297,7 @@ def ordered_results(
     todo: Sources,
     old_of: np.ndarray,
     cache: Optional[Cache],
-    opts: Options,
+    opts: PreprocessSpec,
     workers: int,
     fresh: Optional[Generator[Result, None, None]] = None,
 ) -> Generator[tuple[Result | Kept, bool], None, None]:

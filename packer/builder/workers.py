@@ -17,7 +17,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Optional
 
 from ..errors import BuildError
-from .preprocess import Options, Result, Skip, process_chunk
+from .preprocess import PreprocessSpec, Result, Skip, process_chunk
 
 Context = ForkServerContext | SpawnContext  # the start methods packer's build workers use
 
@@ -55,7 +55,7 @@ _GUARD = (
 )
 
 
-def _serve(conn: Connection, opts: Options) -> None:
+def _serve(conn: Connection, opts: PreprocessSpec) -> None:
     """A worker's loop: a hello (it started), then a chunk of paths in, their results out, until told
     to stop (None or EOF)."""
     _worker_signals()
@@ -70,7 +70,7 @@ class _Worker:
     (a multiprocessing.Pool worker killed while holding the task queue's lock hangs the whole pool), and
     the chunk it took down with it is known exactly."""
 
-    def __init__(self, ctx: Context, opts: Options) -> None:
+    def __init__(self, ctx: Context, opts: PreprocessSpec) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, opts), daemon=True)
         try:
@@ -121,7 +121,7 @@ class _Worker:
         self.conn.close()
 
 
-def _isolated(path: str, opts: Options, ctx: Context) -> Optional[Result]:
+def _isolated(path: str, opts: PreprocessSpec, ctx: Context) -> Optional[Result]:
     """``path`` alone in a fresh process: did this file kill the worker (None), or was it a bystander?"""
     worker = _Worker(ctx, opts)
     try:
@@ -135,7 +135,9 @@ def _isolated(path: str, opts: Options, ctx: Context) -> Optional[Result]:
         worker.stop(now=False)
 
 
-def results(root: str, rels: Sequence[str], opts: Options, workers: int, chunk: int) -> Generator[Result, None, None]:
+def results(
+    root: str, rels: Sequence[str], opts: PreprocessSpec, workers: int, chunk: int
+) -> Generator[Result, None, None]:
     """Preprocess the files ``rels`` (relative to ``root``) in order with a bounded window of in-flight
     chunks (flat memory: a chunk's full paths are made when it is handed over, not a million at once).
 

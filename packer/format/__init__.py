@@ -26,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import DatasetError
+from .records import FORMATS
 
 FORMAT_VERSION = 3
 #: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS);
@@ -37,10 +38,7 @@ INDEX = "index.npy"
 SOURCES = "sources.npy"
 REPORT = "report.jsonl"
 LMDB_DATA = "data.mdb"  # an LMDB dataset's first segment (its only data file before version 3)
-FORMATS = ("jpeg", "raw")
-MAX_EDGE = 65_535  # the largest edge a JPEG can have
 MAX_MANIFEST = 64 << 20  # bytes of manifest.json read at most (a real one is a few KB per 100 classes)
-BACKENDS = ("lmdb", "memmap")
 #: manifest ``label_kind`` (see packer.builder.labels): one class id per record in ``label``; several classes per
 #: record, a bit-packed multi-hot row each in LABELS (``label`` -1); no labels (``label`` -1, no classes).
 LABEL_KINDS = ("class", "multi", "none")
@@ -206,7 +204,7 @@ class Manifest:
             raise bad("short_edge")
         if not size(self.segments) or self.segments < 1:
             raise bad("segments")
-        if self.backend not in BACKENDS:
+        if self.backend not in LAYOUTS:
             raise bad("backend")
         if self.format not in FORMATS:
             raise bad("format")
@@ -430,22 +428,21 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
     src_end = index["src_offset"].astype(np.uint64) + index["src_length"]
     if (src_end > len(sources)).any() or (index["src_offset"] > len(sources)).any():
         raise DatasetError(f"{root}: index points outside {SOURCES}")
-    if manifest.format == "raw":
-        expected = index["height"].astype(np.uint64) * index["width"] * 3
-        if (expected != index["length"]).any():
-            first = int(np.flatnonzero(expected != index["length"])[0])
-            raise DatasetError(f"{root}: record {first}: length does not match height x width x 3")
+    fmt = FORMATS[manifest.format]
+    wrong = fmt.wrong_lengths(index)
+    if wrong.any():
+        first = int(np.flatnonzero(wrong)[0])
+        raise DatasetError(f"{root}: record {first}: length does not match {fmt.length_rule}")
     if (index["height"] == 0).any() or (index["width"] == 0).any():
         raise DatasetError(f"{root}: index has records of zero size")
     short, long = np.minimum(index["height"], index["width"]), np.maximum(index["height"], index["width"])
-    edge = MAX_EDGE if manifest.format == "jpeg" else np.iinfo(np.uint32).max  # raw: length = h x w x 3 bounds it
-    impossible = (short > manifest.short_edge) | (long > edge)
+    impossible = (short > manifest.short_edge) | (long > fmt.max_edge)
     if impossible.any():
         first = int(np.flatnonzero(impossible)[0])
         raise DatasetError(
             f"{root}: record {first}: stored size {int(index[first]['height'])} x "
             f"{int(index[first]['width'])} is impossible (short edge over {manifest.short_edge}, "
-            f"or a JPEG edge over {MAX_EDGE})"
+            f"or an edge over {fmt.max_edge}, the most a {fmt.name} record holds)"
         )
     LAYOUTS[manifest.backend].check_places(root, index, manifest)
 
@@ -507,7 +504,10 @@ class Layout:
     """One backend's layout rules, pure functions of a manifest and its index (no I/O): which data
     files the dataset has, where each row's record lies, which manifests and rows are possible.
     Each backend (packer.backends) is its layout plus the code that writes and reads it; the
-    checks here run while a manifest or index is loaded, before any backend code."""
+    checks here run while a manifest or index is loaded, before any backend code. ``name``: the
+    backend's, as manifests and ``--backend`` spell it."""
+
+    name = ""
 
     def data_files(self, manifest: Manifest) -> list[str]:
         """The dataset's data files, numbered as index rows' ``shard`` numbers them."""
@@ -543,9 +543,19 @@ def listed_sizes(root: Path, index: np.ndarray, manifest: Manifest) -> np.ndarra
     return np.array([int(s["bytes"]) for s in manifest.shards], dtype=np.uint64)[index["shard"]]
 
 
+def bytes_per_file(number: np.ndarray, lengths: np.ndarray, files: int) -> np.ndarray:
+    """The sum of ``lengths`` per data file ``number`` (0 to ``files - 1``): the record bytes rows
+    point to in each file (int64: float weights would round big sums)."""
+    total = np.zeros(files, np.int64)
+    np.add.at(total, number, lengths.astype(np.int64))
+    return total
+
+
 class LmdbLayout(Layout):
     """LMDB: one file per segment (data.mdb, data-NNNNN.mdb), record ``i`` under key ``offset`` of
     file ``shard``; versions 1 and 2: data.mdb alone, record ``i`` under key ``i``."""
+
+    name = "lmdb"
 
     def data_files(self, manifest: Manifest) -> list[str]:
         return [LMDB_DATA] if manifest.format_version < 3 else super().data_files(manifest)
@@ -581,6 +591,8 @@ class LmdbLayout(Layout):
 class MemmapLayout(Layout):
     """memmap: shards of ``shard_size`` records, record ``i`` at byte ``offset`` of shard ``shard``."""
 
+    name = "memmap"
+
     def check_places(self, root: Path, index: np.ndarray, manifest: Manifest) -> None:
         sizes = listed_sizes(root, index, manifest)
         end = index["offset"] + index["length"]
@@ -592,5 +604,6 @@ class MemmapLayout(Layout):
         return all(s["file"] == shard_name(k) for k, s in enumerate(manifest.shards))
 
 
-#: Every backend's layout by the name manifests use (packer.backends.BACKENDS: the same names).
-LAYOUTS: dict[str, Layout] = dict(zip(BACKENDS, (LmdbLayout(), MemmapLayout())))
+#: Every backend's layout by the name manifests use (packer.backends.BACKENDS: the same names, and each
+#: backend is its layout).
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (LmdbLayout(), MemmapLayout())}

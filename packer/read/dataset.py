@@ -36,6 +36,7 @@ from ..backends.pin import FileKey, pin
 from ..errors import local_path
 from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
+from ..format.records import FORMATS
 from ..transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
 from . import batchpool, rng
 from .draw import Draw
@@ -197,7 +198,7 @@ class ShardDataset(Dataset):
         self.transform, self.batch_transform = transform, batch_transform
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._load()
-        self.verify = self.manifest.format == "jpeg" if verify is None else verify
+        self.verify = FORMATS[self.manifest.format].crc_on_read if verify is None else verify
 
     def _load(self, expect: Optional[dict[str, FileKey]] = None) -> None:
         """Everything derived from disk, from one pinned version (with ``expect``: that version only)."""

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from ..backends import BACKENDS
 from ..format import disk_bytes
+from ..format.records import FORMATS
 
 #: Sweep points within this fraction of the best throughput count as "not growing any more".
 KNEE_FRACTION = 0.9
@@ -308,11 +309,8 @@ def advice(
             f"{count} records are fewer than a batch of {batch_size}: drop_last=True would give no batch; "
             f"drop_last=False gives one batch of {count} an epoch (or measure a smaller --batch-size)"
         )
-    if share.get("decode", 0) > 40 and fmt == "jpeg":
-        notes.append(
-            "JPEG decoding dominates: it scales with workers; `packer build --format raw` skips it "
-            '(~14x the bytes on disk: docs/PERFORMANCE.md, "Cold reads")'
-        )
+    if share.get("decode", 0) > 40:
+        notes.extend(FORMATS[fmt].decode_advice)
     if dtype != "uint8":
         notes.append(
             f"measured with {dtype} batches ({share.get('to float', 0):.0f}% of a sample's time converts them, "
@@ -325,9 +323,8 @@ def advice(
         )
     if share.get("resize", 0) > 25 and resize != "packer":
         notes.append(_resize_advice(resize))
-    cold = BACKENDS[backend].cold_advice
-    if fits_in_page_cache is False and (fmt == "raw" or cold):
-        better = [*(["JPEG records are ~14x smaller than raw ones (`--format jpeg`)"] if fmt == "raw" else []), *cold]
+    better = [*FORMATS[fmt].cold_advice, *BACKENDS[backend].cold_advice]
+    if fits_in_page_cache is False and better:
         notes.append(
             "the dataset does not fit in the page cache, so every epoch reads it from disk: "
             + "; ".join(better)

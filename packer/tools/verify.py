@@ -22,16 +22,15 @@ must be there.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from ..backends import BACKENDS, data_files, record_places
+from ..backends import BACKENDS, data_files
 from ..backends.pin import pin
-from ..backends.walk import walk
+from ..backends.walk import by_file, walk
 from ..errors import local_path
 from ..format import (
     INDEX,
@@ -41,14 +40,13 @@ from ..format import (
     DatasetError,
     Digest,
     Manifest,
+    bytes_per_file,
     index_digest,
     logical_digest,
     source_path,
 )
 from ..format.label_arrays import arrays_digest, class_counts
-
-#: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); they carry the size.
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+from ..format.records import FORMATS
 
 
 @dataclass
@@ -72,27 +70,6 @@ class Verification:
         self.found += 1
         if len(self.problems) < self.limit:
             self.problems.append(problem)
-
-
-def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:
-    """(height, width) from the JPEG frame header, or None when ``data`` is not a JPEG we can parse."""
-    if bytes(data[:2]) != b"\xff\xd8":
-        return None
-    pos, end = 2, len(data)
-    while pos + 4 <= end:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        (seg,) = struct.unpack(">H", data[pos + 2 : pos + 4])
-        if marker in _SOF and pos + 9 <= end:
-            return struct.unpack(">HH", data[pos + 5 : pos + 9])
-        if marker == 0xDA or seg < 2:  # start of scan: no frame header came first
-            return None
-        pos += 2 + seg
-    return None
 
 
 def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
@@ -178,11 +155,7 @@ def _record_problem(manifest: Manifest, row: np.void, data: Optional[bytes], crc
         return f"{len(data)} bytes, the index says {int(row['length'])}"
     if crc != int(row["crc32"]):
         return f"crc32 {crc:08x} differs from the index's {int(row['crc32']):08x} (damaged bytes)"
-    if manifest.format == "jpeg":
-        size = jpeg_size(data)
-        if size != (int(row["height"]), int(row["width"])):
-            return f"JPEG frame size {size} differs from the index's {(int(row['height']), int(row['width']))}"
-    return None
+    return FORMATS[manifest.format].problem(data, height=int(row["height"]), width=int(row["width"]))
 
 
 def _first_gap(offsets: np.ndarray, lengths: np.ndarray, total: int) -> Optional[int]:
@@ -229,8 +202,8 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
     """Record counts and sizes as the manifest lists them per data file. Versions 1 and 2: memmap
     shards filled in index order, records back to back. Version 3 (segments): no two rows share bytes
     or a key, and a memmap dataset's bytes no row points to add up to ``dead_bytes``."""
-    backend, files = BACKENDS[manifest.backend], data_files(manifest)
-    number, position = record_places(manifest, index)
+    backend, files, places = BACKENDS[manifest.backend], data_files(manifest), by_file(manifest, index)
+    number, order = places.number, places.order
     counts = np.bincount(number, minlength=len(files)).tolist()
     listed = [int(s["count"]) for s in manifest.shards]
     if counts != listed:
@@ -239,8 +212,7 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
     if total != manifest.bytes:
         result.add(f"manifest: bytes {manifest.bytes} differ from the data files' total {total}")
     if manifest.format_version >= 3:
-        order = np.lexsort((position, number))
-        n, at = number[order], position[order]
+        n, at = number[order], places.position[order]
         ends = at + (1 if backend.keyed else index["length"][order].astype(np.int64))
         shared = np.flatnonzero((n[1:] == n[:-1]) & (at[1:] < ends[:-1]))
         if len(shared):
@@ -252,8 +224,7 @@ def _check_shards(result: Verification, manifest: Manifest, index: np.ndarray) -
         if segments != manifest.segments:
             result.add(f"manifest: segments {manifest.segments} differ from the data files' {segments}")
         if not backend.keyed:  # keyed (LMDB): the walk counts the unused records' bytes
-            live = np.zeros(len(files), np.int64)
-            np.add.at(live, number, index["length"].astype(np.int64))
+            live = bytes_per_file(number, index["length"], len(files))
             for s, n, d in zip(manifest.shards, live.tolist(), dead):
                 if int(s["bytes"]) - n != d:
                     result.add(f"{s['file']}: {int(s['bytes']) - n} bytes no record uses, the manifest says {d}")

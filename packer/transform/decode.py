@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import codec
+from ..format.records import FORMATS
 
 #: Each thread's decode destination, grown as needed: a 427x320 RGBX decode is 0.5 MB, worth not
 #: reallocating per sample.
@@ -30,9 +31,10 @@ def raw_image(data: memoryview, height: int, width: int) -> np.ndarray:
 
 
 def decode_jpeg(
-    data: memoryview, height: int, width: int, factor: Optional[tuple[int, int]] = None, rgbx: bool = False
+    data: memoryview, *, height: int, width: int, factor: Optional[tuple[int, int]] = None, rgbx: bool = False
 ) -> np.ndarray:
-    """Decode a whole JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size.
+    """Decode a whole JPEG record, DCT-scaled by ``factor``; ValueError unless it has the indexed size
+    (keyword-only, as :func:`packer.codec.decode_jpeg`'s, so the two orders cannot be swapped).
 
     The result is this thread's buffer, valid until the thread's next decode.
     """
@@ -40,7 +42,7 @@ def decode_jpeg(
     w, h = codec.scaled_size(width, height, factor)
     channels = 4 if rgbx else 3
     out = _buffer(h * w * channels)[: h * w * channels].reshape(h, w, channels)
-    return codec.decode_jpeg(data, width, height, factor, rgbx, out)
+    return codec.decode_jpeg(data, width=width, height=height, factor=factor, rgbx=rgbx, out=out)
 
 
 def decode_jpeg_band(
@@ -76,5 +78,6 @@ def decode_jpeg_band(
 def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.Tensor:
     """One record -> the whole stored image as uint8 HWC, a copy (decode buffers are reused, record
     bytes transient)."""
-    img = raw_image(data, height, width) if fmt == "raw" else decode_jpeg(data, height, width)
+    out = _buffer(height * width * 3)[: height * width * 3].reshape(height, width, 3)
+    img = FORMATS[fmt].decode(data, height=height, width=width, out=out)
     return torch.from_numpy(img.copy())

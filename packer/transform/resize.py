@@ -1,5 +1,5 @@
 """The crop resize (antialiased bilinear) into a batch slot, by one of three kernels chosen once per
-process from :data:`BACKENDS`, fastest first where this install has it (docs/PERFORMANCE.md, "The
+process from :data:`KERNELS`, fastest first where this install has it (docs/PERFORMANCE.md, "The
 resize kernels"; ``PACKER_RESIZE=packer|pillow|torch`` overrides):
 
 - ``"packer"``: packer's own (packer/_resize.c, AVX2), which reads the RGB crop in place and writes
@@ -151,12 +151,12 @@ def _always() -> bool:
     return True
 
 
-class Backend(NamedTuple):
+class Kernel(NamedTuple):
     """A resize kernel and when it can be used."""
 
     #: ``resize(img, box, flip, out, clock)``: ``img[box]`` resized, mirrored if ``flip``, into ``out``.
     resize: Callable[[np.ndarray, Box, bool, np.ndarray, Clock], None]
-    #: Whether the automatic choice takes it: the first backend in :data:`BACKENDS` for which this holds.
+    #: Whether the automatic choice takes it: the first kernel in :data:`KERNELS` for which this holds.
     preferred: Callable[[], bool] = _always
     #: Why PACKER_RESIZE cannot choose it on this install, or None.
     missing: Callable[[], Optional[str]] = _nothing_missing
@@ -164,40 +164,41 @@ class Backend(NamedTuple):
     rgbx: bool = False
 
 
-#: The resize backends by name, fastest first.
-BACKENDS: dict[str, Backend] = {
-    "packer": Backend(_packer, preferred=_packer_vector, missing=_packer_missing),
-    "pillow": Backend(_pillow, preferred=_pillow_simd, rgbx=True),
-    "torch": Backend(_torch),
+#: The resize kernels by name (``PACKER_RESIZE``'s choices), fastest first.
+KERNELS: dict[str, Kernel] = {
+    "packer": Kernel(_packer, preferred=_packer_vector, missing=_packer_missing),
+    "pillow": Kernel(_pillow, preferred=_pillow_simd, rgbx=True),
+    "torch": Kernel(_torch),
 }
-RESIZE_BACKENDS = tuple(BACKENDS)
+#: Their names (public since packer.transform exported it: kept under that name).
+RESIZE_BACKENDS = tuple(KERNELS)
 
 
 @functools.cache
 def resize_backend() -> str:
-    """The name of the resize backend this process uses: ``PACKER_RESIZE`` if set (and not ``auto``),
-    else the first :data:`BACKENDS` entry preferred on this install. Fixed per process, so every
+    """The name of the resize kernel this process uses: ``PACKER_RESIZE`` if set (and not ``auto``),
+    else the first :data:`KERNELS` entry preferred on this install. Fixed per process, so every
     worker resizes alike."""
     choice = os.environ.get("PACKER_RESIZE", "auto")
     if choice == "auto":
-        return next(name for name, backend in BACKENDS.items() if backend.preferred())
-    if choice not in BACKENDS:
-        raise ValueError(f"PACKER_RESIZE must be one of {', '.join(BACKENDS)} or auto, not {choice!r}")
-    missing = BACKENDS[choice].missing()
+        return next(name for name, kernel in KERNELS.items() if kernel.preferred())
+    if choice not in KERNELS:
+        raise ValueError(f"PACKER_RESIZE must be one of {', '.join(KERNELS)} or auto, not {choice!r}")
+    missing = KERNELS[choice].missing()
     if missing:
         raise ValueError(f"PACKER_RESIZE={choice}, but {missing}")
     return choice
 
 
-def backend() -> Backend:
-    """The :func:`resize_backend` in use."""
-    return BACKENDS[resize_backend()]
+def kernel() -> Kernel:
+    """The kernel :func:`resize_backend` names."""
+    return KERNELS[resize_backend()]
 
 
 def resize_into(img: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: Clock = None) -> None:
     """Write ``img[box]`` resized (antialiased bilinear) and optionally mirrored into ``out``, a
-    ``size x size x 3`` uint8 HWC array (a view of the output batch), with the backend in use.
-    ``img`` is HWC RGB, or RGBX where the backend wants it (:attr:`Backend.rgbx`)."""
-    backend().resize(img, box, flip, out, clock)
+    ``size x size x 3`` uint8 HWC array (a view of the output batch), with the kernel in use.
+    ``img`` is HWC RGB, or RGBX where the kernel wants it (:attr:`Kernel.rgbx`)."""
+    kernel().resize(img, box, flip, out, clock)
     if clock:
         clock("write to batch")
