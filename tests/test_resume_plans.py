@@ -1,5 +1,6 @@
 """A --resume continues exactly the plan its interrupted run made, or refuses; it never writes into
-a data file that a complete dataset links to (issue 21's invariant, items 1-3).
+a data file that a complete dataset links to (issue 21's invariant, items 1-3); an interrupted
+``packer compact`` leaves OUT whole and a staging folder packer recognizes as its own (item 9).
 
 Every interruption here is a real ``packer build`` subprocess killed with SIGKILL once its staging
 folder's journal shows progress (a checkpoint after every file). After it: a ShardDataset opened on
@@ -12,17 +13,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from packer import build
 from packer.format import Manifest
+from packer.pipeline import lock_path
 from packer.read import open_reader
 from packer.staging import PROGRESS, staging_path
 from packer.verify import verify
@@ -190,3 +194,76 @@ def test_a_file_re_exported_after_it_was_journalled_is_decoded_again_by_resume(
     check_complete(out, raw, tmp_path, backend)
     run = packer("build", raw, out, "--backend", backend, "--update")
     assert run.returncode == 0 and "up to date" in run.stdout + run.stderr, run.stderr
+
+
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A raw-format dataset of 200 noise images (47 MB): big enough that a compact takes a while."""
+    root = tmp_path_factory.mktemp("noisy")
+    rng = np.random.default_rng(0)
+    for number in range(200):
+        path = root / "raw" / f"c{number % 2}" / f"m{number:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (240, 320, 3), dtype=np.uint8)).save(path, compress_level=0)
+    build(root / "raw", root / "d.lmdb", format="raw", workers=1, quiet=True)
+    return root / "d.lmdb"
+
+
+def start_compact(noisy: Path, tmp_path: Path) -> tuple[Path, subprocess.Popen]:
+    """``packer compact`` of a copy of ``noisy``, once it is copying records into its staging folder."""
+    out = tmp_path / "d.lmdb"
+    shutil.copytree(noisy, out)
+    proc = subprocess.Popen(
+        [*PACKER, "compact", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C lands as in a terminal
+    )
+    data = staging_path(out) / "data.mdb"
+    deadline = time.monotonic() + 60
+    while not (data.is_file() and data.stat().st_size > 4 << 20):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"compact ended (rc {proc.returncode}) before it was interrupted: {proc.communicate()[1]}")
+        time.sleep(0.001)
+    return out, proc
+
+
+def test_compact_killed_leaves_out_whole_and_a_folder_packer_takes_back(noisy: Path, tmp_path: Path) -> None:
+    """Item 9: kill -9 mid-copy: OUT is the old version, whole; `packer compact` again finishes
+    over the leftover staging folder, and after another kill `packer clean` deletes it (it is packer's)."""
+    before = contents(noisy)
+    out, proc = start_compact(noisy, tmp_path)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert staging_path(out).is_dir() and contents(out) == before and verify(out).ok
+    run = packer("compact", out)
+    assert run.returncode == 0 and not staging_path(out).exists(), run.stderr
+    assert contents(out) == before and verify(out).ok
+    shutil.rmtree(out)
+    out, proc = start_compact(noisy, tmp_path)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    run = packer("clean", out)
+    assert run.returncode == 0, run.stderr
+    assert not out.exists() and not staging_path(out).exists() and not lock_path(out).exists()
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_compact_interrupted_says_what_is_true_for_compact(noisy: Path, tmp_path: Path, how: str) -> None:
+    """Item 9: Ctrl-C (the job) or SIGTERM (the process) mid-copy: exit 130/143, one line that says the
+    dataset is whole and to run compact again (not a build's --resume), no traceback, OUT intact."""
+    before = contents(noisy)
+    out, proc = start_compact(noisy, tmp_path)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == (130 if how == "ctrl-c" else 143), stderr
+    assert stderr.splitlines() == [
+        "packer: interrupted; the dataset is whole, compacted or as it was (run the same packer compact again)"
+    ]
+    assert contents(out) == before and verify(out).ok
+    assert not staging_path(out).exists() or packer("clean", out).returncode == 0

@@ -16,7 +16,7 @@ from ..backends.walk import InOrder
 from ..builder.options import SHARD_SIZE
 from ..builder.pipeline import build_lock, dataset_path
 from ..builder.segments import data_table
-from ..builder.staging import INDEX_PART, SOURCES_PART, finalize, staging_path
+from ..builder.staging import BUILD_STATE, INDEX_PART, SOURCES_PART, finalize, staging_path, write_json_atomic
 from ..errors import BuildError, say
 from ..format import (
     FORMAT_VERSION,
@@ -43,6 +43,7 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
+        write_json_atomic(staging / BUILD_STATE, {"compact": out.name})  # packer's: `packer clean` deletes it
         backend = BACKENDS[old.backend]
         for name in data_files(old):  # LMDB: liblmdb must not walk a damaged file
             backend.check_walkable(out / name)
