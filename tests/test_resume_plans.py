@@ -25,11 +25,11 @@ import pytest
 from PIL import Image
 
 from packer import build
+from packer.builder.pipeline import lock_path
+from packer.builder.staging import PROGRESS, staging_path
 from packer.format import Manifest
-from packer.pipeline import lock_path
-from packer.read import open_reader
-from packer.staging import PROGRESS, staging_path
-from packer.verify import verify
+from packer.read.reader import open_reader
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 BACKENDS = ["lmdb", "memmap"]

@@ -33,11 +33,11 @@ from PIL import Image
 
 from packer import build
 from packer.backends import Reader
+from packer.builder.pipeline import lock_path
+from packer.builder.staging import PROGRESS, old_path, staging_path
 from packer.format import MANIFEST, Manifest
-from packer.pipeline import lock_path
-from packer.read import open_reader
-from packer.staging import PROGRESS, old_path, staging_path
-from packer.verify import verify
+from packer.read.reader import open_reader
+from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 STEPS = int(os.environ.get("PACKER_STATE_STEPS", "14"))
