@@ -40,8 +40,8 @@ from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
-STEPS = int(os.environ.get("PACKER_STATE_STEPS", "14"))
-SEEDS = [int(s) for s in os.environ.get("PACKER_STATE_SEEDS", "1").split(",")]
+STEPS = int(os.environ.get("PACKER_STATE_STEPS", "20"))
+SEEDS = [int(s) for s in os.environ.get("PACKER_STATE_SEEDS", "1,2").split(",")]
 SHARD_SIZE = 7  # several memmap shards per segment
 #: the one-line refusals a random step may meet (stderr "packer: error: ...")
 REFUSALS = (
@@ -125,18 +125,19 @@ class Machine:
         self.log.append(f"edit {how} {number}")
         self.now = self.fresh_build()
 
-    def run(self, args: list[str], label: str) -> tuple[int, str]:
-        """``packer *args``, killed with SIGKILL (and its workers) now and then: after a random moment,
-        or once its journal holds a random number of files; its exit status and stderr."""
+    def run(self, args: list[str], label: str, kills: list[str]) -> tuple[int, str]:
+        """``packer *args``, killed with SIGKILL (and its workers) as ``kills`` (one drawn) says: "none",
+        after a random "moment", or once its journal holds a random number of files ("progress");
+        its exit status and stderr."""
         proc = subprocess.Popen(
             [*PACKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
-        kill = self.rng.choice(["none", "none", "moment", "progress", "progress"])
+        kill = self.rng.choice(kills)
         if kill == "moment":
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=self.rng.uniform(0.1, 0.6))
         elif kill == "progress":
-            at, progress = self.rng.randrange(1, len(self.files)), staging_path(self.out) / PROGRESS
+            at, progress = self.rng.randrange(1, len(self.files) // 2), staging_path(self.out) / PROGRESS
             while proc.poll() is None:
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     if json.loads(progress.read_text())["sources_done"] >= at:
@@ -149,20 +150,29 @@ class Machine:
         self.log.append(f"{label} kill={kill} -> {proc.returncode}")
         return proc.returncode, stderr
 
-    def operate(self) -> None:
-        """One command, then every check."""
-        before = Manifest.load(self.out) if (self.out / MANIFEST).is_file() else None
-        if (staging_path(self.out) / PROGRESS).is_file() and self.rng.random() < 0.7:  # an interrupted build
+    def step(self) -> None:
+        """An edit or a command. Weighted towards what breaks: after an interrupted build, files
+        change under its journal, then a --resume of either kind (mostly left to finish)."""
+        interrupted = (staging_path(self.out) / PROGRESS).is_file()
+        if self.rng.random() < 0.3:
+            self.edit()
+        elif interrupted:
             mode = self.rng.choice(["--resume", "--update --resume", "--update --resume", "--force --resume"])
+            self.operate(mode, compacting=False, kills=["none", "none", "moment", "progress"])
         else:
-            mode = self.rng.choice(["", "--update", "--update", "--force", "--resume"])
-        compacting = before is not None and self.rng.random() < 0.15
+            mode = self.rng.choice(["", "--update", "--update", "--update", "--force", "--force", "--resume"])
+            compacting = (self.out / MANIFEST).is_file() and self.rng.random() < 0.1
+            self.operate(mode, compacting, kills=["none", "moment", "progress", "progress"])
+
+    def operate(self, mode: str, compacting: bool, kills: list[str]) -> None:
+        """``packer compact`` or ``packer build`` with ``mode``'s options, then every check."""
+        before = Manifest.load(self.out) if (self.out / MANIFEST).is_file() else None
         if compacting:
             args = ["compact", str(self.out)]
         else:
             args = ["build", str(self.raw), str(self.out), "--backend", self.backend, "--shard-size", str(SHARD_SIZE)]
             args += ["--workers", "1", "--quiet", "--checkpoint-seconds", "0", *mode.split()]
-        rc, stderr = self.run(args, "compact" if compacting else f"build {mode}")
+        rc, stderr = self.run(args, "compact" if compacting else f"build {mode}", kills)
         assert "Traceback" not in stderr, stderr
         if rc == 1:
             lines = stderr.strip().splitlines()
@@ -203,10 +213,7 @@ def test_random_sequences_keep_every_version_whole(tmp_path: Path, backend: str,
     machine = Machine(tmp_path, backend, random.Random(f"{seed}-{backend}"))
     try:
         for _ in range(STEPS):
-            if machine.rng.random() < 0.35:
-                machine.edit()
-            else:
-                machine.operate()
+            machine.step()
         run = subprocess.run(
             [*PACKER, "build", str(machine.raw), str(machine.out), "--backend", backend]
             + ["--shard-size", str(SHARD_SIZE), "--workers", "1", "--quiet", "--update"],
