@@ -196,6 +196,23 @@ def test_a_file_re_exported_after_it_was_journalled_is_decoded_again_by_resume(
     assert run.returncode == 0 and "up to date" in run.stdout + run.stderr, run.stderr
 
 
+def test_compact_over_an_interrupted_refresh_says_it_deletes_it(raw: Path, tmp_path: Path) -> None:
+    """compact takes the staging folder of OUT: an interrupted --update's work there (links to OUT's
+    files, which it unlinks, never writes) is deleted with a note; the --update --resume after it starts over."""
+    out = out_path(tmp_path, "lmdb")
+    build(raw, out, workers=1, quiet=True)
+    before = contents(out)
+    for number in range(0, N, 5):
+        paint(source(raw, number), number, shade=9, size=(44, 32))
+    kill_mid_build(raw, out, "--update")
+    run = packer("compact", out)
+    assert run.returncode == 0 and "deleting the interrupted build" in run.stderr, run.stderr
+    assert contents(out) == before and verify(out).ok
+    run = packer("build", raw, out, "--workers", "1", "--quiet", "--update", "--resume")
+    assert run.returncode == 0, run.stderr
+    check_complete(out, raw, tmp_path, "lmdb")
+
+
 @pytest.fixture(scope="module")
 def noisy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A raw-format dataset of 200 noise images (47 MB): big enough that a compact takes a while."""

@@ -68,7 +68,9 @@ INDEX_PART = "index.part"
 SOURCES_PART = "sources.part"
 PLAN = "plan.json"
 IDENTITIES = "identities.part"  # the scan identities of the sources, in scan order (IDENTITY_DTYPE)
-CHECKPOINTS = "checkpoints.jsonl"  # every checkpoint so far, one per line: what a rewind goes back to
+#: a checkpoint per CHECKPOINT_RECORDS sources, one per line: what a rewind goes back to (one per
+#: checkpoint would grow with the build's length times its memmap shards)
+CHECKPOINTS = "checkpoints.jsonl"
 #: what a finished staging folder drops before it becomes the dataset
 STAGING_STATE = (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART, PLAN, IDENTITIES, CHECKPOINTS)
 
@@ -380,6 +382,7 @@ class RecordSink:
             self.journal.add_scan_report(found)
         self.writer = writer(state["writer"] if state else None)
         self._history = open(staging / CHECKPOINTS, "ab" if state else "wb")
+        self._stretch = int(state["sources_done"]) // CHECKPOINT_RECORDS if state else -1  # of the last one kept
         self.skipped = int(state["skipped"]) if state else len(found.missing)
         self.reused = 0
         self._row = np.zeros((), dtype=INDEX_DTYPE)
@@ -418,9 +421,11 @@ class RecordSink:
             "writer": self.writer.checkpoint(),
             "journal": self.journal.checkpoint(),
         }
-        self._history.write(json.dumps(progress, sort_keys=True).encode() + b"\n")
-        self._history.flush()
-        os.fsync(self._history.fileno())
+        if sources_done // CHECKPOINT_RECORDS != self._stretch:
+            self._stretch = sources_done // CHECKPOINT_RECORDS
+            self._history.write(json.dumps(progress, sort_keys=True).encode() + b"\n")
+            self._history.flush()
+            os.fsync(self._history.fileno())
         write_json_atomic(self.staging / PROGRESS, progress)
 
     def close(self) -> list[dict[str, Any]]:
@@ -583,6 +588,8 @@ def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.
         np.save(staging / name, a, allow_pickle=False)
     for name in STAGING_STATE:
         (staging / name).unlink(missing_ok=True)  # packer compact writes only BUILD_STATE
+    for tmp in staging.glob(".*.tmp-*"):
+        tmp.unlink()  # a write_atomic that a kill -9 cut short: not part of the dataset
     (staging / MANIFEST).write_bytes(text)
     for p in staging.iterdir():
         fsync_path(p)
