@@ -196,6 +196,45 @@ def test_a_file_re_exported_after_it_was_journalled_is_decoded_again_by_resume(
     assert run.returncode == 0 and "up to date" in run.stdout + run.stderr, run.stderr
 
 
+#: (the killed build's option, the command after it): whether that command finishes (0) or refuses (1)
+RERUNS = {
+    ("--update", "--update --resume"): 0,
+    ("--update", "--force --resume"): 1,  # its plan links OUT's files: a --force must not continue it
+    ("--update", "--resume"): 1,  # OUT is built from other input than this plain --resume's
+    ("--update", "--update"): 0,
+    ("--update", "--force"): 0,
+    ("--force", "--force --resume"): 0,
+    ("--force", "--update --resume"): 1,  # its rows point into its own files, not OUT's
+    ("--force", "--resume"): 1,
+    ("--force", "--update"): 0,
+    ("--force", "--force"): 0,
+}
+
+
+@pytest.mark.parametrize(("killed", "then"), list(RERUNS))
+def test_every_rerun_of_an_interrupted_build_finishes_right_or_refuses_touching_nothing(
+    raw: Path, tmp_path: Path, killed: str, then: str
+) -> None:
+    """The matrix behind items 1 and 2: a refresh or forced rebuild killed mid-journal, then each way to
+    run it again (the backend alternates over the cases). A reader opened before keeps its bytes, OUT
+    verifies; a refusal is one line and leaves OUT as it was, a finished build equals a fresh one."""
+    backend = BACKENDS[list(RERUNS).index((killed, then)) % 2]
+    out = out_path(tmp_path, backend)
+    build(raw, out, backend=backend, workers=1, quiet=True)
+    before, reader = contents(out), open_reader(out)
+    for number in range(0, N, 4):
+        paint(source(raw, number), number, shade=9, size=(44, 32))
+    kill_mid_build(raw, out, killed)
+    run = packer("build", raw, out, "--backend", backend, "--workers", "1", "--quiet", *then.split())
+    assert run.returncode == RERUNS[killed, then], run.stderr
+    assert [bytes(b) for b in reader.get_many(list(range(len(before))))] == before
+    if run.returncode:
+        assert run.stderr.count("\n") == 1 and run.stderr.startswith("packer: error:"), run.stderr
+        assert contents(out) == before and verify(out).ok
+    else:
+        check_complete(out, raw, tmp_path, backend)
+
+
 def test_compact_over_an_interrupted_refresh_says_it_deletes_it(raw: Path, tmp_path: Path) -> None:
     """compact takes the staging folder of OUT: an interrupted --update's work there (links to OUT's
     files, which it unlinks, never writes) is deleted with a note; the --update --resume after it starts over."""
