@@ -42,6 +42,7 @@ from .staging import (
     Plan,
     Progress,
     RecordSink,
+    cannot_resume,
     complete,
     fill,
     old_path,
@@ -400,30 +401,28 @@ def _resume(
     quiet: bool,
 ) -> Optional[dict[str, Any]]:
     """The checkpoint the interrupted build at ``staging`` continues from, with its recorded
-    :class:`~packer.staging.Plan` (not a new one: the journal's rows point into the data files it
+    :class:`~packer.builder.staging.Plan` (not a new one: the journal's rows point into the data files it
     chose), or BuildError where this command cannot continue that plan: a refresh resumed as a build
     that writes every record, or the other way round, or a refresh of an OUT replaced since."""
     recorded = Plan.recorded(staging)
     if recorded.of is not None and cache is None:
-        raise BuildError(
-            f"cannot --resume: the interrupted build refreshed {out} (--update), reusing its records; "
+        raise cannot_resume(
+            f"the interrupted build refreshed {out} (--update), reusing its records; "
             f"resume it with --update --resume, or build again without --resume"
         )
     if recorded.of is None and cache is not None:
-        raise BuildError(
-            f"cannot --resume: the interrupted build of {out} wrote every record itself (--force or a first "
-            f"build); resume it without --update, or run the --update again without --resume"
+        raise cannot_resume(
+            f"the interrupted build of {out} wrote every record itself (--force or a first build); "
+            f"resume it without --update, or run the --update again without --resume"
         )
     if cache is not None:
         if recorded.of != cache.manifest.computed_digest:
-            raise BuildError(
-                f"cannot --resume: {out} changed since the interrupted refresh; run the --update again without --resume"
-            )
+            raise cannot_resume(f"{out} changed since the interrupted refresh; run the --update again without --resume")
         recorded.check_linked(out)
         if recorded.base:
             cache.base = link_base(out, staging, recorded.base, quiet)
             if cache.base is None:
-                raise BuildError(f"cannot --resume: the data files of {out} cannot be linked again")
+                raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
     assert options.backend is not None
     return rewind(staging, found, state, options.backend, recorded.first, quiet)
 

@@ -252,7 +252,8 @@ def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optio
     return None
 
 
-def _cannot_resume(why: str) -> BuildError:
+def cannot_resume(why: str) -> BuildError:
+    """The one-line refusal of a --resume that cannot continue its interrupted build's plan."""
     return BuildError(f"cannot --resume: {why}")
 
 
@@ -261,7 +262,7 @@ class Plan:
     """What a build decides before its first record and its --resume must repeat, not decide again
     (``plan.json``): ``of``, the manifest digest of the OUT version whose records a refresh reuses
     (None: the build writes every record itself, --force or a first build); ``base``, the entries
-    (packer.segments.Base) of that version's data files linked into the staging folder, and
+    (packer.builder.segments.Base) of that version's data files linked into the staging folder, and
     ``linked``, their (st_dev, st_ino): files of a complete dataset, which this build only ever reads;
     ``first``, the number of the first data file the build writes itself (always a new file). The
     rest of a refresh's reuse plan follows from OUT's version and the sources' paths and identities,
@@ -274,6 +275,8 @@ class Plan:
 
     @classmethod
     def made(cls, staging: Path, of: Optional[str], base: Optional[Base]) -> Plan:
+        """The plan of a build that refreshes the version ``of`` (None: writes every record), with
+        ``base`` linked into ``staging``."""
         entries = base.entries if base is not None else []
         stats = [os.stat(staging / str(e["file"])) for e in entries]
         return cls(of, entries, [[st.st_dev, st.st_ino] for st in stats], len(entries))
@@ -286,11 +289,12 @@ class Plan:
 
     @classmethod
     def recorded(cls, staging: Path) -> Plan:
+        """The plan the interrupted build at ``staging`` recorded."""
         try:
             data = json.loads((staging / PLAN).read_text(encoding="utf-8"))
             return cls(data["of"], list(data["base"]), [list(x) for x in data["linked"]], int(data["first"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise _cannot_resume(
+            raise cannot_resume(
                 f"{staging} holds no plan this packer can continue ({e}); build again without --resume"
             ) from None
 
@@ -302,7 +306,7 @@ class Plan:
             except OSError:
                 st = None
             if st is None or (st.st_dev, st.st_ino) != (dev, ino):
-                raise _cannot_resume(
+                raise cannot_resume(
                     f"{old} changed since the interrupted refresh linked its {entry['file']}; "
                     f"run the --update again without --resume"
                 )
@@ -319,8 +323,8 @@ def rewind(
     own = BACKENDS[backend].written_from(staging, first)
     for path in own:
         if path.exists() and os.stat(path).st_nlink > 1:
-            raise _cannot_resume(f"{path} is linked from elsewhere; build again without --resume")
-    if "sources_done" not in state:  # a --dask build: its fragments say what is done (packer.distributed)
+            raise cannot_resume(f"{path} is linked from elsewhere; build again without --resume")
+    if "sources_done" not in state:  # a --dask build: its fragments say what is done (packer.builder.dask)
         return state
     done = int(state["sources_done"])
     current = np.ascontiguousarray(found.identities(), dtype=IDENTITY_DTYPE)
@@ -328,9 +332,9 @@ def rewind(
         recorded = np.fromfile(staging / IDENTITIES, dtype=IDENTITY_DTYPE)
         lines = (staging / CHECKPOINTS).read_bytes().splitlines()
     except OSError as e:
-        raise _cannot_resume(f"the journal in {staging} is damaged ({e}); build again without --resume") from None
+        raise cannot_resume(f"the journal in {staging} is damaged ({e}); build again without --resume") from None
     if len(recorded) != len(current):
-        raise _cannot_resume(f"the journal in {staging} is damaged; build again without --resume")
+        raise cannot_resume(f"the journal in {staging} is damaged; build again without --resume")
     history = []  # the checkpoints up to ``state``: not a line torn by a kill, nor one past progress.json
     for line in lines:
         try:
