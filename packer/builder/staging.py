@@ -317,13 +317,10 @@ def rewind(
 ) -> Optional[dict[str, Any]]:
     """The checkpoint a --resume continues from: ``state``, or the last one before the first source
     the journal holds whose scan identity changed since it was packed (a file re-exported in place:
-    it is packed again, and everything after it); None to start from the first source. The build's
-    own data files (numbered ``first`` on) are refused if anything else links to them, and the
-    recorded identities become the scan's."""
-    own = BACKENDS[backend].written_from(staging, first)
-    for path in own:
-        if path.exists() and os.stat(path).st_nlink > 1:
-            raise cannot_resume(f"{path} is linked from elsewhere; build again without --resume")
+    it is packed again, and everything after it); None to start from the first source (the build's
+    own data files, numbered ``first`` on, are then deleted: its writer creates them anew). The
+    recorded identities become the scan's. (The writers refuse to reopen a data file that anything
+    else links to: packer.backends.write.open_written.)"""
     if "sources_done" not in state:  # a --dask build: its fragments say what is done (packer.builder.dask)
         return state
     done = int(state["sources_done"])
@@ -359,8 +356,8 @@ def rewind(
             quiet,
         )
         if earlier is None:
-            for path in own:
-                path.unlink(missing_ok=True)  # the writer starts its first file anew
+            for path in BACKENDS[backend].written_from(staging, first):
+                path.unlink(missing_ok=True)
     text = b"".join(json.dumps(c, sort_keys=True).encode() + b"\n" for c in history)
     write_atomic(staging / CHECKPOINTS, lambda f: f.write(text))
     write_atomic(staging / IDENTITIES, lambda f: f.write(current.tobytes()))
