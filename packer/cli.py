@@ -31,8 +31,13 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+BUILD_INTERRUPTED = "nothing was written at the output (run the same build with --resume to continue)"
+
+
+def _friendly(fn: Callable[..., Any], *, interrupted: str = BUILD_INTERRUPTED) -> Callable[..., Any]:
     """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback.
+    Ctrl-C and SIGTERM (where the command turns it into :class:`Terminated`) print "interrupted;"
+    and ``interrupted``, what is true of the command's output then.
 
     A reader that stops early (``packer info OUT | head``) ends the command quietly with status 141
     (128 + SIGPIPE), as it ends ``cat`` or ``ls``: no "Broken pipe" message, no traceback.
@@ -52,10 +57,7 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt as e:
             if debug:
                 raise
-            click.echo(
-                "packer: interrupted; nothing was written at the output (run the same build with --resume to continue)",
-                err=True,
-            )
+            click.echo(f"packer: interrupted; {interrupted}", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
         except PackerError as e:
             if debug:
@@ -365,17 +367,21 @@ def verify(out: Path, limit: int) -> None:
 
 @main.command()
 @click.argument("out", type=_PathOrURL(path_type=Path))
-@_friendly
+@functools.partial(
+    _friendly, interrupted="the dataset is whole, compacted or as it was (run the same packer compact again)"
+)
 def compact(out: Path) -> None:
     """Rewrite OUT into one segment, dropping the records that refreshes replaced or deleted.
 
     `build --update` keeps the old records where they are and adds the new ones in a segment of their
     own; it rewrites everything by itself once too much of the data is dead or there are too many
     segments (docs/FORMAT.md, "Segments"). Records are copied as they are (each checked against its
-    CRC-32) and the digest stays the same. Readers of the old version keep reading it.
+    CRC-32) and the digest stays the same. Readers of the old version keep reading it. Interrupted
+    (Ctrl-C, SIGTERM, kill -9), OUT stays whole; `packer compact` or `packer clean` then takes what is left.
     """
     from .tools.compact import compact as run_compact
 
+    signal.signal(signal.SIGTERM, _raise_terminated)
     run_compact(out)
 
 

@@ -194,6 +194,31 @@ def test_fail_then_resume_reuses_finished_shards(client, mixed_raw: Path, tmp_pa
     assert_same_dataset(out, local)
 
 
+def test_a_file_re_exported_in_a_finished_shard_is_decoded_again_by_resume(
+    client, mixed_raw: Path, tmp_path: Path
+) -> None:
+    """Issue 21 item 3 for --dask: a fragment holds the scan identities of its files, so a file
+    re-exported in place (same path, other pixels) after its shard finished is decoded again."""
+    raw = tmp_path / "raw"
+    shutil.copytree(mixed_raw, raw)
+    (raw / "dog" / "notes.txt").unlink()
+    (raw / "cat" / "broken.jpg").unlink()
+    bad = raw / "portrait" / "zz_bad.jpg"  # sorts last: the last shard fails
+    bad.write_bytes(b"garbage")
+    out = tmp_path / "out.lmdb"
+    kwargs: dict[str, Any] = {"address": client.scheduler.address, "shard_size": 4, "quiet": True, "on_error": "fail"}
+    with pytest.raises(BuildError, match="zz_bad"):
+        build_dask(raw, out, **kwargs)
+    first = sorted((raw / "cat").iterdir())[0]  # in the first shard, which finished
+    shutil.copyfile(raw / "portrait" / "Portrait_1.jpg", first)
+    shutil.copyfile(raw / "portrait" / "Portrait_2.jpg", bad)
+    report = build_dask(raw, out, resume=True, **kwargs)
+    assert report.resumed_from > 0
+    local = tmp_path / "local.lmdb"
+    build(raw, local, workers=1, quiet=True)
+    assert_same_dataset(out, local)
+
+
 def _edit(raw: Path) -> None:
     """One file added, one deleted, one rewritten in place (another size): with the broken file
     (never packed), 3 to decode on --update."""

@@ -42,7 +42,7 @@ from ..backends import BACKENDS
 from ..backends.write import fsync_path, write_atomic
 from ..codec import can_decode_region, codec_name
 from ..errors import ShardError, say
-from ..format import INDEX_DTYPE, shard_name
+from ..format import IDENTITY_DTYPE, INDEX_DTYPE, shard_name
 from .options import DASK_TASK_SIZE, BuildError, BuildOptions
 from .pipeline import run_build
 from .preprocess import PreprocessSpec, Record, Result, Skip, process_chunk
@@ -60,17 +60,23 @@ def fragment_stem(k: int) -> str:
     return f"part-{k:05d}"
 
 
-def paths_digest(rels: list[str]) -> str:
-    """Which files a fragment holds: --resume reuses it only for the same files (an --update whose
-    reuse plan changed meanwhile cuts its tasks differently)."""
-    return hashlib.sha256("\0".join(rels).encode("utf-8", "surrogateescape")).hexdigest()
+def paths_digest(rels: list[str], identities: np.ndarray) -> str:
+    """Which files a fragment holds, with the scan identities they had: --resume reuses it only for
+    the same files (an --update whose reuse plan changed meanwhile cuts its tasks differently), none
+    of them changed since (a file re-exported in place is decoded again)."""
+    h = hashlib.sha256("\0".join(rels).encode("utf-8", "surrogateescape"))
+    h.update(np.ascontiguousarray(identities, dtype=IDENTITY_DTYPE).tobytes())
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------- worker side
 
 
-def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: PreprocessSpec) -> dict[str, Any]:
-    """One task: preprocess ``rels`` (paths under ``raw``) into fragment ``k``; returns its metadata.
+def pack_shard(
+    raw: str, fragments: str, k: int, rels: list[str], opts: PreprocessSpec, *, inputs: str
+) -> dict[str, Any]:
+    """One task: preprocess ``rels`` (paths under ``raw``) into fragment ``k``; returns its metadata,
+    which records ``inputs``, the task's :func:`paths_digest`.
 
     Files go through ``process_chunk`` one at a time and straight to disk, so worker memory stays at
     one record whatever the task size, and an unexpected error names the exact file.
@@ -111,7 +117,7 @@ def pack_shard(raw: str, fragments: str, k: int, rels: list[str], opts: Preproce
         meta = {
             "shard": k,
             "files": len(rels),
-            "paths": paths_digest(rels),
+            "paths": inputs,
             "count": count,
             "bytes": size,
             "skipped": skipped,
@@ -169,15 +175,15 @@ def _slices(n: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
-def _finished(fragments: Path, k: int, rels: list[str]) -> Optional[dict[str, Any]]:
-    """Fragment ``k``'s metadata if it holds ``rels`` and is complete (reusable by --resume), else None."""
-    files = len(rels)
+def _finished(fragments: Path, k: int, files: int, inputs: str) -> Optional[dict[str, Any]]:
+    """Fragment ``k``'s metadata if it holds the ``files`` files whose :func:`paths_digest` is
+    ``inputs`` and is complete (reusable by --resume), else None."""
     stem = fragments / fragment_stem(k)
     try:
         meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
         ok = (
             meta["files"] == files
-            and meta.get("paths") == paths_digest(rels)
+            and meta.get("paths") == inputs
             and meta["count"] + len(meta["skipped"]) == files
             and stem.with_suffix(".bin").stat().st_size == meta["bytes"]
             and stem.with_suffix(".npy").is_file()
@@ -272,13 +278,15 @@ def _run_tasks(
     raw: str,
     fragments: Path,
     tasks: list[list[str]],
+    inputs: list[str],
     todo: list[int],
     opts: PreprocessSpec,
     on_error: Optional[str],
     progress: Progress,
     retries: int,
 ) -> dict[int, dict[str, Any]]:
-    """Run the missing fragments ``todo`` (task k packs the files ``tasks[k]``) with a bounded window of
+    """Run the missing fragments ``todo`` (task k packs the files ``tasks[k]``, whose paths_digest is
+    ``inputs[k]``) with a bounded window of
     in-flight tasks (the scheduler holds few paths). Returns each new fragment's metadata by number."""
     from distributed import as_completed
 
@@ -299,6 +307,7 @@ def _run_tasks(
                 k,
                 tasks[k],
                 opts,
+                inputs=inputs[k],
                 retries=retries,
                 key=f"packer-shard-{k:05d}-{token}",
                 pure=False,
@@ -405,8 +414,10 @@ class DaskEngine:
             tmp.unlink()  # from attempts killed mid-write
         old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)
         rels = found.sources.paths.select(old_of < 0)  # only the files to decode
-        tasks = [list(rels[start : start + options.shard_size]) for start in range(0, len(rels), options.shard_size)]
-        finished = {k: _finished(fragments, k, files) for k, files in enumerate(tasks)}
+        identities, size = found.identities()[old_of < 0], options.shard_size
+        tasks = [list(rels[start : start + size]) for start in range(0, len(rels), size)]
+        inputs = [paths_digest(files, identities[k * size : k * size + len(files)]) for k, files in enumerate(tasks)]
+        finished = {k: _finished(fragments, k, len(files), inputs[k]) for k, files in enumerate(tasks)}
         if options.on_error == "fail":  # a fragment with skipped files is redone: the files may have been fixed
             finished = {k: m if m is None or not m["skipped"] else None for k, m in finished.items()}
         todo = [k for k, meta in finished.items() if meta is None]
@@ -421,6 +432,7 @@ class DaskEngine:
                     self.raw,
                     fragments,
                     tasks,
+                    inputs,
                     todo,
                     options.preprocess,
                     options.on_error,

@@ -39,12 +39,15 @@ from .split import TRAIN, split_path, split_scan
 from .staging import (
     BUILD_STATE,
     BuildReport,
+    Plan,
     Progress,
     RecordSink,
+    cannot_resume,
     complete,
     fill,
     old_path,
     open_staging,
+    rewind,
     staging_path,
 )
 from .update import Cache, Changes, inputs_digest, ordered_results, previous_dataset, reuse_plan, still_skipped
@@ -361,8 +364,13 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
     cache = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
     staging = staging_path(out)
     state = open_staging(staging, settings | engine.marker, options.resume)
-    if cache is not None:
-        _link_old_files(out, staging, cache, options, quiet)
+    if state is None:
+        if cache is not None:
+            _link_old_files(out, staging, cache, options, quiet)
+        of, base = (cache.manifest.computed_digest, cache.base) if cache is not None else (None, None)
+        Plan.made(staging, of, base).record(staging, found)
+    else:
+        state = _resume(out, staging, found, options, cache, state, quiet)
     try:
         try:
             sink, resumed_from = engine.pack(staging, found, options, state, cache)
@@ -381,6 +389,42 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
     report.changes = cache.changes if cache is not None else None
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _resume(
+    out: Path,
+    staging: Path,
+    found: Scan,
+    options: BuildOptions,
+    cache: Optional[Cache],
+    state: dict[str, Any],
+    quiet: bool,
+) -> Optional[dict[str, Any]]:
+    """The checkpoint the interrupted build at ``staging`` continues from, with its recorded
+    :class:`~packer.builder.staging.Plan` (not a new one: the journal's rows point into the data files it
+    chose), or BuildError where this command cannot continue that plan: a refresh resumed as a build
+    that writes every record, or the other way round, or a refresh of an OUT replaced since."""
+    recorded = Plan.recorded(staging)
+    if recorded.of is not None and cache is None:
+        raise cannot_resume(
+            f"the interrupted build refreshed {out} (--update), reusing its records; "
+            f"resume it with --update --resume, or build again without --resume"
+        )
+    if recorded.of is None and cache is not None:
+        raise cannot_resume(
+            f"the interrupted build of {out} wrote every record itself (--force or a first build); "
+            f"resume it without --update, or run the --update again without --resume"
+        )
+    if cache is not None:
+        if recorded.of != cache.manifest.computed_digest:
+            raise cannot_resume(f"{out} changed since the interrupted refresh; run the --update again without --resume")
+        recorded.check_linked(out)
+        if recorded.base:
+            cache.base = link_base(out, staging, recorded.base, quiet)
+            if cache.base is None:
+                raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
+    assert options.backend is not None
+    return rewind(staging, found, state, options.backend, recorded.first, quiet)
 
 
 def _link_old_files(out: Path, staging: Path, cache: Cache, options: BuildOptions, quiet: bool) -> None:

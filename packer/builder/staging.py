@@ -4,7 +4,11 @@ the record sink.
 The staging folder ``.<OUT name>.packer-tmp`` beside OUT holds the writer's data plus a journal (index
 rows, source paths, report lines) and ``progress.json``, rewritten atomically at every checkpoint after
 the data is durable. A dataset at OUT is therefore complete or absent, and ``--resume`` continues from
-the last checkpoint with the same result as an uninterrupted build.
+the last checkpoint with the same result as an uninterrupted build. What the build decided before
+its first record (:class:`Plan`: whether it refreshes OUT, which of OUT's data files it links, where
+its own data files start) and the scan identities of its sources are recorded there too, and a
+--resume repeats them or refuses (:func:`rewind`): data files a complete dataset links to are only
+ever read, and a file changed since the journal holds it is packed again.
 
 Every record reaches the dataset through one :class:`RecordSink`, whichever engine decoded it: the
 writer appends its bytes, its index row is filled (the only place that fills one), its source path
@@ -23,18 +27,19 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from .._version import __version__
-from ..backends import Writer
+from ..backends import BACKENDS, Writer
 from ..backends.write import fsync_path, write_atomic
 from ..codec import codec_name
 from ..errors import say
 from ..format import (
+    IDENTITY_DTYPE,
     IDENTITY_FIELDS,
     INDEX,
     INDEX_DTYPE,
@@ -60,6 +65,13 @@ BUILD_STATE = "build.json"
 PROGRESS = "progress.json"
 INDEX_PART = "index.part"
 SOURCES_PART = "sources.part"
+PLAN = "plan.json"
+IDENTITIES = "identities.part"  # the scan identities of the sources, in scan order (IDENTITY_DTYPE)
+#: a checkpoint per CHECKPOINT_RECORDS sources, one per line: what a rewind goes back to (one per
+#: checkpoint would grow with the build's length times its memmap shards)
+CHECKPOINTS = "checkpoints.jsonl"
+#: what a finished staging folder drops before it becomes the dataset
+STAGING_STATE = (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART, PLAN, IDENTITIES, CHECKPOINTS)
 
 
 @dataclass
@@ -239,6 +251,118 @@ def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optio
     return None
 
 
+def cannot_resume(why: str) -> BuildError:
+    """The one-line refusal of a --resume that cannot continue its interrupted build's plan."""
+    return BuildError(f"cannot --resume: {why}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a build decides before its first record and its --resume must repeat, not decide again
+    (``plan.json``): ``of``, the manifest digest of the OUT version whose records a refresh reuses
+    (None: the build writes every record itself, --force or a first build); ``base``, the entries
+    (packer.builder.segments.Base) of that version's data files linked into the staging folder, and
+    ``linked``, their (st_dev, st_ino): files of a complete dataset, which this build only ever reads;
+    ``first``, the number of the first data file the build writes itself (always a new file). The
+    rest of a refresh's reuse plan follows from OUT's version and the sources' paths and identities,
+    which the staging folder also records (IDENTITIES)."""
+
+    of: Optional[str]
+    base: list[dict[str, Any]]
+    linked: list[list[int]]
+    first: int
+
+    @classmethod
+    def made(cls, staging: Path, of: Optional[str], base: Optional[Base]) -> Plan:
+        """The plan of a build that refreshes the version ``of`` (None: writes every record), with
+        ``base`` linked into ``staging``."""
+        entries = base.entries if base is not None else []
+        stats = [os.stat(staging / str(e["file"])) for e in entries]
+        return cls(of, entries, [[st.st_dev, st.st_ino] for st in stats], len(entries))
+
+    def record(self, staging: Path, found: Scan) -> None:
+        """Into the staging folder, with the scan identities its journal rows will come from."""
+        identities = np.ascontiguousarray(found.identities(), dtype=IDENTITY_DTYPE)
+        write_atomic(staging / IDENTITIES, lambda f: f.write(identities.tobytes()))
+        write_json_atomic(staging / PLAN, asdict(self))
+
+    @classmethod
+    def recorded(cls, staging: Path) -> Plan:
+        """The plan the interrupted build at ``staging`` recorded."""
+        try:
+            data = json.loads((staging / PLAN).read_text(encoding="utf-8"))
+            return cls(data["of"], list(data["base"]), [list(x) for x in data["linked"]], int(data["first"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise cannot_resume(
+                f"{staging} holds no plan this packer can continue ({e}); build again without --resume"
+            ) from None
+
+    def check_linked(self, old: Path) -> None:
+        """Refuse unless the data files linked into the staging folder are still those of ``old``."""
+        for entry, (dev, ino) in zip(self.base, self.linked):
+            try:
+                st = os.stat(old / str(entry["file"]))
+            except OSError:
+                st = None
+            if st is None or (st.st_dev, st.st_ino) != (dev, ino):
+                raise cannot_resume(
+                    f"{old} changed since the interrupted refresh linked its {entry['file']}; "
+                    f"run the --update again without --resume"
+                )
+
+
+def rewind(
+    staging: Path, found: Scan, state: dict[str, Any], backend: str, first: int, quiet: bool
+) -> Optional[dict[str, Any]]:
+    """The checkpoint a --resume continues from: ``state``, or the last one before the first source
+    the journal holds whose scan identity changed since it was packed (a file re-exported in place:
+    it is packed again, and everything after it); None to start from the first source (the build's
+    own data files, numbered ``first`` on, are then deleted: its writer creates them anew). The
+    recorded identities become the scan's. (The writers refuse to reopen a data file that anything
+    else links to: packer.backends.write.open_written.)"""
+    if "sources_done" not in state:  # a --dask build: its fragments say what is done (packer.builder.dask)
+        return state
+    done = int(state["sources_done"])
+    current = np.ascontiguousarray(found.identities(), dtype=IDENTITY_DTYPE)
+    try:
+        recorded = np.fromfile(staging / IDENTITIES, dtype=IDENTITY_DTYPE)
+        lines = (staging / CHECKPOINTS).read_bytes().splitlines()
+    except OSError as e:
+        raise cannot_resume(f"the journal in {staging} is damaged ({e}); build again without --resume") from None
+    if len(recorded) != len(current):
+        raise cannot_resume(f"the journal in {staging} is damaged; build again without --resume")
+    history = []  # the checkpoints up to ``state``: not a line torn by a kill, nor one past progress.json
+    for line in lines:
+        try:
+            checkpoint = json.loads(line)
+        except ValueError:
+            break
+        if int(checkpoint["sources_done"]) > done:
+            break
+        history.append(checkpoint)
+    changed = np.flatnonzero(recorded[:done] != current[:done])
+    earlier: Optional[dict[str, Any]] = state
+    if len(changed):
+        at = int(changed[0])
+        while history and int(history[-1]["sources_done"]) > at:
+            history.pop()
+        earlier = history[-1] if history else None
+        again = int(earlier["sources_done"]) if earlier else 0
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        say(
+            f"{found.sources.paths[at]}{more} changed since it was packed: packing again from file "
+            f"{again + 1} of {len(current)}",
+            quiet,
+        )
+        if earlier is None:
+            for path in BACKENDS[backend].written_from(staging, first):
+                path.unlink(missing_ok=True)
+    text = b"".join(json.dumps(c, sort_keys=True).encode() + b"\n" for c in history)
+    write_atomic(staging / CHECKPOINTS, lambda f: f.write(text))
+    write_atomic(staging / IDENTITIES, lambda f: f.write(current.tobytes()))
+    return earlier
+
+
 class RecordSink:
     """Where each record goes, in scan order, whichever engine decoded it: writer, index row, source
     path, report line. ``state`` (a checkpoint) continues a journal. ``base``: the old data files a
@@ -257,6 +381,8 @@ class RecordSink:
         if state is None:
             self.journal.add_scan_report(found)
         self.writer = writer(state["writer"] if state else None)
+        self._history = open(staging / CHECKPOINTS, "ab" if state else "wb")
+        self._stretch = int(state["sources_done"]) // CHECKPOINT_RECORDS if state else -1  # of the last one kept
         self.skipped = int(state["skipped"]) if state else len(found.missing)
         self.reused = 0
         self._row = np.zeros((), dtype=INDEX_DTYPE)
@@ -295,6 +421,11 @@ class RecordSink:
             "writer": self.writer.checkpoint(),
             "journal": self.journal.checkpoint(),
         }
+        if sources_done // CHECKPOINT_RECORDS != self._stretch:
+            self._stretch = sources_done // CHECKPOINT_RECORDS
+            self._history.write(json.dumps(progress, sort_keys=True).encode() + b"\n")
+            self._history.flush()
+            os.fsync(self._history.fileno())
         write_json_atomic(self.staging / PROGRESS, progress)
 
     def close(self) -> list[dict[str, Any]]:
@@ -303,6 +434,7 @@ class RecordSink:
             return self.writer.close()
         finally:
             self.journal.close()
+            self._history.close()
 
 
 def fill(
@@ -445,8 +577,10 @@ def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.
     _npy_from(staging / SOURCES_PART, staging / SOURCES, np.dtype(np.uint8))
     for name, a in arrays.items():
         np.save(staging / name, a, allow_pickle=False)
-    for name in (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART):
-        (staging / name).unlink(missing_ok=True)  # packer compact writes no build state
+    for name in STAGING_STATE:
+        (staging / name).unlink(missing_ok=True)  # packer compact writes only BUILD_STATE
+    for tmp in staging.glob(".*.tmp-*"):
+        tmp.unlink()  # a write_atomic that a kill -9 cut short: not part of the dataset
     (staging / MANIFEST).write_bytes(text)
     for p in staging.iterdir():
         fsync_path(p)

@@ -16,7 +16,15 @@ from ..backends.walk import InOrder
 from ..builder.options import SHARD_SIZE
 from ..builder.pipeline import build_lock, dataset_path
 from ..builder.segments import data_table
-from ..builder.staging import INDEX_PART, SOURCES_PART, finalize, staging_path
+from ..builder.staging import (
+    BUILD_STATE,
+    INDEX_PART,
+    PROGRESS,
+    SOURCES_PART,
+    finalize,
+    staging_path,
+    write_json_atomic,
+)
 from ..errors import BuildError, say
 from ..format import (
     FORMAT_VERSION,
@@ -41,8 +49,11 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         old, index = pinned.manifest, pinned.index
         staging = staging_path(out)
         if staging.exists():
+            if (staging / PROGRESS).is_file():
+                say(f"{out}: deleting the interrupted build in {staging} (a --resume of it would start over)", quiet)
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
+        write_json_atomic(staging / BUILD_STATE, {"compact": out.name})  # packer's: `packer clean` deletes it
         backend = BACKENDS[old.backend]
         for name in data_files(old):  # LMDB: liblmdb must not walk a damaged file
             backend.check_walkable(out / name)
