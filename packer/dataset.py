@@ -37,7 +37,9 @@ from . import labels as labelling
 from .format import DatasetError, source_path
 from .pin import FileKey, pin
 from .read import open_reader
+from .remote import Remote
 from .sampler import Draw
+from .store import is_url
 from .transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
 
 #: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``.
@@ -131,6 +133,11 @@ class ShardDataset(Dataset):
     NVIDIA recommends for convolutions on tensor cores; ``torch.contiguous_format`` costs a
     transposing copy per sample (its cost: docs/PERFORMANCE.md, "Read speed").
 
+    ``path`` may be a URL (``s3://bucket/prefix/train.lmdb``, ``https://host/train``): the dataset is
+    read through a node-local cache (``cache_dir``, default ``$PACKER_CACHE_DIR`` or the user's cache
+    directory; ``cache_limit`` bytes or a size like "200GB" for the whole cache), each data file
+    fetched once per node when first read and checked against the index before use (packer.remote).
+
     ``verify`` checks each record's CRC-32 before decoding. It defaults to on for JPEG records
     (a small share of a decode) and off for raw ones (it would cost more than the crop); the record
     length and, for JPEG, a clean decode to the indexed size are always checked. Any failure raises
@@ -162,6 +169,9 @@ class ShardDataset(Dataset):
         memory_format: torch.memory_format = torch.channels_last,
         transform: Transform = None,
         batch_transform: BatchTransform = None,
+        *,
+        cache_dir: Optional[str | os.PathLike] = None,
+        cache_limit: int | str | None = None,
     ) -> None:
         if any(f is not None and not callable(f) for f in (transform, batch_transform)):
             raise ValueError("transform and batch_transform must be callables")
@@ -177,7 +187,9 @@ class ShardDataset(Dataset):
             raise ValueError(f"eval_ratio must be in (0, 1] (crop size / resized short edge), not {eval_ratio}")
         if not (dtype == torch.uint8 or dtype.is_floating_point):
             raise ValueError(f"dtype must be torch.uint8 or a floating type, not {dtype}")
-        self.root = str(Path(path).resolve())
+        # a URL (s3://, https://) is read through the node's cache (packer.remote); a path as it is
+        self._remote = Remote(str(path), cache_dir=cache_dir, cache_limit=cache_limit) if is_url(path) else None
+        self.root = self._remote.url if self._remote is not None else str(Path(path).resolve())
         self.seed = seed
         self.dtype = dtype
         if memory_format not in (torch.channels_last, torch.contiguous_format):
@@ -198,7 +210,7 @@ class ShardDataset(Dataset):
 
     def _load(self, expect: Optional[dict[str, FileKey]] = None) -> None:
         """Everything derived from disk, from one pinned version (with ``expect``: that version only)."""
-        pinned = pin(self.root, expect)
+        pinned = self._remote.pin(expect) if self._remote is not None else pin(self.root, expect)
         self._files = pinned.files
         self.manifest, self.index, self._sources = pinned.manifest, pinned.index, pinned.sources
         self._labels = np.asarray(self.index["label"], dtype=np.int64)
@@ -219,6 +231,7 @@ class ShardDataset(Dataset):
             "transform",
             "batch_transform",
             "_files",
+            "_remote",
         )
         return {k: self.__dict__[k] for k in keep}
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -70,19 +70,20 @@ class Pinned:
         manifest: Manifest,
         arrays: tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]],
         files: dict[str, FileKey],
-        data_fds: list[int],
-        shards: list[Shard],
+        data_fds: Sequence[int],
+        shards: Sequence[Shard],
     ) -> None:
         self.root, self.manifest = root, manifest
         self.index, self.sources, self.multi, self.targets = arrays
         self.files, self.data_fds, self.shards = files, data_fds, shards
         self.data_names = data_files(manifest) if data_fds else []
         if data_fds:
-            self._close = weakref.finalize(self, _close_all, list(data_fds))
+            self._close = weakref.finalize(self, _close_all, data_fds)
 
     def data_key(self, k: int) -> FileKey:
         """The identity of LMDB data file ``k``: what py-lmdb's "already open" guard keys on (its
         first two fields), shared by every version of the dataset that keeps that file."""
+        self.data_fds[k]  # opened first where data files are opened on first use (packer.remote)
         return self.files[self.data_names[k]]
 
     def data_path(self, k: int) -> str:
@@ -101,17 +102,22 @@ class Pinned:
         raise replaced(self.root)
 
 
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:  # an OnFirstUse: those opened
         os.close(fd)
 
 
-def pin(root: str, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
+def pin(
+    root: str, expect: Optional[dict[str, FileKey]] = None, *, fetch: Optional[Callable[[str], int]] = None
+) -> Pinned:
     """Open the dataset at ``root`` (see the module docstring); with ``expect``, only the version
-    whose files have those identities, else :class:`DatasetReplaced`."""
+    whose files have those identities, else :class:`DatasetReplaced`. ``fetch(name)``: each data
+    file is opened by it when a reader first needs it (a dataset cached from object storage,
+    packer.remote: the cache directory holds one version, and each data file is checked against
+    its index when fetched, so ``expect`` covers the manifest and index only)."""
     for _ in range(3):
         try:
-            return _pin_once(root, expect)
+            return _pin_once(root, expect, fetch)
         except _Moved:
             continue
     raise DatasetError(f"{root}: the dataset kept being replaced while it was opened; try again")
@@ -124,7 +130,7 @@ def replaced(root: str) -> DatasetReplaced:
     )
 
 
-def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
+def _pin_once(root: str, expect: Optional[dict[str, FileKey]], fetch: Optional[Callable[[str], int]]) -> Pinned:
     try:
         dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
@@ -154,7 +160,13 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
             raise replaced(root)
         return fd
 
-    data_fds: list[int] = []
+    def fetch_file(name: str) -> int:
+        assert fetch is not None
+        fd = fetch(name)
+        files[name] = _key(os.fstat(fd))
+        return fd
+
+    data_fds: Sequence[int] = []
     try:
         fd = open_file(MANIFEST)
         try:
@@ -164,7 +176,10 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
         index, sources = (_map_npy_file(root, name, open_file) for name in (INDEX, SOURCES))
         check_index(Path(root), index, sources, manifest)
         multi, targets = load_label_arrays(root, manifest, open_file)
-        data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, open_file)
+        if fetch is not None:
+            data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, fetch_file, lazy=True)
+        else:
+            data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, open_file)
     except BaseException:
         _close_all(data_fds)
         raise

@@ -9,9 +9,10 @@ manifest's ``backend`` from one table; nothing else looks at the name.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Sequence
+import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Optional, Protocol, TypeVar
 
 import numpy as np
 
@@ -25,6 +26,35 @@ Buffer = memoryview  # zero-copy view of one record's bytes, valid while its rea
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
 #: told of the records of a data file that no index row names: (file name, records, bytes)
 ExtraKeys = Callable[[str, int, int], None]
+T = TypeVar("T")
+
+
+class OnFirstUse(Sequence[T], Generic[T]):
+    """The pinned data files of a dataset read from object storage (packer.remote): file ``k`` is
+    opened (``open_one(k)``, which fetches it into the cache first) when a reader first asks for it,
+    not all at once, so the first batch waits for its own data files only. Iterating it opens none."""
+
+    def __init__(self, count: int, open_one: Callable[[int], T]) -> None:
+        self._count, self._open_one = count, open_one
+        self.opened: dict[int, T] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, k: int) -> T:  # type: ignore[override]  # no slices: readers index one file
+        got = self.opened.get(k)
+        if got is None:
+            if not 0 <= k < self._count:
+                raise IndexError(k)
+            with self._lock:
+                got = self.opened.get(k)
+                if got is None:
+                    got = self.opened[k] = self._open_one(k)
+        return got
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(list(self.opened.values()))
 
 
 class Reader:
@@ -131,9 +161,10 @@ class Backend:
         raise NotImplementedError
 
     def pin_files(
-        self, root: str, manifest: Manifest, open_file: Callable[[str], int]
-    ) -> tuple[list[int], list[Shard]]:
-        """Hold the data files of the version being pinned (packer.pin): descriptors, or mappings."""
+        self, root: str, manifest: Manifest, open_file: Callable[[str], int], *, lazy: bool = False
+    ) -> tuple[Sequence[int], Sequence[Shard]]:
+        """Hold the data files of the version being pinned (packer.pin): descriptors, or mappings;
+        ``lazy``: each on first use (:class:`OnFirstUse`)."""
         raise NotImplementedError
 
     def walk_file(

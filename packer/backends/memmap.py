@@ -16,7 +16,7 @@ import numpy as np
 from .. import locality
 from ..format import DatasetError, Manifest, shard_name
 from ..write import sync_file
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader, listed_sizes
+from .base import Backend, Buffer, ExtraKeys, OnFirstUse, Raw, Reader, listed_sizes
 
 Shard = tuple[np.ndarray, Optional["Mapping"]]  # a shard's bytes, and their mapping (None when empty)
 READ_BLOCK = 8 << 20  # bytes per buffered read of a shard in a walk
@@ -190,8 +190,10 @@ class Memmap(Backend):
         return _shards_from(root, first)
 
     def pin_files(
-        self, root: str, manifest: Manifest, open_file: Callable[[str], int]
-    ) -> tuple[list[int], list[Shard]]:
+        self, root: str, manifest: Manifest, open_file: Callable[[str], int], *, lazy: bool = False
+    ) -> tuple[Sequence[int], Sequence[Shard]]:
+        if lazy:
+            return [], OnFirstUse(len(manifest.shards), lambda k: _map_shard(root, manifest.shards[k], open_file))
         return [], [_map_shard(root, info, open_file) for info in manifest.shards]
 
     def walk_file(
