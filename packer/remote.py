@@ -37,6 +37,7 @@ import os
 import re
 import shutil
 import threading
+import weakref
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,15 +129,22 @@ class Remote:
         self.home = self.cache_dir / f"{tail}-{_digest(self.url)}"
         self.version = ""  # sha256 of the manifest opened: the version this object reads
         self._store: Optional[tuple[int, Store]] = None
-        self._held: dict[str, int] = {}  # unit path -> a descriptor holding its shared flock (never evicted)
-        self._lock = threading.Lock()
+        self._hold_units()
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._store, self._held, self._lock = None, {}, threading.Lock()
+        self._store = None
+        self._hold_units()
+
+    def _hold_units(self) -> None:
+        """Start holding no units: ``_held`` maps a unit's path to a descriptor with its shared flock
+        (no process evicts it), all closed when this object goes (its readers went before it)."""
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_held, self._held)
 
     @property
     def store(self) -> Store:
@@ -370,6 +378,13 @@ class Remote:
                 os.ftruncate(fd, need)
             finally:
                 os.close(fd)
+
+
+def _close_held(held: dict[str, int]) -> None:
+    for fd in held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    held.clear()
 
 
 def _metadata_problem(manifest: Manifest, arrays: dict[str, np.ndarray]) -> str:

@@ -102,7 +102,7 @@ class Store(abc.ABC):
                 sink(piece)
                 at[0] += len(piece)
 
-        self._retrying(key, attempt, done=lambda: at[0] >= end)
+        self._retrying(key, attempt, done=lambda: at[0] >= end, progress=lambda: at[0])
 
     def download(
         self,
@@ -136,19 +136,29 @@ class Store(abc.ABC):
             for future in [pool.submit(one, n) for n in parts]:
                 future.result()  # the first failure is raised; the other parts finish or fail on their own
 
-    def _retrying(self, key: str, attempt: Callable[[], T], done: Callable[[], bool] = lambda: False) -> T:
+    def _retrying(
+        self,
+        key: str,
+        attempt: Callable[[], T],
+        done: Callable[[], bool] = lambda: False,
+        progress: Callable[[], int] = lambda: 0,
+    ) -> T:
         """``attempt()``, tried again with backoff while it raises Passing (and ``done()`` is false:
-        what was read before a failure is kept), at most :data:`ATTEMPTS` times."""
-        for n in range(ATTEMPTS):
+        what was read before a failure is kept), until :data:`ATTEMPTS` failures in a row made no
+        ``progress()`` (bytes received)."""
+        failures, reached = 0, progress()
+        while True:
             try:
                 return attempt()
             except Passing as e:
                 if done():
                     return None  # type: ignore[return-value]  # fetch's attempt returns None anyway
-                if n == ATTEMPTS - 1:
+                if progress() != reached:
+                    failures, reached = 0, progress()
+                failures += 1
+                if failures == ATTEMPTS:
                     raise StoreError(f"{self.name(key)}: failed {ATTEMPTS} times, last: {e}") from None
-                time.sleep(random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_S * 2**n)))
-        raise AssertionError("unreachable")  # pragma: no cover
+                time.sleep(random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))))
 
 
 class PerProcess(Generic[T]):

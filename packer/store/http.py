@@ -109,7 +109,9 @@ class HttpStore(Store):
             left = end - start
             try:
                 while left > 0:
-                    piece = response.read(min(READ_PIECE, left + skip))
+                    piece = response.read1(
+                        min(READ_PIECE, left + skip)
+                    )  # what has arrived: kept if the next read fails
                     if not piece:
                         break
                     if skip:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from .proxy import Proxy, start
+
 ACCESS, SECRET, BUCKET = "packer-test", "packer-test-secret", "packer"
 READY_S = 60
 
@@ -134,3 +136,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def _proxy_server(s3_server: S3Server) -> Iterator[Proxy]:
+    proxy, server = start(s3_server.endpoint)
+    yield proxy
+    server.shutdown()
+
+
+@pytest.fixture
+def proxy(_proxy_server: Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Proxy]:
+    """The fault proxy in front of the server, as this test's (and its workers') S3 endpoint."""
+    _proxy_server.clear()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", _proxy_server.url)
+    yield _proxy_server
+    _proxy_server.clear()

@@ -1,15 +1,24 @@
-"""ShardDataset and the store clients against a real S3 server (SeaweedFS on 127.0.0.1)."""
+"""ShardDataset from a real S3 server (SeaweedFS on 127.0.0.1), directly and through the fault proxy:
+the same samples as the local dataset, each data file fetched once per node and checked first."""
 
 from __future__ import annotations
 
+import gc
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from packer import ShardDataset
+from packer import ShardDataset, build
+from packer.backends import data_files
+from packer.format import DatasetError, Manifest
+from packer.store import StoreError
 
 from .conftest import S3Server
+from .proxy import Faults, Proxy
 
 
 def _same(a: ShardDataset, b: ShardDataset) -> None:
@@ -19,9 +28,127 @@ def _same(a: ShardDataset, b: ShardDataset) -> None:
         assert torch.equal(x[0], y[0]) and x[1] == y[1]
 
 
+def _files(local: Path) -> dict[str, int]:
+    manifest = Manifest.load(local)
+    return {name: (local / name).stat().st_size for name in data_files(manifest)}
+
+
 @pytest.mark.parametrize("backend", ["lmdb", "memmap"])
 def test_s3_dataset_reads_as_local(built, s3_server: S3Server, tmp_path: Path, backend: str) -> None:
     local = built(backend, "jpeg")
     url = s3_server.upload(local, f"same/{backend}")
     remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    assert remote.root == url and len(remote) == 18
     _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("backend,context", [("lmdb", "fork"), ("memmap", "spawn"), ("memmap", "forkserver")])
+def test_workers_fetch_each_file_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, backend, context):
+    """Two DataLoader workers (and a second dataset object of the same node cache) download each data
+    file exactly once between them, and the batches equal a local run's."""
+    local = built(backend, "raw")
+    url = s3_server.upload(local, f"workers/{backend}-{context}")
+    cache = tmp_path / "cache"
+    remote = ShardDataset(url, crop_size=32, seed=3, cache_dir=cache)
+    loader = DataLoader(remote, batch_size=4, num_workers=2, multiprocessing_context=context, persistent_workers=True)
+    got = [b for _ in range(2) for b in loader]
+    want = list(DataLoader(ShardDataset(local, crop_size=32, seed=3), batch_size=4)) * 2
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    again = ShardDataset(url, crop_size=32, seed=3, cache_dir=cache)
+    _same(again, remote)
+    for name, size in _files(local).items():
+        assert proxy.fetched(name) == size, name  # once per node: the lock holder's download only
+
+
+def test_faults_retried_resumed_and_batches_identical(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
+    """503 SlowDown, resets mid-body and bodies cut short are retried; a broken transfer resumes from
+    the byte it reached (its next Range starts there); every sample equals the local one."""
+    local = built("memmap", "jpeg")
+    url = s3_server.upload(local, "faults/memmap")
+    proxy.faults.append(Faults(match="shard-", fail=2, reset=2, truncate=2))
+    proxy.faults.append(Faults(match="index.npy", fail=1, truncate=1))
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    resumed = [r for key, rs in proxy.ranges.items() if "shard-" in key for r in rs if not r.startswith("bytes=0-")]
+    assert resumed, proxy.ranges  # a retry after a cut body asked for the rest only
+
+
+def test_damaged_object_refetched_then_named(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """A byte flipped on the way is caught by the record CRC-32s and fetched again; an object damaged
+    in the store fails after a few downloads with a DatasetError naming it, and no sample is served."""
+    local = built("lmdb", "jpeg")
+    url = s3_server.upload(local, "damaged/lmdb")
+    proxy.faults.append(Faults(match="data.mdb", corrupt=1))
+    _same(
+        ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "a"),
+        ShardDataset(local, crop_size=None, dtype=torch.uint8),
+    )
+    assert proxy.gets("data.mdb") >= 2
+    proxy.clear()
+    proxy.faults.append(Faults(match="data.mdb", corrupt=-1))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "b")
+    with pytest.raises(DatasetError, match=r"damaged/lmdb/data\.mdb: .*after 3 downloads"):
+        ds[0]
+    assert not list((tmp_path / "b").glob("*/units/data.mdb*"))
+
+
+def test_missing_and_forbidden_fail_at_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    local = built("memmap", "raw")
+    url = s3_server.upload(local, "missing/memmap")
+    with pytest.raises(DatasetError, match="not a packer dataset"):
+        ShardDataset(url + "-nothing", cache_dir=tmp_path / "c")
+    s3_server.client.delete_object(Bucket=s3_server.bucket, Key="missing/memmap/shard-00001.bin")  # type: ignore[attr-defined]
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "c")
+    ds[0]
+    with pytest.raises(DatasetError, match=r"missing/memmap/shard-00001\.bin: missing"):
+        ds[10]
+    assert proxy.requests["HEAD", "/packer/missing/memmap/shard-00001.bin"] == 1  # no retries of a 404
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(StoreError, match="access denied"):
+        ShardDataset(url, cache_dir=tmp_path / "d")
+
+
+def test_refresh_reuses_segments_and_pins_version(raw_photos: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
+    """A dataset refreshed in the bucket opens as its new version, downloading only the new segment;
+    the dataset opened before keeps reading its own version."""
+    raw = tmp_path / "raw"
+    shutil.copytree(raw_photos, raw)
+    out = tmp_path / "out.lmdb"
+    build(raw, out, workers=1, quiet=True)
+    url = s3_server.upload(out, "refresh/lmdb")
+    cache = tmp_path / "cache"
+    old = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache)
+    old_local = [old[i] for i in range(len(old))]
+    (raw / "landscape" / "extra.jpg").write_bytes(next((raw / "portrait").iterdir()).read_bytes())
+    build(raw, out, workers=1, quiet=True, update=True)
+    assert len(data_files(Manifest.load(out))) == 2
+    s3_server.upload(out, "refresh/lmdb")
+    proxy.clear()
+    new = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache)
+    assert len(new) == len(old) + 1
+    _same(new, ShardDataset(out, crop_size=None, dtype=torch.uint8))
+    assert proxy.fetched("data.mdb") == 0 and proxy.fetched("data-00001.mdb") > 0  # the old segment reused
+    for i, (image, label) in enumerate(old_local):  # the first dataset still reads its own version
+        assert torch.equal(old[i][0], image) and old[i][1] == label
+
+
+def test_cache_limit_evicts_unheld_and_refuses_too_small(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
+    local = built("memmap", "jpeg")
+    sizes = _files(local)
+    url = s3_server.upload(local, "limit/memmap")
+    cache = tmp_path / "cache"
+    limit = sum(sizes.values()) + min(sizes.values()) - 1  # one dataset fits, not a unit more
+    first = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
+    _same(first, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    other = s3_server.upload(local, "limit/memmap-copy")
+    with pytest.raises(DatasetError, match=r"cache_limit .* too small"):
+        ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
+    del first
+    gc.collect()  # its reader lets go of its units: they may be evicted now
+    second = ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
+    _same(second, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    used = sum(p.stat().st_size for p in cache.glob("*/units/*") if not p.name.endswith(".rows.npy"))
+    assert used <= limit
+    assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
