@@ -373,6 +373,7 @@ def run_bench(
     import torch
 
     from .dataset import ShardDataset
+    from .store import is_url
     from .transform import resize_backend
 
     ds = ShardDataset(path, crop_size=crop_size, train=train, dtype=getattr(torch, dtype))
@@ -380,7 +381,7 @@ def run_bench(
     samples = len(ds) * epochs if epochs else max(min(len(ds), DEFAULT_MAX_SAMPLES), DEFAULT_MIN_BATCHES * batch_size)
     points = [measure(ds, w, batch_size, samples) for w in workers]
     prof = profile(ds, batch_size, profile_samples)
-    size, avail = disk_bytes(path), mem_available()
+    size, avail = disk_bytes(path) if not is_url(path) else ds.manifest.bytes, mem_available()
     fits, resize = None if avail is None else size < avail, resize_backend()
     return BenchResult(
         path=str(path),

@@ -76,6 +76,20 @@ def main(debug: bool) -> None:
     """Preprocess an image folder once; pack it into LMDB or memmap shards for fast training."""
 
 
+class _Dataset(click.Path):
+    """A dataset argument: a local path, or a URL (``s3://...``, ``https://...``) kept as text (a Path
+    would fold its ``//``), read through the node cache (packer.remote)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from .store import is_url
+
+        return value if is_url(value) else super().convert(value, param, ctx)
+
+
+#: OUT of the commands that read a dataset: info, verify, preview, show, bench.
+DATASET = _Dataset(path_type=Path)
+
+
 def _click_type(kind: Any) -> Any:
     """A BuildOptions field's ``type`` metadata as click's: a tuple is a choice, "file" an existing file."""
     if isinstance(kind, tuple):
@@ -205,14 +219,17 @@ def build(
 def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     """The facts `packer info` shows, as a dict (its --json form)."""
     from .format import Manifest, disk_bytes, load_index, load_label_arrays
+    from .remote import local_version
+    from .store import is_url
 
+    shown, out = out, local_version(str(out)) if is_url(out) else out  # a URL: its manifest and index, cached
     manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
     multi, targets = load_label_arrays(out, manifest)
-    on_disk = disk_bytes(out)
+    on_disk = disk_bytes(out) if shown is out else _stored_bytes(Path(out), manifest)
     record_bytes = int(index["length"].sum()) if len(index) else 0
     return {
-        "path": str(out),
+        "path": str(shown),
         "count": manifest.count,
         "label_kind": manifest.label_kind,
         "classes": manifest.classes,
@@ -248,6 +265,14 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     }
 
 
+def _stored_bytes(root: Path, manifest: Any) -> int:
+    """Bytes of a remote dataset: its cached metadata files and its data files as the manifest lists them."""
+    from .backends import BACKENDS
+
+    data = sum(int(s["bytes"]) for s in manifest.shards) if BACKENDS[manifest.backend].lists_files(manifest) else 0
+    return data + sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.suffix in (".json", ".npy"))
+
+
 def _histogram(values: np.ndarray, bins: int = 8) -> list[dict[str, int]]:
     """Counts over at most ``bins`` integer ranges [lo, hi] (one bin when all values are equal)."""
     if len(values) == 0:
@@ -263,7 +288,7 @@ def _bar(n: int, total: int, width: int = 40) -> str:
 
 
 @main.command()
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_friendly
 def info(out: Path, as_json: bool) -> None:
@@ -305,7 +330,7 @@ def info(out: Path, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option(
     "--limit",
     type=click.IntRange(min=1),
@@ -316,9 +341,12 @@ def info(out: Path, as_json: bool) -> None:
 @_friendly
 def verify(out: Path, limit: int) -> None:
     """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad)."""
+    from .remote import local_version
+    from .store import is_url
     from .verify import verify as run_verify
 
-    result = run_verify(out, limit=limit)
+    # a URL: every data file fetched into the cache (each checked on the way in), then verified there
+    result = run_verify(local_version(str(out), fetch_all=True) if is_url(out) else out, limit=limit)
     for note in result.notes:
         click.echo(f"packer: {out}: note: {note}", err=True)
     if result.ok:
@@ -365,7 +393,7 @@ def clean(out: Path) -> None:
 
 
 @main.command()
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option(
     "-o",
     "--output",
@@ -391,7 +419,7 @@ def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: 
 
 
 @main.command()
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.argument("index", type=int)
 @click.option(
     "-o",
@@ -427,7 +455,7 @@ def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 @main.command()
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option(
     "--workers",
     callback=_worker_list,

@@ -4,6 +4,7 @@ the same samples as the local dataset, each data file fetched once per node and 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 from pathlib import Path
@@ -152,3 +153,28 @@ def test_cache_limit_evicts_unheld_and_refuses_too_small(built, s3_server: S3Ser
     used = sum(p.stat().st_size for p in cache.glob("*/units/*") if not p.name.endswith(".rows.npy"))
     assert used <= limit
     assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
+
+
+def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """info, verify, show and preview take the URL where they take a path (the default cache:
+    PACKER_CACHE_DIR); verify fetches and checks every object."""
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    local = built("lmdb", "raw")
+    url = s3_server.upload(local, "cli/lmdb")
+    monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "cache"))
+    runner = CliRunner()
+    info = runner.invoke(main, ["info", "--json", url])
+    assert info.exit_code == 0, info.output
+    here = runner.invoke(main, ["info", "--json", str(local)])
+    facts, local_facts = json.loads(info.output), json.loads(here.output)
+    assert facts.pop("path") == url and local_facts.pop("path") == str(local)
+    assert facts == local_facts
+    verified = runner.invoke(main, ["verify", url])
+    assert verified.exit_code == 0 and f"packer: {url}: ok, 18 records" in verified.output
+    shown = runner.invoke(main, ["show", url, "3"])
+    assert shown.exit_code == 0 and shown.output == runner.invoke(main, ["show", str(local), "3"]).output
+    sheet = runner.invoke(main, ["preview", url, "-o", str(tmp_path / "sheet.png"), "--n", "4"])
+    assert sheet.exit_code == 0 and (tmp_path / "sheet.png").stat().st_size > 0
