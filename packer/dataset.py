@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from . import batchpool, rng, transform
+from . import batchpool, locality, rng, transform
 from . import labels as labelling
 from .format import DatasetError, source_path
 from .pin import FileKey, pin
@@ -337,10 +337,14 @@ class ShardDataset(Dataset):
         None); :class:`~packer.sampler.Draw` indices by their own epoch and draw number. The blocks
         a Draw says come next (``ahead``) are asked of the disk here, before this batch is read."""
         records = [self._check(i) for i in indices]
+        if self._remote is not None:  # the batch's data files fetched together, before the reader needs them
+            self._remote.prefetch(np.asarray(records, dtype=np.int64), wait=True)
         if not any(type(i) is Draw for i in indices):
             return records, self.epoch, None
         ahead = [r for i in indices if type(i) is Draw for r in i.ahead]
-        if ahead:
+        if ahead and self._remote is not None:  # the next blocks' data files, in the background
+            self._remote.prefetch(locality.records(ahead, len(self.index)))
+        elif ahead:
             self._reader.prefetch(ahead)
         epochs = np.array([i.epoch if type(i) is Draw else self.epoch for i in indices], dtype=np.int64)
         return records, epochs, [i.draw if type(i) is Draw else r for i, r in zip(indices, records)]

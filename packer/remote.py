@@ -30,6 +30,7 @@ dataset; nothing of the store reaches them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
@@ -62,8 +63,10 @@ from .format import (
 from .labels import arrays_digest
 from .pin import FileKey, Pinned, pin
 from .store import Changed, NotFound, Store, open_store
-from .store.base import ObjectInfo
+from .store.base import ObjectInfo, PerProcess
 
+#: Data files fetched at once in the background per process (each in parallel parts itself).
+PREFETCH_UNITS = 4
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
@@ -99,15 +102,33 @@ def parse_limit(limit: int | str | None) -> Optional[int]:
     return value
 
 
+_LOCKING: set[int] = set()  # descriptors of the flocks this process holds in _locked blocks
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive flock on ``path`` for the block: the kernel releases it if the holder dies."""
+    """An exclusive flock on ``path`` for the block: the kernel releases it if the holder dies. A
+    child forked meanwhile closes its copy at once (see _forget_locks): the lock is its parent's."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    _LOCKING.add(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
+        _LOCKING.discard(fd)
         os.close(fd)
+
+
+def _forget_locks() -> None:
+    """In a forked child: close the inherited descriptors of the parent's flocks, which would
+    otherwise keep them held after the parent's block ends (flock belongs to the open file)."""
+    for fd in list(_LOCKING):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCKING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
 
 
 def _digest(text: str) -> str:
@@ -130,6 +151,8 @@ class Remote:
         self.version = ""  # sha256 of the manifest opened: the version this object reads
         self._store: Optional[tuple[int, Store]] = None
         self._hold_units()
+        self._names: list[str] = []  # set by pin(): the data files, and each record's data file number
+        self._file_of = np.zeros(0, np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version")}
@@ -143,8 +166,9 @@ class Remote:
         """Start holding no units: ``_held`` maps a unit's path to a descriptor with its shared flock
         (no process evicts it), all closed when this object goes (its readers went before it)."""
         self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
+        self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
 
     @property
     def store(self) -> Store:
@@ -164,7 +188,30 @@ class Remote:
         root = self.home / _VERSIONS / self.version
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
-        return pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
+        pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
+        self._names = data_files(pinned.manifest)
+        self._file_of = record_places(pinned.manifest, pinned.index)[0]
+        return pinned
+
+    def prefetch(self, records: np.ndarray, *, wait: bool = False) -> None:
+        """Fetch the data files that ``records`` lie in and this version does not have yet, up to
+        :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
+        blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
+        the first failure; a failed fetch is forgotten once raised, so a later batch tries again)."""
+        root = self.home / _VERSIONS / self.version
+        pending = self._pending.get()
+        futures = {}
+        for k in np.unique(self._file_of[records]).tolist():
+            name = self._names[k]
+            if name not in pending and not (root / name).exists():
+                pending[name] = _prefetcher.get().submit(self._fetch_unit, root, name)
+            if name in pending:
+                futures[name] = pending[name]
+        for name, future in futures.items() if wait else ():
+            failure = future.exception()
+            if failure is not None:
+                pending.pop(name, None)
+                raise failure
 
     def _fetch_version(self) -> str:
         """The current version's key, its manifest and index fetched and checked into the cache first.
@@ -256,7 +303,7 @@ class Remote:
         if os.fstat(hold).st_nlink < (2 if linked else 1):  # its names are gone: evicted
             os.close(hold)
             return False
-        with self._lock:
+        with self._lock.get():
             old = self._held.pop(str(path), None)
             self._held[str(path)] = hold
         if old is not None:
@@ -378,6 +425,11 @@ class Remote:
                 os.ftruncate(fd, need)
             finally:
                 os.close(fd)
+
+
+_prefetcher = PerProcess(
+    lambda: concurrent.futures.ThreadPoolExecutor(PREFETCH_UNITS, thread_name_prefix="packer-prefetch")
+)
 
 
 def _close_held(held: dict[str, int]) -> None:

@@ -37,7 +37,7 @@ class OnFirstUse(Sequence[T], Generic[T]):
     def __init__(self, count: int, open_one: Callable[[int], T]) -> None:
         self._count, self._open_one = count, open_one
         self.opened: dict[int, T] = {}
-        self._lock = threading.Lock()
+        self._lock = (os.getpid(), threading.Lock())
 
     def __len__(self) -> int:
         return self._count
@@ -47,7 +47,9 @@ class OnFirstUse(Sequence[T], Generic[T]):
         if got is None:
             if not 0 <= k < self._count:
                 raise IndexError(k)
-            with self._lock:
+            if self._lock[0] != os.getpid():  # forked: the parent's lock may have been copied held
+                self._lock = (os.getpid(), threading.Lock())
+            with self._lock[1]:
                 got = self.opened.get(k)
                 if got is None:
                     got = self.opened[k] = self._open_one(k)

@@ -7,13 +7,14 @@ import gc
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer import ShardDataset, build
+from packer import ShardDataset, ShardSampler, build
 from packer.backends import data_files
 from packer.format import DatasetError, Manifest
 from packer.store import StoreError
@@ -178,3 +179,29 @@ def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch:
     assert shown.exit_code == 0 and shown.output == runner.invoke(main, ["show", str(local), "3"]).output
     sheet = runner.invoke(main, ["preview", url, "-o", str(tmp_path / "sheet.png"), "--n", "4"])
     assert sheet.exit_code == 0 and (tmp_path / "sheet.png").stat().st_size > 0
+
+
+def test_sampler_order_prefetch(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """order="block": the data file of the sampler's next window is fetched in the background while
+    the current one is read, so it is in the cache before its first draw; the first batch waits for
+    its own data file only."""
+    local = built("memmap", "raw")  # 3 shards of 7, 7 and 4 records
+    url = s3_server.upload(local, "prefetch/memmap")
+    proxy.faults.append(Faults(match="shard-", delay=0.3))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    sampler = ShardSampler(ds, order="block", block_size=7, window=1, prefetch=1, seed=1)
+    draws = list(sampler)
+    version = next((tmp_path / "cache").glob("*/versions/*"))
+    shard_of = {int(r): int(ds.index["shard"][int(r)]) for r in draws}
+    first = ds[draws[0]]
+    assert first[0].shape[0] == 3
+    assert sum(proxy.gets(f"shard-0000{k}.bin") for k in range(3)) <= 2  # its own, and the next window's
+    following = next(shard_of[int(d)] for d in draws if shard_of[int(d)] != shard_of[int(draws[0])])
+    deadline = time.monotonic() + 10
+    while not (version / f"shard-0000{following}.bin").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (version / f"shard-0000{following}.bin").exists()  # before any of its draws was read
+    for d in draws:
+        ds[d]
+    for k in range(3):
+        assert proxy.gets(f"shard-0000{k}.bin") == 1
