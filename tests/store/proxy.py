@@ -7,6 +7,7 @@ requests and body bytes per object, and keeps each GET's Range header."""
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import struct
 import threading
@@ -14,6 +15,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 
@@ -43,6 +45,13 @@ class Proxy:
     sent: Counter = field(default_factory=Counter)  # object name -> body bytes sent
     ranges: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> GET Range headers
     lock: threading.Lock = field(default_factory=threading.Lock)
+    active: int = 0  # requests being answered
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until no request is being answered (one of a killed client may still be sending)."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def clear(self) -> None:
         with self.lock:
@@ -59,6 +68,13 @@ class Proxy:
         return sum(n for (method, key), n in self.requests.items() if method == "GET" and key.endswith("/" + name))
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that went away mid-body (killed, or a reset the proxy made itself)
+
+
 def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
     proxy = Proxy(upstream)
     target = urlsplit(upstream)
@@ -70,10 +86,19 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             pass
 
         def do_HEAD(self) -> None:
-            self._forward()
+            self._counted()
 
         def do_GET(self) -> None:
-            self._forward()
+            self._counted()
+
+        def _counted(self) -> None:
+            with proxy.lock:
+                proxy.active += 1
+            try:
+                self._forward()
+            finally:
+                with proxy.lock:
+                    proxy.active -= 1
 
         def _forward(self) -> None:
             key = unquote(urlsplit(self.path).path)
@@ -148,8 +173,53 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR) if not reset else None
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    server = _Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     proxy.url = f"http://127.0.0.1:{server.server_address[1]}"
     return proxy, server
+
+
+def serve_folder(root: Path) -> tuple[str, ThreadingHTTPServer]:
+    """A plain web server of ``root`` on 127.0.0.1 with single Range requests, ETags and If-Match
+    (as a static host or a public bucket's https:// address serves a dataset): its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            self._serve(body=False)
+
+        def do_GET(self) -> None:
+            self._serve(body=True)
+
+        def _serve(self, body: bool) -> None:
+            path = root / unquote(urlsplit(self.path).path).lstrip("/")
+            if not path.is_file():
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            data, st = path.read_bytes(), path.stat()
+            etag = f'"{st.st_size}-{st.st_mtime_ns}"'
+            if self.headers.get("If-Match", etag) != etag:
+                self.send_response(412)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            found = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+            start, end = (int(found.group(1)), min(int(found.group(2)) + 1, len(data))) if found else (0, len(data))
+            self.send_response(206 if found else 200)
+            if found:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            self.send_header("ETag", etag)
+            self.send_header("Content-Length", str(end - start))
+            self.end_headers()
+            if body:
+                self.wfile.write(data[start:end])
+
+    server = _Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server

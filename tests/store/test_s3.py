@@ -7,6 +7,9 @@ import gc
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from packer.format import DatasetError, Manifest
 from packer.store import StoreError
 
 from .conftest import S3Server
-from .proxy import Faults, Proxy
+from .proxy import Faults, Proxy, serve_folder
 
 
 def _same(a: ShardDataset, b: ShardDataset) -> None:
@@ -205,3 +208,54 @@ def test_sampler_order_prefetch(built, s3_server: S3Server, proxy: Proxy, tmp_pa
         ds[d]
     for k in range(3):
         assert proxy.gets(f"shard-0000{k}.bin") == 1
+
+
+def test_https_range_server(built, tmp_path: Path) -> None:
+    """A dataset folder served by a plain web server (Range, ETag) reads as the local dataset."""
+    local = built("lmdb", "jpeg")
+    site = tmp_path / "site"
+    shutil.copytree(local, site / "train.lmdb")
+    base, server = serve_folder(site)
+    try:
+        remote = ShardDataset(f"{base}/train.lmdb", crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+        _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    finally:
+        server.shutdown()
+
+
+RESUME_CHILD = """
+import sys, torch
+import packer.store.base as base
+base.PART_BYTES, base.PART_THREADS = 32 << 10, 1
+from packer import ShardDataset
+ds = ShardDataset(sys.argv[1], crop_size=None, dtype=torch.uint8, cache_dir=sys.argv[2])
+ds[0]
+"""
+
+
+def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A reader killed (-9) mid-download leaves the parts it finished; the next reader fetches only the
+    rest (and its lock was released by the kernel), and the samples equal the local ones."""
+    local = built("memmap", "raw")
+    url = s3_server.upload(local, "resume/memmap")
+    cache = tmp_path / "cache"
+    size = _files(local)["shard-00000.bin"]
+    proxy.faults.append(Faults(match="shard-00000", rate=256 << 10))
+    child = subprocess.Popen([sys.executable, "-c", RESUME_CHILD, url, str(cache)])
+    try:
+        deadline = time.monotonic() + 60
+        parts: list[Path] = []
+        while time.monotonic() < deadline and not (parts and len(parts[0].read_text().split()) >= 3):
+            parts = list(cache.glob("*/partial/shard-00000.bin*.parts"))
+            time.sleep(0.05)
+        assert parts, "the child never started its download"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    done = sorted(int(n) for n in parts[0].read_text().split())
+    proxy.settle()
+    proxy.clear()
+    monkeypatch.setattr("packer.store.base.PART_BYTES", 32 << 10)
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache)
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    assert proxy.fetched("shard-00000.bin") == size - len(done) * (32 << 10)
