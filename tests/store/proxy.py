@@ -22,9 +22,10 @@ from urllib.parse import unquote, urlsplit
 @dataclass
 class Faults:
     """What to do to responses of objects whose key contains ``match`` ("" for all): the first
-    ``fail`` GETs get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the next
-    ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte flipped (every one
-    when ``corrupt`` is -1); ``delay`` seconds before the first byte, ``rate`` bytes/s at most."""
+    ``fail`` GETs get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
+    next ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte
+    flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte, ``rate``
+    bytes/s at most (all its responses together)."""
 
     match: str = ""
     fail: int = 0
@@ -34,6 +35,7 @@ class Faults:
     delay: float = 0.0
     rate: float = 0.0
     seen: int = 0
+    free_at: float = 0.0  # when the bandwidth ``rate`` shares across all its responses is free again
 
 
 @dataclass
@@ -137,7 +139,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                 if (n < rule.corrupt or rule.corrupt < 0) and body:
                     mid = len(body) // 2
                     body = body[:mid] + bytes([body[mid] ^ 0xFF]) + body[mid + 1 :]
-            self._reply(response.status, body, headers, rate=rule.rate if rule else 0.0)
+            self._reply(response.status, body, headers, rule=rule)
 
         def _reply(
             self,
@@ -148,7 +150,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             length: str | None = None,
             cut: int | None = None,
             reset: bool = False,
-            rate: float = 0.0,
+            rule: Faults | None = None,
         ) -> None:
             self.send_response(status)
             for k, v in headers.items():
@@ -160,9 +162,13 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             step = 64 << 10
             for at in range(0, len(out), step):
                 piece = out[at : at + step]
+                if rule is not None and rule.rate:  # wait for this piece's share of the bandwidth
+                    with proxy.lock:
+                        now = time.monotonic()
+                        rule.free_at = max(now, rule.free_at) + len(piece) / rule.rate
+                        wait = rule.free_at - now
+                    time.sleep(wait)
                 self.wfile.write(piece)
-                if rate:
-                    time.sleep(len(piece) / rate)
             self.wfile.flush()
             key = unquote(urlsplit(self.path).path)
             with proxy.lock:

@@ -22,8 +22,8 @@ from packer.backends import data_files
 from packer.format import DatasetError, Manifest
 from packer.store import StoreError
 
-from .conftest import S3Server
 from .proxy import Faults, Proxy, serve_folder
+from .seaweed import S3Server
 
 
 def _same(a: ShardDataset, b: ShardDataset) -> None:
@@ -104,7 +104,7 @@ def test_missing_and_forbidden_fail_at_once(built, s3_server: S3Server, proxy: P
     url = s3_server.upload(local, "missing/memmap")
     with pytest.raises(DatasetError, match="not a packer dataset"):
         ShardDataset(url + "-nothing", cache_dir=tmp_path / "c")
-    s3_server.client.delete_object(Bucket=s3_server.bucket, Key="missing/memmap/shard-00001.bin")  # type: ignore[attr-defined]
+    s3_server.client.delete_object(Bucket=s3_server.bucket, Key="missing/memmap/shard-00001.bin")
     ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "c")
     ds[0]
     with pytest.raises(DatasetError, match=r"missing/memmap/shard-00001\.bin: missing"):
