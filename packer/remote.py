@@ -151,8 +151,9 @@ class Remote:
         self.version = ""  # sha256 of the manifest opened: the version this object reads
         self._store: Optional[tuple[int, Store]] = None
         self._hold_units()
-        self._names: list[str] = []  # set by pin(): the data files, and each record's data file number
-        self._file_of = np.zeros(0, np.int64)
+        # set by pin(): the version's manifest, index and data file names (not the Pinned: that refers
+        # back to this object, and a cycle would keep the units held until the garbage collector runs)
+        self._layout: Optional[tuple[Manifest, np.ndarray, list[str]]] = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version")}
@@ -189,8 +190,7 @@ class Remote:
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
         pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
-        self._names = data_files(pinned.manifest)
-        self._file_of = record_places(pinned.manifest, pinned.index)[0]
+        self._layout = (pinned.manifest, pinned.index, data_files(pinned.manifest))
         return pinned
 
     def prefetch(self, records: np.ndarray, *, wait: bool = False) -> None:
@@ -198,11 +198,13 @@ class Remote:
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
         the first failure; a failed fetch is forgotten once raised, so a later batch tries again)."""
+        assert self._layout is not None, "pin() first"
+        manifest, index, names = self._layout
         root = self.home / _VERSIONS / self.version
         pending = self._pending.get()
         futures = {}
-        for k in np.unique(self._file_of[records]).tolist():
-            name = self._names[k]
+        for k in np.unique(record_places(manifest, index, records)[0]).tolist():
+            name = names[k]
             if name not in pending and not (root / name).exists():
                 pending[name] = _prefetcher.get().submit(self._fetch_unit, root, name)
             if name in pending:
