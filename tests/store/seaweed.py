@@ -25,6 +25,7 @@ class S3Server:
     endpoint: str
     bucket: str
     client: Any  # a botocore S3 client with the server's identity: the uploader (as `aws s3 sync`)
+    pid: int = 0  # the server process
 
     def upload(self, folder: Path, prefix: str) -> str:
         """Every file of ``folder`` put under ``prefix``, as `aws s3 sync` copies a dataset; its URL."""
@@ -94,7 +95,7 @@ def seaweed(root: Path) -> Iterator[S3Server]:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"SeaweedFS not ready in {READY_S} s") from None
                     time.sleep(0.5)
-            yield S3Server(endpoint, BUCKET, client)
+            yield S3Server(endpoint, BUCKET, client, proc.pid)
         finally:
             proc.terminate()
             try:
