@@ -293,6 +293,7 @@ class Remote:
                 self._fetch_unit(root, name)
                 continue
             if self._hold(fd, root / name):
+                os.utime(fd)  # last opened: eviction takes the least recently opened first
                 return fd
             os.close(fd)  # evicted between the open and the lock: fetch it again
         raise _evicted(self.store.name(name))
