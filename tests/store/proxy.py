@@ -22,12 +22,15 @@ from urllib.parse import unquote, urlsplit
 @dataclass
 class Faults:
     """What to do to responses of objects whose key contains ``match`` ("" for all): the first
-    ``fail`` GETs get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
+    ``stall`` GETs get no answer for ``stall_s`` seconds, then a closed connection; the next
+    ``fail`` get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
     next ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte
     flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte, ``rate``
     bytes/s at most (all its responses together)."""
 
     match: str = ""
+    stall: int = 0
+    stall_s: float = 5.0
     fail: int = 0
     reset: int = 0
     truncate: int = 0
@@ -119,6 +122,12 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             conn.close()
             if rule is not None and rule.delay:
                 time.sleep(rule.delay)
+            if rule is not None and n < rule.stall:  # silent until the client gives up on it
+                time.sleep(rule.stall_s)
+                self.close_connection = True
+                return
+            if rule is not None:
+                n -= rule.stall
             if rule is not None and n < rule.fail:
                 self._reply(503, b"<Error><Code>SlowDown</Code></Error>", {})
                 return

@@ -259,3 +259,17 @@ def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, t
     remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache)
     _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
     assert proxy.fetched("shard-00000.bin") == size - len(done) * (32 << 10)
+
+
+def test_silent_server_times_out_and_retries(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A response that never starts is given up after the idle-read timeout and asked again: the
+    reader gets its samples, and no wait is longer than the timeout."""
+    monkeypatch.setattr("packer.store.base.READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("packer.store.http.READ_TIMEOUT_S", 0.5)
+    local = built("memmap", "jpeg")
+    url = s3_server.upload(local, "stall/memmap")
+    proxy.faults.append(Faults(match="shard-00001", stall=2, stall_s=3.0))
+    start = time.monotonic()
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    assert proxy.gets("shard-00001.bin") == 3 and time.monotonic() - start < 10
