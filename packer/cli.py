@@ -16,7 +16,7 @@ import click
 import numpy as np
 
 from .builder.options import BuildOptions, cli_fields, flag
-from .errors import PackerError, is_url, local_path
+from .errors import PackerError, is_url
 from .format import json_text
 from .format.records import FORMATS
 
@@ -108,6 +108,11 @@ def main(debug: bool) -> None:
         # is printed as its very bytes, a path the shell can use, as ls prints it
         if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
             stream.reconfigure(errors="packer-escape")
+
+
+#: OUT of the commands that read a dataset (info, verify, preview, show, bench): a local path, or a URL
+#: (``s3://...``, ``https://...``) read through the node cache (packer.read.remote).
+DATASET = _PathOrURL(path_type=Path)
 
 
 def _click_type(kind: Any) -> Any:
@@ -240,14 +245,16 @@ def build(
 def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     """The facts `packer info` shows, as a dict (its --json form)."""
     from .format import Manifest, disk_bytes, load_index, load_label_arrays
+    from .read.remote import local_version
 
-    manifest = Manifest.load(local_path(out))
+    shown, out = out, local_version(str(out)) if is_url(out) else out  # a URL: its manifest and index, cached
+    manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
     multi, targets = load_label_arrays(out, manifest)
-    on_disk = disk_bytes(out)
+    on_disk = disk_bytes(out) if shown is out else _stored_bytes(Path(out), manifest)
     record_bytes = int(index["length"].sum()) if len(index) else 0
     return {
-        "path": str(out),
+        "path": str(shown),
         "count": manifest.count,
         "label_kind": manifest.label_kind,
         "classes": manifest.classes,
@@ -283,6 +290,14 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     }
 
 
+def _stored_bytes(root: Path, manifest: Any) -> int:
+    """Bytes of a remote dataset: its cached metadata files and its data files as the manifest lists them."""
+    from .backends import BACKENDS
+
+    data = sum(int(s["bytes"]) for s in manifest.shards) if BACKENDS[manifest.backend].lists_files(manifest) else 0
+    return data + sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.suffix in (".json", ".npy"))
+
+
 def _histogram(values: np.ndarray, bins: int = 8) -> list[dict[str, int]]:
     """Counts over at most ``bins`` integer ranges [lo, hi] (one bin when all values are equal)."""
     if len(values) == 0:
@@ -298,7 +313,7 @@ def _bar(n: int, total: int, width: int = 40) -> str:
 
 
 @main.command()
-@click.argument("out", type=_PathOrURL(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_friendly
 def info(out: Path, as_json: bool) -> None:
@@ -340,7 +355,7 @@ def info(out: Path, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("out", type=_PathOrURL(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option(
     "--limit",
     type=click.IntRange(min=1),
@@ -351,9 +366,11 @@ def info(out: Path, as_json: bool) -> None:
 @_friendly
 def verify(out: Path, limit: int) -> None:
     """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad)."""
+    from .read.remote import local_version
     from .tools.verify import verify as run_verify
 
-    result = run_verify(out, limit=limit)
+    # a URL: every data file fetched into the cache (each checked on the way in), then verified there
+    result = run_verify(local_version(str(out), fetch_all=True) if is_url(out) else out, limit=limit)
     for note in result.notes:
         click.echo(f"packer: {out}: note: {note}", err=True)
     if result.ok:
@@ -404,7 +421,7 @@ def clean(out: Path) -> None:
 
 
 @main.command()
-@click.argument("out", type=_PathOrURL(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option(
     "-o",
     "--output",
@@ -430,7 +447,7 @@ def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: 
 
 
 @main.command()
-@click.argument("out", type=_PathOrURL(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.argument("index", type=int)
 @click.option(
     "-o",
@@ -466,7 +483,7 @@ def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 @main.command()
-@click.argument("out", type=_PathOrURL(path_type=Path))
+@click.argument("out", type=DATASET)
 @click.option(
     "--workers",
     callback=_worker_list,

@@ -50,6 +50,18 @@ class URLNotSupported(PackerError):
     """A URL (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``...) where packer takes local paths only."""
 
 
+class StoreError(DatasetError):
+    """An object store refused a request, or kept failing it; the message names the object."""
+
+
+class ObjectNotFound(StoreError):
+    """The object does not exist (404)."""
+
+
+class ObjectChanged(StoreError):
+    """The object was replaced while it was being read (its ETag no longer matches)."""
+
+
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")  # two letters at least: not a Windows drive (C://)
 
 
@@ -61,11 +73,15 @@ def is_url(path: str | os.PathLike) -> bool:
 def local_path(path: str | os.PathLike) -> Path:
     """``path`` as a local Path; a URL raises URLNotSupported. ``Path("s3://b/x")`` is the relative
     path ``s3:/b/x``: a build would write a folder named ``s3:`` in the working directory. Every entry
-    point passes its paths through here (build's raw folder and OUT, clean, compact, info, verify,
-    ShardDataset and the commands that open one): the one place to let URLs through once they can be read."""
+    point that does not read a URL passes its paths through here (build's raw folder and OUT, clean,
+    compact, the API's verify); ShardDataset and the commands that read a dataset take URLs
+    (packer.read.remote)."""
     text = os.fsdecode(path)
     if is_url(text):
-        raise URLNotSupported(f"{text}: object storage and other URLs are not supported yet; give a local path")
+        raise URLNotSupported(
+            f"{text}: URLs are not supported yet here (packer reads datasets from object storage, but builds, "
+            "compacts and cleans local paths only); give a local path"
+        )
     return Path(text)
 
 

@@ -10,10 +10,11 @@ manifest's ``backend`` from one table; nothing else looks at the name.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Generic, Optional, Protocol, TypeVar
 
 import numpy as np
 
@@ -24,6 +25,37 @@ Buffer = memoryview  # zero-copy view of one record's bytes, valid while its rea
 Raw = tuple[int, Optional[bytes | memoryview]]  # (record number, its bytes or None when missing)
 #: told of the records of a data file that no index row names: (file name, records, bytes)
 ExtraKeys = Callable[[str, int, int], None]
+T = TypeVar("T")
+
+
+class OnFirstUse(Sequence[T], Generic[T]):
+    """The pinned data files of a dataset read from object storage (packer.read.remote): file ``k`` is
+    opened (``open_one(k)``, which fetches it into the cache first) when a reader first asks for it,
+    not all at once, so the first batch waits for its own data files only. Iterating it opens none."""
+
+    def __init__(self, count: int, open_one: Callable[[int], T]) -> None:
+        self._count, self._open_one = count, open_one
+        self.opened: dict[int, T] = {}
+        self._lock = (os.getpid(), threading.Lock())
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, k: int) -> T:  # type: ignore[override]  # no slices: readers index one file
+        got = self.opened.get(k)
+        if got is None:
+            if not 0 <= k < self._count:
+                raise IndexError(k)
+            if self._lock[0] != os.getpid():  # forked: the parent's lock may have been copied held
+                self._lock = (os.getpid(), threading.Lock())
+            with self._lock[1]:
+                got = self.opened.get(k)
+                if got is None:
+                    got = self.opened[k] = self._open_one(k)
+        return got
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(list(self.opened.values()))
 
 
 class Mapped(Protocol):
@@ -56,19 +88,20 @@ class Pinned:
         manifest: Manifest,
         arrays: tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]],
         files: dict[str, FileKey],
-        data_fds: list[int],
-        shards: list[Shard],
+        data_fds: Sequence[int],
+        shards: Sequence[Shard],
     ) -> None:
         self.root, self.manifest = root, manifest
         self.index, self.sources, self.multi, self.targets = arrays
         self.files, self.data_fds, self.shards = files, data_fds, shards
         self.data_names = LAYOUTS[manifest.backend].data_files(manifest) if data_fds else []
         if data_fds:
-            self._close = weakref.finalize(self, close_fds, list(data_fds))
+            self._close = weakref.finalize(self, close_fds, data_fds)
 
     def data_key(self, k: int) -> FileKey:
         """The identity of LMDB data file ``k``: what py-lmdb's "already open" guard keys on (its
         first two fields), shared by every version of the dataset that keeps that file."""
+        self.data_fds[k]  # opened first where data files are opened on first use (packer.read.remote)
         return self.files[self.data_names[k]]
 
     def data_path(self, k: int) -> str:
@@ -86,8 +119,8 @@ class Pinned:
         raise replaced(self.root)
 
 
-def close_fds(fds: list[int]) -> None:
-    for fd in fds:
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:  # an OnFirstUse: those opened
         os.close(fd)
 
 
@@ -171,9 +204,10 @@ class Backend(Layout):
         raise NotImplementedError
 
     def pin_files(
-        self, root: str, manifest: Manifest, open_file: Callable[[str], int]
-    ) -> tuple[list[int], list[Shard]]:
-        """Hold the data files of the version being pinned (packer.backends.pin): descriptors, or mappings."""
+        self, root: str, manifest: Manifest, open_file: Callable[[str], int], *, lazy: bool = False
+    ) -> tuple[Sequence[int], Sequence[Shard]]:
+        """Hold the data files of the version being pinned (packer.backends.pin): descriptors, or mappings;
+        ``lazy``: each on first use (:class:`OnFirstUse`)."""
         raise NotImplementedError
 
     def walk_file(

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..format import DatasetError, LmdbLayout, Manifest, fd_path, lmdb_key, lmdb_segment_name, open_regular
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, Pinned, Raw, Reader, Shard
+from .base import Backend, Buffer, ExtraKeys, OnFirstUse, Pinned, Raw, Reader, Shard
 from .lmdbguard import Damaged, PageGuard
 from .write import open_written
 
@@ -194,9 +194,8 @@ class LmdbReader(Reader):
             top[0] = len(self.index)
         elif len(self.index):
             np.maximum.at(top, self.index["shard"], self.index["offset"].astype(np.int64) + 1)
-        # PageGuard keeps a length per key number: as many as this version names, and no more than
-        # the file can hold (a leaf entry takes over 16 bytes), so a tampered key allocates nothing
-        self._guard_keys = [min(int(n), os.fstat(fd).st_size // 16 + 1) for n, fd in zip(top, pinned.data_fds)]
+        self._top = top.tolist()
+        self._guard_keys: dict[int, int] = {}
 
     def _places(self, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``at``'s (data file, key number)."""
@@ -206,7 +205,14 @@ class LmdbReader(Reader):
         return rows["shard"].astype(np.int64), rows["offset"].astype(np.int64)
 
     def _env(self, k: int) -> _Env:
-        return _lmdb_env(self.pinned, k, self._guard_keys[k])
+        keys = self._guard_keys.get(k)
+        if keys is None:
+            # PageGuard keeps a length per key number: as many as this version names, and no more than
+            # the file can hold (a leaf entry takes over 16 bytes), so a tampered key allocates nothing.
+            # Per file on first use: a remote dataset's data file is fetched then (packer.read.remote).
+            size = os.fstat(self.pinned.data_fds[k]).st_size
+            keys = self._guard_keys[k] = min(self._top[k], size // 16 + 1)
+        return _lmdb_env(self.pinned, k, keys)
 
     def get(self, i: int) -> Buffer:
         return self._fetch([i])[0]
@@ -444,11 +450,14 @@ class Lmdb(LmdbLayout, Backend):
         return [root / lmdb_segment_name(first)]  # one segment per write
 
     def pin_files(
-        self, root: str, manifest: Manifest, open_file: Callable[[str], int]
-    ) -> tuple[list[int], list[Shard]]:
+        self, root: str, manifest: Manifest, open_file: Callable[[str], int], *, lazy: bool = False
+    ) -> tuple[Sequence[int], Sequence[Shard]]:
+        names = self.data_files(manifest)
+        if lazy:
+            return OnFirstUse(len(names), lambda k: open_file(names[k])), []
         fds: list[int] = []
         try:
-            for name in self.data_files(manifest):
+            for name in names:
                 fds.append(open_file(name))
         except BaseException:
             for fd in fds:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..format import DatasetError, Manifest, MemmapLayout, open_regular, shard_name
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, Raw, Reader, Shard
+from .base import Backend, Buffer, ExtraKeys, OnFirstUse, Raw, Reader, Shard
 from .write import open_written, sync_file
 
 READ_BLOCK = 8 << 20  # bytes per buffered read of a shard in a walk
@@ -188,8 +188,10 @@ class Memmap(MemmapLayout, Backend):
         return _shards_from(root, first)
 
     def pin_files(
-        self, root: str, manifest: Manifest, open_file: Callable[[str], int]
-    ) -> tuple[list[int], list[Shard]]:
+        self, root: str, manifest: Manifest, open_file: Callable[[str], int], *, lazy: bool = False
+    ) -> tuple[Sequence[int], Sequence[Shard]]:
+        if lazy:
+            return [], OnFirstUse(len(manifest.shards), lambda k: _map_shard(root, manifest.shards[k], open_file))
         return [], [_map_shard(root, info, open_file) for info in manifest.shards]
 
     def walk_file(

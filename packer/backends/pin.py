@@ -20,7 +20,7 @@ size, mtime) with the version its parent pinned: a dataset replaced since is ref
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -45,18 +45,23 @@ class _Moved(Exception):
     """The directory was renamed or deleted while it was being opened (a refresh): open it again."""
 
 
-def pin(root: str, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
+def pin(
+    root: str, expect: Optional[dict[str, FileKey]] = None, *, fetch: Optional[Callable[[str], int]] = None
+) -> Pinned:
     """Open the dataset at ``root`` (see the module docstring); with ``expect``, only the version
-    whose files have those identities, else :class:`DatasetReplaced`."""
+    whose files have those identities, else :class:`DatasetReplaced`. ``fetch(name)``: each data
+    file is opened by it when a reader first needs it (a dataset cached from object storage,
+    packer.read.remote: the cache directory holds one version, and each data file is checked against
+    its index when fetched, so ``expect`` covers the manifest and index only)."""
     for _ in range(3):
         try:
-            return _pin_once(root, expect)
+            return _pin_once(root, expect, fetch)
         except _Moved:
             continue
     raise DatasetError(f"{root}: the dataset kept being replaced while it was opened; try again")
 
 
-def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
+def _pin_once(root: str, expect: Optional[dict[str, FileKey]], fetch: Optional[Callable[[str], int]]) -> Pinned:
     try:
         dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
@@ -86,7 +91,13 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
             raise replaced(root)
         return fd
 
-    data_fds: list[int] = []
+    def fetch_file(name: str) -> int:
+        assert fetch is not None
+        fd = fetch(name)
+        files[name] = file_key(os.fstat(fd))
+        return fd
+
+    data_fds: Sequence[int] = []
     try:
         fd = open_file(MANIFEST)
         try:
@@ -96,7 +107,10 @@ def _pin_once(root: str, expect: Optional[dict[str, FileKey]]) -> Pinned:
         index, sources = (_map_npy_file(root, name, open_file) for name in (INDEX, SOURCES))
         check_index(Path(root), index, sources, manifest)
         multi, targets = load_label_arrays(root, manifest, open_file)
-        data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, open_file)
+        if fetch is not None:
+            data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, fetch_file, lazy=True)
+        else:
+            data_fds, shards = BACKENDS[manifest.backend].pin_files(root, manifest, open_file)
     except BaseException:
         close_fds(data_fds)
         raise

@@ -24,6 +24,7 @@ import operator
 import os
 import zlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -32,8 +33,9 @@ from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .. import transform
+from ..backends import locality
 from ..backends.pin import FileKey, pin
-from ..errors import local_path
+from ..errors import is_url
 from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
 from ..format.records import FORMATS
@@ -41,6 +43,7 @@ from ..transform import Augment  # by name: __init__'s ``transform`` argument hi
 from . import batchpool, rng
 from .draw import Draw
 from .reader import open_reader
+from .remote import Remote
 
 #: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``.
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -133,6 +136,11 @@ class ShardDataset(Dataset):
     NVIDIA recommends for convolutions on tensor cores; ``torch.contiguous_format`` costs a
     transposing copy per sample (its cost: docs/PERFORMANCE.md, "Read speed").
 
+    ``path`` may be a URL (``s3://bucket/prefix/train.lmdb``, ``https://host/train``): the dataset is
+    read through a node-local cache (``cache_dir``, default ``$PACKER_CACHE_DIR`` or the user's cache
+    directory; ``cache_limit`` bytes or a size like "200GB" for the whole cache), each data file
+    fetched once per node when first read and checked against the index before use (packer.read.remote).
+
     ``verify`` checks each record's CRC-32 before decoding. It defaults to on for JPEG records
     (a small share of a decode) and off for raw ones (it would cost more than the crop); the record
     length and, for JPEG, a clean decode to the indexed size are always checked. Any failure raises
@@ -166,6 +174,9 @@ class ShardDataset(Dataset):
         memory_format: torch.memory_format = torch.channels_last,
         transform: Transform = None,
         batch_transform: BatchTransform = None,
+        *,
+        cache_dir: Optional[str | os.PathLike] = None,
+        cache_limit: int | str | None = None,
     ) -> None:
         if any(f is not None and not callable(f) for f in (transform, batch_transform)):
             raise ValueError("transform and batch_transform must be callables")
@@ -181,7 +192,9 @@ class ShardDataset(Dataset):
             raise ValueError(f"eval_ratio must be in (0, 1] (crop size / resized short edge), not {eval_ratio}")
         if not (dtype == torch.uint8 or dtype.is_floating_point):
             raise ValueError(f"dtype must be torch.uint8 or a floating type, not {dtype}")
-        self.root = str(local_path(path).resolve())
+        # a URL (s3://, https://) is read through the node's cache (packer.read.remote); a path as it is
+        self._remote = Remote(str(path), cache_dir=cache_dir, cache_limit=cache_limit) if is_url(path) else None
+        self.root = self._remote.url if self._remote is not None else str(Path(path).resolve())
         self.seed = seed
         self.dtype = dtype
         if memory_format not in (torch.channels_last, torch.contiguous_format):
@@ -202,7 +215,7 @@ class ShardDataset(Dataset):
 
     def _load(self, expect: Optional[dict[str, FileKey]] = None) -> None:
         """Everything derived from disk, from one pinned version (with ``expect``: that version only)."""
-        pinned = pin(self.root, expect)
+        pinned = self._remote.pin(expect) if self._remote is not None else pin(self.root, expect)
         self._files = pinned.files
         self.manifest, self.index, self._sources = pinned.manifest, pinned.index, pinned.sources
         self._labels = np.asarray(self.index["label"], dtype=np.int64)
@@ -223,6 +236,7 @@ class ShardDataset(Dataset):
             "transform",
             "batch_transform",
             "_files",
+            "_remote",
         )
         return {k: self.__dict__[k] for k in keep}
 
@@ -328,10 +342,14 @@ class ShardDataset(Dataset):
         None); :class:`~packer.read.draw.Draw` indices by their own epoch and draw number. The blocks
         a Draw says come next (``ahead``) are asked of the disk here, before this batch is read."""
         records = [self._check(i) for i in indices]
+        if self._remote is not None:  # the batch's data files fetched together, before the reader needs them
+            self._remote.prefetch(np.asarray(records, dtype=np.int64), wait=True)
         if not any(type(i) is Draw for i in indices):
             return records, self.epoch, None
         ahead = [r for i in indices if type(i) is Draw for r in i.ahead]
-        if ahead:
+        if ahead and self._remote is not None:  # the next blocks' data files, in the background
+            self._remote.prefetch(locality.records(ahead, len(self.index)))
+        elif ahead:
             self._reader.prefetch(ahead)
         epochs = np.array([i.epoch if type(i) is Draw else self.epoch for i in indices], dtype=np.int64)
         return records, epochs, [i.draw if type(i) is Draw else r for i, r in zip(indices, records)]

@@ -450,6 +450,7 @@ def run_bench(
     ``path``; see ``packer bench --help``."""
     import torch
 
+    from ..errors import is_url
     from ..read.dataset import ShardDataset
     from ..transform import resize_backend
 
@@ -458,7 +459,7 @@ def run_bench(
     samples = len(ds) * epochs if epochs else max(min(len(ds), DEFAULT_MAX_SAMPLES), DEFAULT_MIN_BATCHES * batch_size)
     points = [measure(ds, w, batch_size, samples, packer_sampler=True, repeats=repeats) for w in workers]
     prof = profile(ds, batch_size, profile_samples)
-    size, avail = disk_bytes(path), mem_available()
+    size, avail = disk_bytes(path) if not is_url(path) else ds.manifest.bytes, mem_available()
     fits, resize = None if avail is None else size < avail, resize_backend()
     return BenchResult(
         path=str(path),

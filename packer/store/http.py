@@ -1,0 +1,129 @@
+"""Objects over plain HTTP(S) with Range requests (read-only, no credentials): a dataset directory
+served by any web server or a public bucket's https:// address; the transport :mod:`packer.store.s3`
+signs. urllib3: its pools are per process (see :class:`~packer.store.base.PerProcess`) and hold no
+background threads, so they are safe under fork, spawn and forkserver alike (docs/PERFORMANCE.md,
+"Object storage clients", has the measurement behind the choice)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Optional
+from urllib.parse import quote
+
+import urllib3
+
+from ..errors import ObjectChanged, ObjectNotFound, StoreError
+from .base import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ObjectInfo, Passing, PerProcess, Store
+
+POOL_SIZE = 32  # connections kept per host and process: a download's parts and a batch's requests
+READ_PIECE = 1 << 20  # bytes per piece a response body is read in
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def _pool() -> urllib3.PoolManager:
+    return urllib3.PoolManager(
+        maxsize=POOL_SIZE,
+        block=False,
+        retries=False,  # retried by Store, with backoff and resumption
+        timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
+    )
+
+
+class HttpStore(Store):
+    """Objects under an ``http://`` or ``https://`` URL, read with GET and Range."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self._pools = PerProcess(_pool)
+
+    def object_url(self, key: str) -> str:
+        return f"{self.url}/{quote(key)}"
+
+    def headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+        """The request's headers as sent (S3 adds its signature here)."""
+        return headers
+
+    def _request(self, method: str, key: str, headers: dict[str, str]) -> urllib3.BaseHTTPResponse:
+        """The response to one request, its body unread; failures classified (see Store)."""
+        url = self.object_url(key)
+        try:
+            response = self._pools.get().request(
+                method, url, headers=self.headers(method, url, headers), preload_content=False, redirect=False
+            )
+        except urllib3.exceptions.HTTPError as e:  # connect/read timeouts, resets, refused connections
+            raise Passing(f"{type(e).__name__}: {e}") from None
+        status = response.status
+        if status in (200, 206):
+            return response
+        body = self._drain(response)
+        if status == 404:
+            raise ObjectNotFound(f"{self.name(key)}: not found (HTTP 404)")
+        if status in (401, 403):
+            raise StoreError(f"{self.name(key)}: access denied (HTTP {status}{body}); check the credentials")
+        if status == 412:
+            raise ObjectChanged(f"{self.name(key)}: replaced while it was being read (HTTP 412)")
+        if status == 429 or status >= 500 or "SlowDown" in body:
+            raise Passing(f"HTTP {status}{body}")
+        raise StoreError(f"{self.name(key)}: HTTP {status}{body}")
+
+    @staticmethod
+    def _drain(response: urllib3.BaseHTTPResponse) -> str:
+        """A short excerpt of an error response's body (S3's error code is in it), for messages."""
+        try:
+            text = response.read(2048, decode_content=True).decode("utf-8", "replace")
+        except urllib3.exceptions.HTTPError:
+            text = ""
+        finally:
+            response.release_conn()
+        code = re.search(r"<Code>([^<]*)</Code>", text)
+        return f": {code.group(1)}" if code else ""
+
+    def _head(self, key: str) -> ObjectInfo:
+        response = self._request("HEAD", key, {})
+        response.release_conn()
+        size = response.headers.get("Content-Length")
+        if size is None or not size.isdigit():
+            raise StoreError(f"{self.name(key)}: the server gives no size (Content-Length)")
+        return ObjectInfo(int(size), response.headers.get("ETag", ""))
+
+    def _stream(self, key: str, start: int, end: int, etag: str) -> Iterator[bytes]:
+        if end <= start:
+            return
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if etag:
+            headers["If-Match"] = etag
+        response = self._request("GET", key, headers)
+        try:
+            skip = self._skip(key, response, start)
+            left = end - start
+            try:
+                while left > 0:
+                    piece = response.read1(
+                        min(READ_PIECE, left + skip)
+                    )  # what has arrived: kept if the next read fails
+                    if not piece:
+                        break
+                    if skip:
+                        piece, skip = piece[skip:], max(0, skip - len(piece))
+                    piece = piece[:left]
+                    left -= len(piece)
+                    if piece:
+                        yield piece
+            except urllib3.exceptions.HTTPError as e:  # a reset or idle timeout mid-body
+                raise Passing(f"{type(e).__name__}: {e}") from None
+            if left > 0:
+                raise Passing(f"the response ended {left} bytes short")
+        finally:
+            response.release_conn()
+
+    def _skip(self, key: str, response: urllib3.BaseHTTPResponse, start: int) -> int:
+        """Bytes before ``start`` in the body: 0 for a 206 from ``start``; ``start`` for a server
+        that ignored Range and sent the whole object (200)."""
+        if response.status == 200:
+            return start
+        found: Optional[re.Match[str]] = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", ""))
+        if found is None or int(found.group(1)) != start:
+            raise StoreError(f"{self.name(key)}: the server answered a range request with another range")
+        return 0

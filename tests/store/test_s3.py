@@ -1,0 +1,275 @@
+"""ShardDataset from a real S3 server (SeaweedFS on 127.0.0.1), directly and through the fault proxy:
+the same samples as the local dataset, each data file fetched once per node and checked first."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from packer import ShardDataset, ShardSampler, build
+from packer.backends import data_files
+from packer.format import DatasetError, Manifest
+from packer.store import StoreError
+
+from .proxy import Faults, Proxy, serve_folder
+from .seaweed import S3Server
+
+
+def _same(a: ShardDataset, b: ShardDataset) -> None:
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert torch.equal(x[0], y[0]) and x[1] == y[1]
+
+
+def _files(local: Path) -> dict[str, int]:
+    manifest = Manifest.load(local)
+    return {name: (local / name).stat().st_size for name in data_files(manifest)}
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+def test_s3_dataset_reads_as_local(built, s3_server: S3Server, tmp_path: Path, backend: str) -> None:
+    local = built(backend, "jpeg")
+    url = s3_server.upload(local, f"same/{backend}")
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    assert remote.root == url and len(remote) == 18
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("backend,context", [("lmdb", "fork"), ("memmap", "spawn"), ("memmap", "forkserver")])
+def test_workers_fetch_each_file_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, backend, context):
+    """Two DataLoader workers (and a second dataset object of the same node cache) download each data
+    file exactly once between them, and the batches equal a local run's."""
+    local = built(backend, "raw")
+    url = s3_server.upload(local, f"workers/{backend}-{context}")
+    cache = tmp_path / "cache"
+    remote = ShardDataset(url, crop_size=32, seed=3, cache_dir=cache)
+    loader = DataLoader(remote, batch_size=4, num_workers=2, multiprocessing_context=context, persistent_workers=True)
+    got = [b for _ in range(2) for b in loader]
+    want = list(DataLoader(ShardDataset(local, crop_size=32, seed=3), batch_size=4)) * 2
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    again = ShardDataset(url, crop_size=32, seed=3, cache_dir=cache)
+    _same(again, remote)
+    for name, size in _files(local).items():
+        assert proxy.fetched(name) == size, name  # once per node: the lock holder's download only
+
+
+def test_faults_retried_resumed_and_batches_identical(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
+    """503 SlowDown, resets mid-body and bodies cut short are retried; a broken transfer resumes from
+    the byte it reached (its next Range starts there); every sample equals the local one."""
+    local = built("memmap", "jpeg")
+    url = s3_server.upload(local, "faults/memmap")
+    proxy.faults.append(Faults(match="shard-", fail=2, reset=2, truncate=2))
+    proxy.faults.append(Faults(match="index.npy", fail=1, truncate=1))
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    resumed = [r for key, rs in proxy.ranges.items() if "shard-" in key for r in rs if not r.startswith("bytes=0-")]
+    assert resumed, proxy.ranges  # a retry after a cut body asked for the rest only
+
+
+def test_damaged_object_refetched_then_named(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """A byte flipped on the way is caught by the record CRC-32s and fetched again; an object damaged
+    in the store fails after a few downloads with a DatasetError naming it, and no sample is served."""
+    local = built("lmdb", "jpeg")
+    url = s3_server.upload(local, "damaged/lmdb")
+    proxy.faults.append(Faults(match="data.mdb", corrupt=1))
+    _same(
+        ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "a"),
+        ShardDataset(local, crop_size=None, dtype=torch.uint8),
+    )
+    assert proxy.gets("data.mdb") >= 2
+    proxy.clear()
+    proxy.faults.append(Faults(match="data.mdb", corrupt=-1))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "b")
+    with pytest.raises(DatasetError, match=r"damaged/lmdb/data\.mdb: .*after 3 downloads"):
+        ds[0]
+    assert not list((tmp_path / "b").glob("*/units/data.mdb*"))
+
+
+def test_missing_and_forbidden_fail_at_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    local = built("memmap", "raw")
+    url = s3_server.upload(local, "missing/memmap")
+    with pytest.raises(DatasetError, match="not a packer dataset"):
+        ShardDataset(url + "-nothing", cache_dir=tmp_path / "c")
+    s3_server.client.delete_object(Bucket=s3_server.bucket, Key="missing/memmap/shard-00001.bin")
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "c")
+    ds[0]
+    with pytest.raises(DatasetError, match=r"missing/memmap/shard-00001\.bin: missing"):
+        ds[10]
+    assert proxy.requests["HEAD", "/packer/missing/memmap/shard-00001.bin"] == 1  # no retries of a 404
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(StoreError, match="access denied"):
+        ShardDataset(url, cache_dir=tmp_path / "d")
+
+
+def test_refresh_reuses_segments_and_pins_version(raw_photos: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
+    """A dataset refreshed in the bucket opens as its new version, downloading only the new segment;
+    the dataset opened before keeps reading its own version."""
+    raw = tmp_path / "raw"
+    shutil.copytree(raw_photos, raw)
+    out = tmp_path / "out.lmdb"
+    build(raw, out, workers=1, quiet=True)
+    url = s3_server.upload(out, "refresh/lmdb")
+    cache = tmp_path / "cache"
+    old = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache)
+    old_local = [old[i] for i in range(len(old))]
+    (raw / "landscape" / "extra.jpg").write_bytes(next((raw / "portrait").iterdir()).read_bytes())
+    build(raw, out, workers=1, quiet=True, update=True)
+    assert len(data_files(Manifest.load(out))) == 2
+    s3_server.upload(out, "refresh/lmdb")
+    proxy.clear()
+    new = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache)
+    assert len(new) == len(old) + 1
+    _same(new, ShardDataset(out, crop_size=None, dtype=torch.uint8))
+    assert proxy.fetched("data.mdb") == 0 and proxy.fetched("data-00001.mdb") > 0  # the old segment reused
+    for i, (image, label) in enumerate(old_local):  # the first dataset still reads its own version
+        assert torch.equal(old[i][0], image) and old[i][1] == label
+
+
+def test_cache_limit_evicts_unheld_and_refuses_too_small(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
+    local = built("memmap", "jpeg")
+    sizes = _files(local)
+    url = s3_server.upload(local, "limit/memmap")
+    cache = tmp_path / "cache"
+    limit = sum(sizes.values()) + min(sizes.values()) - 1  # one dataset fits, not a unit more
+    first = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
+    _same(first, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    other = s3_server.upload(local, "limit/memmap-copy")
+    with pytest.raises(DatasetError, match=r"cache_limit .* too small"):
+        ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
+    del first
+    gc.collect()  # its reader lets go of its units: they may be evicted now
+    second = ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
+    _same(second, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    used = sum(p.stat().st_size for p in cache.glob("*/units/*") if not p.name.endswith(".rows.npy"))
+    assert used <= limit
+    assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
+
+
+def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """info, verify, show and preview take the URL where they take a path (the default cache:
+    PACKER_CACHE_DIR); verify fetches and checks every object."""
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    local = built("lmdb", "raw")
+    url = s3_server.upload(local, "cli/lmdb")
+    monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "cache"))
+    runner = CliRunner()
+    info = runner.invoke(main, ["info", "--json", url])
+    assert info.exit_code == 0, info.output
+    here = runner.invoke(main, ["info", "--json", str(local)])
+    facts, local_facts = json.loads(info.output), json.loads(here.output)
+    assert facts.pop("path") == url and local_facts.pop("path") == str(local)
+    assert facts == local_facts
+    verified = runner.invoke(main, ["verify", url])
+    assert verified.exit_code == 0 and f"packer: {url}: ok, 18 records" in verified.output
+    shown = runner.invoke(main, ["show", url, "3"])
+    assert shown.exit_code == 0 and shown.output == runner.invoke(main, ["show", str(local), "3"]).output
+    sheet = runner.invoke(main, ["preview", url, "-o", str(tmp_path / "sheet.png"), "--n", "4"])
+    assert sheet.exit_code == 0 and (tmp_path / "sheet.png").stat().st_size > 0
+
+
+def test_sampler_order_prefetch(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """order="block": the data file of the sampler's next window is fetched in the background while
+    the current one is read, so it is in the cache before its first draw; the first batch waits for
+    its own data file only."""
+    local = built("memmap", "raw")  # 3 shards of 7, 7 and 4 records
+    url = s3_server.upload(local, "prefetch/memmap")
+    proxy.faults.append(Faults(match="shard-", delay=0.3))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    sampler = ShardSampler(ds, order="block", block_size=7, window=1, prefetch=1, seed=1)
+    draws = list(sampler)
+    version = next((tmp_path / "cache").glob("*/versions/*"))
+    shard_of = {int(r): int(ds.index["shard"][int(r)]) for r in draws}
+    first = ds[draws[0]]
+    assert first[0].shape[0] == 3
+    assert sum(proxy.gets(f"shard-0000{k}.bin") for k in range(3)) <= 2  # its own, and the next window's
+    following = next(shard_of[int(d)] for d in draws if shard_of[int(d)] != shard_of[int(draws[0])])
+    deadline = time.monotonic() + 10
+    while not (version / f"shard-0000{following}.bin").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (version / f"shard-0000{following}.bin").exists()  # before any of its draws was read
+    for d in draws:
+        ds[d]
+    for k in range(3):
+        assert proxy.gets(f"shard-0000{k}.bin") == 1
+
+
+def test_https_range_server(built, tmp_path: Path) -> None:
+    """A dataset folder served by a plain web server (Range, ETag) reads as the local dataset."""
+    local = built("lmdb", "jpeg")
+    site = tmp_path / "site"
+    shutil.copytree(local, site / "train.lmdb")
+    base, server = serve_folder(site)
+    try:
+        remote = ShardDataset(f"{base}/train.lmdb", crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+        _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    finally:
+        server.shutdown()
+
+
+RESUME_CHILD = """
+import sys, torch
+import packer.store.base as base
+base.PART_BYTES, base.PART_THREADS = 32 << 10, 1
+from packer import ShardDataset
+ds = ShardDataset(sys.argv[1], crop_size=None, dtype=torch.uint8, cache_dir=sys.argv[2])
+ds[0]
+"""
+
+
+def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A reader killed (-9) mid-download leaves the parts it finished; the next reader fetches only the
+    rest (and its lock was released by the kernel), and the samples equal the local ones."""
+    local = built("memmap", "raw")
+    url = s3_server.upload(local, "resume/memmap")
+    cache = tmp_path / "cache"
+    size = _files(local)["shard-00000.bin"]
+    proxy.faults.append(Faults(match="shard-00000", rate=256 << 10))
+    child = subprocess.Popen([sys.executable, "-c", RESUME_CHILD, url, str(cache)])
+    try:
+        deadline = time.monotonic() + 60
+        parts: list[Path] = []
+        while time.monotonic() < deadline and not (parts and len(parts[0].read_text().split()) >= 3):
+            parts = list(cache.glob("*/partial/shard-00000.bin*.parts"))
+            time.sleep(0.05)
+        assert parts, "the child never started its download"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    done = sorted(int(n) for n in parts[0].read_text().split())
+    proxy.settle()
+    proxy.clear()
+    monkeypatch.setattr("packer.store.base.PART_BYTES", 32 << 10)
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache)
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    assert proxy.fetched("shard-00000.bin") == size - len(done) * (32 << 10)
+
+
+def test_silent_server_times_out_and_retries(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A response that never starts is given up after the idle-read timeout and asked again: the
+    reader gets its samples, and no wait is longer than the timeout."""
+    monkeypatch.setattr("packer.store.base.READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("packer.store.http.READ_TIMEOUT_S", 0.5)
+    local = built("memmap", "jpeg")
+    url = s3_server.upload(local, "stall/memmap")
+    proxy.faults.append(Faults(match="shard-00001", stall=2, stall_s=3.0))
+    start = time.monotonic()
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    assert proxy.gets("shard-00001.bin") == 3 and time.monotonic() - start < 10
