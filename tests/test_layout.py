@@ -118,3 +118,18 @@ def test_no_import_cycle() -> None:
     function to dodge a cycle would show here, and so would one placed under ``TYPE_CHECKING``."""
     grimp = pytest.importorskip("grimp")
     assert _cycles(grimp.build_graph("packer")) == []
+
+
+def test_documented_paths_still_import() -> None:
+    """The docs name these paths; the modules moved into layers, the paths stay (one-line re-exports)."""
+    import packer
+    from packer.builder.dask import build_dask
+    from packer.distributed import build_dask as documented_build_dask
+    from packer.pin import DatasetReplaced
+    from packer.read import rng
+    from packer.read.sampler import Draw
+    from packer.rng import generator, sample_seed
+    from packer.sampler import Draw as DocumentedDraw
+
+    assert DatasetReplaced is packer.DatasetReplaced and DocumentedDraw is Draw
+    assert documented_build_dask is build_dask and (generator, sample_seed) == (rng.generator, rng.sample_seed)
