@@ -174,14 +174,19 @@ def test_worker_killed_mid_build(client, mixed_raw: Path, tmp_path: Path) -> Non
     client.wait_for_workers(2, timeout=60)  # the nanny restarts it for the next tests
 
 
-def test_fail_then_resume_reuses_finished_shards(client, mixed_raw: Path, tmp_path: Path) -> None:
+def _last_shard_fails(mixed_raw: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of ``mixed_raw`` whose last file (so the last shard) is garbage: raw/, that file, OUT."""
     raw = tmp_path / "raw"
     shutil.copytree(mixed_raw, raw)
     (raw / "dog" / "notes.txt").unlink()
     (raw / "cat" / "broken.jpg").unlink()
     bad = raw / "portrait" / "zz_bad.jpg"  # sorts last: the last shard fails
     bad.write_bytes(b"garbage")
-    out = tmp_path / "out.lmdb"
+    return raw, bad, tmp_path / "out.lmdb"
+
+
+def test_fail_then_resume_reuses_finished_shards(client, mixed_raw: Path, tmp_path: Path) -> None:
+    raw, bad, out = _last_shard_fails(mixed_raw, tmp_path)
     kwargs: dict[str, Any] = {"address": client.scheduler.address, "shard_size": 4, "quiet": True, "on_error": "fail"}
     with pytest.raises(BuildError, match=r"zz_bad\.jpg: not a recognised image .*--on-error fail"):
         build_dask(raw, out, **kwargs)
@@ -199,13 +204,7 @@ def test_a_file_re_exported_in_a_finished_shard_is_decoded_again_by_resume(
 ) -> None:
     """Issue 21 item 3 for --dask: a fragment holds the scan identities of its files, so a file
     re-exported in place (same path, other pixels) after its shard finished is decoded again."""
-    raw = tmp_path / "raw"
-    shutil.copytree(mixed_raw, raw)
-    (raw / "dog" / "notes.txt").unlink()
-    (raw / "cat" / "broken.jpg").unlink()
-    bad = raw / "portrait" / "zz_bad.jpg"  # sorts last: the last shard fails
-    bad.write_bytes(b"garbage")
-    out = tmp_path / "out.lmdb"
+    raw, bad, out = _last_shard_fails(mixed_raw, tmp_path)
     kwargs: dict[str, Any] = {"address": client.scheduler.address, "shard_size": 4, "quiet": True, "on_error": "fail"}
     with pytest.raises(BuildError, match="zz_bad"):
         build_dask(raw, out, **kwargs)

@@ -121,6 +121,18 @@ def collate_samples(
 default_collate_fn_map[Sample] = default_collate_fn_map[TargetSample] = collate_samples
 
 
+def position(i: Any, n: int, noun: str, of: str) -> int:
+    """``i`` (an integer, negative from the end) as a position in ``n`` items; TypeError or IndexError
+    naming the ``noun`` and what ``of`` holds them, as a list's indexing would."""
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise TypeError(f"{noun} indices are integers, not {type(i).__name__} ({i!r})") from None
+    if not -n <= i < n:
+        raise IndexError(f"{noun} {i} out of range for {of} of {n}")
+    return i % n
+
+
 class ShardDataset(Dataset):
     """Images and labels from a packed dataset, cropped in uint8 and converted to ``dtype`` last.
 
@@ -565,14 +577,7 @@ class ShardDataset(Dataset):
     def _check(self, i: int) -> int:
         if self._gone is not None:
             raise self._gone
-        n = self.manifest.count
-        try:
-            i = operator.index(i)
-        except TypeError:
-            raise TypeError(f"record indices are integers, not {type(i).__name__} ({i!r})") from None
-        if not -n <= i < n:
-            raise IndexError(f"record {i} out of range for a dataset of {n}")
-        return i % n
+        return position(i, self.manifest.count, "record", "a dataset")
 
     def __repr__(self) -> str:
         a = self.augment

@@ -13,7 +13,6 @@ records.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
 from ..format import label_arrays as labelling
-from .dataset import Sample, ShardDataset, TargetSample
+from .dataset import Sample, ShardDataset, TargetSample, position
 from .draw import Draw, Ranges
 
 
@@ -96,14 +95,7 @@ class MixDataset(Dataset):
 
     def locate(self, i: int) -> tuple[int, int]:
         """(member, record) of mix index ``i``."""
-        n = len(self)
-        try:
-            i = operator.index(i)
-        except TypeError:
-            raise TypeError(f"indices are integers, not {type(i).__name__} ({i!r})") from None
-        if not -n <= i < n:
-            raise IndexError(f"index {i} out of range for a mix of {n}")
-        i %= n
+        i = position(i, len(self), "item", "a mix")
         m = int(np.searchsorted(self.offsets, i, side="right")) - 1
         return m, i - int(self.offsets[m])
 
