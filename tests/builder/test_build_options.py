@@ -25,7 +25,7 @@ from packer.tools.verify import verify
 
 from .test_labels import v1_pixels
 
-V2 = Path(__file__).resolve().parent / "data" / "v2-memmap"
+V2 = Path(__file__).resolve().parents[1] / "data" / "v2-memmap"
 # packer build's parameters that are not BuildOptions fields: the call's own, and the four flags
 # that make BuildOptions.labelling
 NOT_FIELDS = {"raw_dir", "out", "quiet", "dask_address", "classes_file", "unlabeled", "multi_label", "targets"}
