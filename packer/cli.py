@@ -395,7 +395,7 @@ def clean(out: Path) -> None:
     beside it, and nothing else. For a symlink OUT: the dataset it points to, then the link.
     Refuses while a build of OUT runs.
     """
-    from .builder.pipeline import clean as run_clean
+    from .tools.clean import clean as run_clean
 
     deleted = run_clean(out)
     click.echo(

@@ -98,8 +98,8 @@ def test_every_command_refuses_a_url_in_one_line_and_writes_nothing(
 
 
 def test_the_api_refuses_urls_too(raw_photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer.builder.pipeline import clean
     from packer.cli import dataset_info
+    from packer.tools.clean import clean
     from packer.tools.compact import compact
     from packer.tools.verify import verify
 

@@ -33,7 +33,7 @@ from PIL import Image
 
 from packer import build
 from packer.backends import Reader
-from packer.builder.pipeline import lock_path
+from packer.builder.paths import lock_path
 from packer.builder.staging import PROGRESS, old_path, staging_path
 from packer.format import MANIFEST, Manifest
 from packer.read.reader import open_reader
