@@ -15,7 +15,7 @@ from typing import Any
 import click
 import numpy as np
 
-from .builder.options import BuildOptions, cli_fields, flag
+from .builder.options import BuildOptions, cli_fields, flag, labelling_fields
 from .errors import PackerError, is_url, local_path
 from .format import json_text
 from .format.records import FORMATS
@@ -132,16 +132,19 @@ def _converted(convert: Callable[[Any], Any]) -> Callable[[click.Context, click.
 
 
 def build_option_decorators() -> list[Callable[[Callable[..., Any]], Callable[..., Any]]]:
-    """``packer build``'s click options, one per BuildOptions field that has a ``help``: flag, type,
-    default and --help text all come from the field, so an option is written once (in BuildOptions)."""
+    """``packer build``'s click options, one per BuildOptions field that has a ``help``, then one per
+    Labelling field: flag, type, default and --help text all come from the field, so an option is
+    written once (in BuildOptions, or Labelling)."""
     decorators: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
-    for f in cli_fields():
+    for f in [*cli_fields(), *labelling_fields()]:
         meta = f.metadata
-        kwargs: dict[str, Any] = {"help": meta["help"], "default": f.default}
+        # a field with ``convert`` gets its default from it: click passes None (or () if multiple)
+        default = None if "convert" in meta else f.default
+        kwargs: dict[str, Any] = {"help": meta["help"], "default": default}
         if meta["type"] is bool:
             kwargs["is_flag"] = True
         else:
-            kwargs |= {"type": _click_type(meta["type"]), "show_default": f.default is not None}
+            kwargs |= {"type": _click_type(meta["type"]), "show_default": default is not None}
         if "convert" in meta:
             kwargs["callback"] = _converted(meta["convert"])
         kwargs |= {k: meta[k] for k in ("metavar", "multiple") if k in meta}
@@ -159,35 +162,6 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.argument("raw_dir", type=_PathOrURL(path_type=Path))
 @click.argument("out", type=_PathOrURL(path_type=Path))
 @_with_build_options
-@click.option(
-    "--classes",
-    "classes_file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    metavar="FILE",
-    help="Fixed class list, one name per line: line order = class ids. Folder names or CSV labels "
-    "must be in it (others: skipped and reported; an error with --on-error fail); classes "
-    "without images keep their id. Same mapping for every --split and --update.",
-)
-@click.option(
-    "--unlabeled",
-    is_flag=True,
-    help="No labels: every image under RAW_DIR (a flat folder, or folders whose names are ignored). "
-    "ShardDataset returns (image, -1), or (image, targets) with --targets.",
-)
-@click.option(
-    "--multi-label",
-    is_flag=True,
-    help="With --labels: the label column lists several labels separated by ';' (or none). "
-    "ShardDataset returns a multi-hot float32 vector of len(classes) as the label.",
-)
-@click.option(
-    "--targets",
-    metavar="COL[,COL...]",
-    default=None,
-    help="With --labels: store these numeric CSV columns per image (float32). ShardDataset returns "
-    "(image, label, targets), or (image, targets) with --unlabeled.",
-)
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option(
     "--dask",
@@ -198,17 +172,7 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.",
 )
 @_friendly
-def build(
-    raw_dir: Path,
-    out: Path,
-    dask_address: str | None,
-    classes_file: str | None,
-    unlabeled: bool,
-    multi_label: bool,
-    targets: str | None,
-    quiet: bool,
-    **fields: Any,
-) -> None:
+def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fields: Any) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
 
@@ -221,9 +185,7 @@ def build(
     """
     from .builder.labels import Labelling
 
-    labelling = Labelling(
-        classes_file, unlabeled, multi_label, tuple(t.strip() for t in targets.split(",")) if targets else ()
-    )
+    labelling = Labelling(**{f.name: fields.pop(f.name) for f in labelling_fields()})
     options = BuildOptions(labelling=labelling, **fields)
     signal.signal(signal.SIGTERM, _raise_terminated)
     if dask_address is not None:

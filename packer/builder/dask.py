@@ -43,7 +43,7 @@ from ..backends.write import fsync_path, write_atomic
 from ..codec import can_decode_region, codec_name
 from ..errors import ShardError, say
 from ..format import IDENTITY_DTYPE, INDEX_DTYPE, shard_name
-from .options import DASK_TASK_SIZE, BuildError, BuildOptions
+from .options import DASK_TASK_SIZE, BuildError, BuildOptions, Resolved
 from .pipeline import run_build
 from .preprocess import PreprocessSpec, Record, Result, Skip, process_chunk
 from .scan import Scan
@@ -402,9 +402,8 @@ class DaskEngine:
     client: Any = None
 
     def pack(
-        self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], cache: Optional[Cache]
     ) -> tuple[RecordSink, int]:
-        assert options.backend is not None and options.shard_size is not None
         staging = Path(os.path.abspath(staging))  # workers have their own working directory
         fragments = staging / FRAGMENTS
         if state is None:
@@ -454,13 +453,12 @@ class DaskEngine:
         staging: Path,
         fragments: Path,
         found: Scan,
-        options: BuildOptions,
+        options: Resolved,
         metas: list[dict[str, Any]],
         cache: Optional[Cache],
     ) -> RecordSink:
         """Fragments (and, with --update, the old dataset's records) into the sink in scan order."""
         backend, shard_size = options.backend, options.shard_size
-        assert backend is not None and shard_size is not None
         base = cache.base if cache is not None else None
         first = len(base.files) if base is not None else 0  # the old data files a refresh linked come first
         for stale in BACKENDS[backend].written_from(staging, first):

@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..errors import DatasetError, local_path, say
 from ..format import MANIFEST, Manifest
-from .options import BuildError, BuildOptions
+from .options import BuildError, Resolved
 from .split import TRAIN, split_path
 from .staging import BUILD_STATE
 
@@ -118,10 +118,9 @@ def build_lock(out: Path, wait: bool = False, quiet: bool = False) -> Iterator[N
             _HELD.discard(key)
 
 
-def lock_outputs(stack: contextlib.ExitStack, out: Path, options: BuildOptions, quiet: bool) -> None:
+def lock_outputs(stack: contextlib.ExitStack, out: Path, options: Resolved, quiet: bool) -> None:
     """Take the build locks of OUT and, with --split, of each split dataset inside it, onto ``stack``."""
     split, backend = options.split, options.backend
-    assert backend is not None, "resolved() options"
     for target in [out, *(split_path(out, name, backend) for name in (TRAIN, *split))] if split else [out]:
         stack.enter_context(build_lock(target, options.wait, quiet))
 

@@ -26,7 +26,7 @@ from ..backends import BACKENDS, WRITE_ERRORS, close_all
 from ..errors import local_path, say
 from ..format import MANIFEST, MAX_MANIFEST, Manifest
 from .labels import LabelError
-from .options import SHARD_SIZE, BuildError, BuildOptions
+from .options import SHARD_SIZE, BuildError, BuildOptions, Resolved
 from .paths import dataset_path, empty_folder, lock_outputs, made_by_packer, not_dataset
 from .scan import Paths, Scan, ScanError, confusable, identify, scan
 from .segments import link_base, old_files, plan
@@ -84,11 +84,10 @@ def _check_class_changes(out: Path, old: list[str], new: list[str], options: Bui
         say(f"warning: {change}", quiet)
 
 
-def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet: bool = False) -> Scan:
+def prepare(raw_dir: str | os.PathLike, out: Path, options: Resolved, quiet: bool = False) -> Scan:
     """Refuse an OUT this build must not replace, scan raw/ (with each source's identity); shared
     by both engines so that they refuse the same inputs. ``options``: :meth:`~BuildOptions.resolved`."""
     split, backend, labelling = options.split, options.backend, options.labelling
-    assert backend is not None, "resolved() options"
     force, update, resume = options.force, options.update, options.resume
     if split and (out / MANIFEST).is_file():
         raise BuildError(
@@ -149,7 +148,7 @@ class Engine(Protocol):
         ...
 
     def pack(
-        self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], cache: Optional[Cache]
     ) -> tuple[RecordSink, int]:
         """Every source of ``found`` into a RecordSink (continuing the checkpoint ``state``, reusing the
         old records ``cache`` names); the sink and the number of sources an earlier run had done."""
@@ -163,7 +162,6 @@ def run_build(
     t0 = time.monotonic()
     local_path(raw_dir)
     options = options.resolved(out, engine.shard_size)  # from the name given: a symlink's target may differ
-    assert options.backend is not None
     given, out = local_path(out), dataset_path(out)
     with contextlib.ExitStack() as locks:
         lock_outputs(locks, out, options, quiet)
@@ -182,7 +180,7 @@ def run_build(
     return report
 
 
-def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, engine: Engine) -> BuildReport:
+def _build_dataset(out: Path, found: Scan, options: Resolved, quiet: bool, engine: Engine) -> BuildReport:
     """One dataset at ``out`` from ``found``: kept when up to date, else staged (reusing records with
     --update), then renamed into place."""
     t0 = time.monotonic()
@@ -232,7 +230,7 @@ def _resume(
     out: Path,
     staging: Path,
     found: Scan,
-    options: BuildOptions,
+    options: Resolved,
     cache: Optional[Cache],
     state: dict[str, Any],
     quiet: bool,
@@ -260,14 +258,12 @@ def _resume(
             cache.base = link_base(out, staging, recorded.base, quiet)
             if cache.base is None:
                 raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
-    assert options.backend is not None
     return rewind(staging, found, state, options.backend, recorded.first, quiet)
 
 
-def _link_old_files(out: Path, staging: Path, cache: Cache, options: BuildOptions, quiet: bool) -> None:
+def _link_old_files(out: Path, staging: Path, cache: Cache, options: Resolved, quiet: bool) -> None:
     """Link the old dataset's data files into ``staging`` so that its records stay where they are
     (packer.builder.segments), as many of them as the refresh keeps; say why where it rewrites records."""
-    assert options.backend is not None and options.shard_size is not None
     kept = cache.old_of[cache.old_of >= 0]
     keep, why = plan(cache.manifest, cache.index, kept, options.backend, options.shard_size)
     if why:
@@ -286,9 +282,8 @@ class LocalEngine:
     shard_size: int = SHARD_SIZE
 
     def pack(
-        self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], cache: Optional[Cache]
     ) -> tuple[RecordSink, int]:
-        assert options.backend is not None and options.shard_size is not None
         backend, shard_size = options.backend, options.shard_size
         done = int(state["sources_done"]) if state else 0
         base = cache.base if cache is not None else None

@@ -55,7 +55,7 @@ from ..format import (
     logical_digest,
 )
 from ..format.label_arrays import arrays_digest, class_counts
-from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
+from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions, Resolved
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
 from .segments import Base, data_table
@@ -504,7 +504,7 @@ def _nothing_packed(staging: Path, out: Path, candidates: int) -> BuildError:
 
 
 def complete(
-    staging: Path, out: Path, found: Scan, options: BuildOptions, sink: RecordSink, resumed_from: int
+    staging: Path, out: Path, found: Scan, options: Resolved, sink: RecordSink, resumed_from: int
 ) -> BuildReport:
     """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
     written = sink.close()
@@ -515,7 +515,6 @@ def complete(
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
     shards, total, dead, segments = data_table(staging, rows, sink.base, written)
-    assert options.backend is not None, "resolved() options"
     manifest = Manifest(
         backend=options.backend,
         format=options.format,
