@@ -43,7 +43,7 @@ from .staging import (
     rewind,
     staging_path,
 )
-from .update import Cache, Changes, inputs_digest, ordered_results, previous_dataset, reuse_plan, still_skipped
+from .update import Changes, ReusePlan, inputs_digest, ordered_results, previous_dataset, reuse_plan, still_skipped
 
 __all__ = ["BuildError", "BuildOptions", "BuildReport", "build", "prepare", "run_build"]
 
@@ -148,10 +148,10 @@ class Engine(Protocol):
         ...
 
     def pack(
-        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], reuse: Optional[ReusePlan]
     ) -> tuple[RecordSink, int]:
         """Every source of ``found`` into a RecordSink (continuing the checkpoint ``state``, reusing the
-        old records ``cache`` names); the sink and the number of sources an earlier run had done."""
+        old records ``reuse`` names); the sink and the number of sources an earlier run had done."""
         ...
 
 
@@ -196,21 +196,21 @@ def _build_dataset(out: Path, found: Scan, options: Resolved, quiet: bool, engin
         raise _built_otherwise(out)
     if previous is not None:
         _check_class_changes(out, previous[0].classes, found.classes, options, quiet)
-    cache = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
+    reuse = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
     staging = staging_path(out)
     state = open_staging(staging, settings | engine.marker, options.resume)
     if state is None:
-        if cache is not None:
-            _link_old_files(out, staging, cache, options, quiet)
-        of, base = (cache.manifest.computed_digest, cache.base) if cache is not None else (None, None)
+        if reuse is not None:
+            _link_old_files(out, staging, reuse, options, quiet)
+        of, base = (reuse.manifest.computed_digest, reuse.base) if reuse is not None else (None, None)
         Plan.made(staging, of, base).record(staging, found)
     else:
-        state = _resume(out, staging, found, options, cache, state, quiet)
+        state = _resume(out, staging, found, options, reuse, state, quiet)
     try:
         try:
-            sink, resumed_from = engine.pack(staging, found, options, state, cache)
+            sink, resumed_from = engine.pack(staging, found, options, state, reuse)
         finally:
-            if cache is not None:
+            if reuse is not None:
                 close_all(out)  # our handles on the old OUT, before the rename replaces it
         report = complete(staging, out, found, options, sink, resumed_from)
     except WRITE_ERRORS as e:  # LMDB reports a full disk as a bare "Input/output error"
@@ -221,7 +221,7 @@ def _build_dataset(out: Path, found: Scan, options: Resolved, quiet: bool, engin
             f"free some space, then run the same build with --resume)"
         ) from e
     report.processed = len(found.sources) - resumed_from - report.reused
-    report.changes = cache.changes if cache is not None else None
+    report.changes = reuse.changes if reuse is not None else None
     report.seconds = time.monotonic() - t0
     return report
 
@@ -231,7 +231,7 @@ def _resume(
     staging: Path,
     found: Scan,
     options: Resolved,
-    cache: Optional[Cache],
+    reuse: Optional[ReusePlan],
     state: dict[str, Any],
     quiet: bool,
 ) -> Optional[dict[str, Any]]:
@@ -240,36 +240,36 @@ def _resume(
     chose), or BuildError where this command cannot continue that plan: a refresh resumed as a build
     that writes every record, or the other way round, or a refresh of an OUT replaced since."""
     recorded = Plan.recorded(staging)
-    if recorded.of is not None and cache is None:
+    if recorded.of is not None and reuse is None:
         raise cannot_resume(
             f"the interrupted build refreshed {out} (--update), reusing its records; "
             f"resume it with --update --resume, or build again without --resume"
         )
-    if recorded.of is None and cache is not None:
+    if recorded.of is None and reuse is not None:
         raise cannot_resume(
             f"the interrupted build of {out} wrote every record itself (--force or a first build); "
             f"resume it without --update, or run the --update again without --resume"
         )
-    if cache is not None:
-        if recorded.of != cache.manifest.computed_digest:
+    if reuse is not None:
+        if recorded.of != reuse.manifest.computed_digest:
             raise cannot_resume(f"{out} changed since the interrupted refresh; run the --update again without --resume")
         recorded.check_linked(out)
         if recorded.base:
-            cache.base = link_base(out, staging, recorded.base, quiet)
-            if cache.base is None:
+            reuse.base = link_base(out, staging, recorded.base, quiet)
+            if reuse.base is None:
                 raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
     return rewind(staging, found, state, options.backend, recorded.first, quiet)
 
 
-def _link_old_files(out: Path, staging: Path, cache: Cache, options: Resolved, quiet: bool) -> None:
+def _link_old_files(out: Path, staging: Path, reuse: ReusePlan, options: Resolved, quiet: bool) -> None:
     """Link the old dataset's data files into ``staging`` so that its records stay where they are
     (packer.builder.segments), as many of them as the refresh keeps; say why where it rewrites records."""
-    kept = cache.old_of[cache.old_of >= 0]
-    keep, why = plan(cache.manifest, cache.index, kept, options.backend, options.shard_size)
+    kept = reuse.old_of[reuse.old_of >= 0]
+    keep, why = plan(reuse.manifest, reuse.index, kept, options.backend, options.shard_size)
     if why:
         say(f"{out}: {why}", quiet)
     if keep:
-        cache.base = link_base(out, staging, old_files(cache.manifest, cache.index)[:keep], quiet)
+        reuse.base = link_base(out, staging, old_files(reuse.manifest, reuse.index)[:keep], quiet)
 
 
 @dataclass
@@ -282,18 +282,18 @@ class LocalEngine:
     shard_size: int = SHARD_SIZE
 
     def pack(
-        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], reuse: Optional[ReusePlan]
     ) -> tuple[RecordSink, int]:
         backend, shard_size = options.backend, options.shard_size
         done = int(state["sources_done"]) if state else 0
-        base = cache.base if cache is not None else None
+        base = reuse.base if reuse is not None else None
         first = len(base.files) if base is not None else 0  # a refresh's new segment: after the linked files
         sink = RecordSink(
             staging, found, state, lambda s: BACKENDS[backend].open_writer(staging, s, shard_size, first), base
         )
         todo = found.sources[done:]
-        old_of = cache.old_of[done:] if cache is not None else np.full(len(todo), -1, dtype=np.int64)
-        results = ordered_results(self.raw, todo, old_of, cache, options.preprocess, options.processes)
+        old_of = reuse.old_of[done:] if reuse is not None else np.full(len(todo), -1, dtype=np.int64)
+        results = ordered_results(self.raw, todo, old_of, reuse, options.preprocess, options.processes)
         progress = Progress(len(found.sources), done, self.quiet)
         try:
             fill(sink, found, done, results, options, self.raw, progress)

@@ -11,8 +11,11 @@ its own data files start) and the scan identities of its sources are recorded th
 ever read, and a file changed since the journal holds it is packed again.
 
 Every record reaches the dataset through one :class:`RecordSink`, whichever engine decoded it: the
-writer appends its bytes, its index row is filled (the only place that fills one), its source path
-journalled. A record a refresh keeps in its old (linked) data file (:class:`packer.builder.update.Kept`, see
+writer appends its bytes, its index row is filled (the only place that fills a dataset's row), its
+source path journalled. A --dask worker also writes rows of INDEX_DTYPE, but into its fragment's own
+table (:func:`packer.builder.dask.pack_shard`: where each record lies in that fragment, read back as
+Records when the fragments are assembled through this sink); it is staging data a --resume reads,
+not an index row. A record a refresh keeps in its old (linked) data file (:class:`packer.builder.update.Kept`, see
 packer.builder.segments) enters the same way, its row pointing where it lies. :func:`complete` then writes the
 manifest, with the digest of the index's logical content (docs/FORMAT.md, "The digest"), and
 :func:`finalize` renames the staging folder into place.
