@@ -32,12 +32,24 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 BUILD_INTERRUPTED = "nothing was written at the output (run the same build with --resume to continue)"
+#: Ctrl-C in a command that only reads the dataset (info, verify, preview, show, bench)
+READ_INTERRUPTED = "the dataset was not changed"
+#: the parameters naming a file such a command writes (-o, --plot): interrupted, it may be cut short
+_WRITTEN = ("dest", "plot_file")
 
 
-def _friendly(fn: Callable[..., Any], *, interrupted: str = BUILD_INTERRUPTED) -> Callable[..., Any]:
+def _read_interrupted() -> str:
+    """What is true after Ctrl-C of a reading command: the dataset untouched, its own output file perhaps not."""
+    params = click.get_current_context().params
+    written = [str(params[name]) for name in _WRITTEN if params.get(name) is not None]
+    return READ_INTERRUPTED + "".join(f"; {path} may be missing or incomplete" for path in written)
+
+
+def _friendly(fn: Callable[..., Any], *, interrupted: str | None = None) -> Callable[..., Any]:
     """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback.
     Ctrl-C and SIGTERM (where the command turns it into :class:`Terminated`) print "interrupted;"
-    and ``interrupted``, what is true of the command's output then.
+    and ``interrupted``, what is true of the command's output then (by default: a command that only
+    reads the dataset, :func:`_read_interrupted`).
 
     A reader that stops early (``packer info OUT | head``) ends the command quietly with status 141
     (128 + SIGPIPE), as it ends ``cat`` or ``ls``: no "Broken pipe" message, no traceback.
@@ -57,7 +69,7 @@ def _friendly(fn: Callable[..., Any], *, interrupted: str = BUILD_INTERRUPTED) -
         except KeyboardInterrupt as e:
             if debug:
                 raise
-            click.echo(f"packer: interrupted; {interrupted}", err=True)
+            click.echo(f"packer: interrupted; {interrupted or _read_interrupted()}", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
         except PackerError as e:
             if debug:
@@ -171,7 +183,7 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
     "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.",
 )
-@_friendly
+@functools.partial(_friendly, interrupted=BUILD_INTERRUPTED)
 def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fields: Any) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
@@ -349,7 +361,9 @@ def compact(out: Path) -> None:
 
 @main.command()
 @click.argument("out", type=_PathOrURL(path_type=Path))
-@_friendly
+@functools.partial(
+    _friendly, interrupted="some of what was being deleted may be gone (run the same packer clean again)"
+)
 def clean(out: Path) -> None:
     """Delete the dataset OUT and any interrupted build of it; refuse what is not packer's.
 
