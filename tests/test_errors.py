@@ -129,7 +129,13 @@ def test_ctrl_c_of_a_reading_command_says_the_dataset_is_unchanged(built) -> Non
     "run the same build with --resume"."""
     out = built("memmap", "raw")
     bench = [sys.executable, "-m", "packer.cli", "bench", str(out), "--workers", "1", "--repeats", "50"]
-    proc = subprocess.Popen(bench, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        bench,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under `make test &`
+    )
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     deadline = time.monotonic() + 120
     while proc.poll() is None and not children.read_text().split() and time.monotonic() < deadline:
