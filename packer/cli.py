@@ -15,7 +15,7 @@ from typing import Any
 import click
 import numpy as np
 
-from .builder.options import BuildOptions, cli_fields, flag
+from .builder.options import BuildOptions, cli_fields, flag, labelling_fields
 from .errors import PackerError, is_url
 from .format import json_text
 from .format.records import FORMATS
@@ -32,12 +32,24 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 BUILD_INTERRUPTED = "nothing was written at the output (run the same build with --resume to continue)"
+#: Ctrl-C in a command that only reads the dataset (info, verify, preview, show, bench)
+READ_INTERRUPTED = "the dataset was not changed"
+#: the parameters naming a file such a command writes (-o, --plot): interrupted, it may be cut short
+_WRITTEN = ("dest", "plot_file")
 
 
-def _friendly(fn: Callable[..., Any], *, interrupted: str = BUILD_INTERRUPTED) -> Callable[..., Any]:
+def _read_interrupted() -> str:
+    """What is true after Ctrl-C of a reading command: the dataset untouched, its own output file perhaps not."""
+    params = click.get_current_context().params
+    written = [str(params[name]) for name in _WRITTEN if params.get(name) is not None]
+    return READ_INTERRUPTED + "".join(f"; {path} may be missing or incomplete" for path in written)
+
+
+def _friendly(fn: Callable[..., Any], *, interrupted: str | None = None) -> Callable[..., Any]:
     """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback.
     Ctrl-C and SIGTERM (where the command turns it into :class:`Terminated`) print "interrupted;"
-    and ``interrupted``, what is true of the command's output then.
+    and ``interrupted``, what is true of the command's output then (by default: a command that only
+    reads the dataset, :func:`_read_interrupted`).
 
     A reader that stops early (``packer info OUT | head``) ends the command quietly with status 141
     (128 + SIGPIPE), as it ends ``cat`` or ``ls``: no "Broken pipe" message, no traceback.
@@ -57,7 +69,7 @@ def _friendly(fn: Callable[..., Any], *, interrupted: str = BUILD_INTERRUPTED) -
         except KeyboardInterrupt as e:
             if debug:
                 raise
-            click.echo(f"packer: interrupted; {interrupted}", err=True)
+            click.echo(f"packer: interrupted; {interrupted or _read_interrupted()}", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
         except PackerError as e:
             if debug:
@@ -137,16 +149,19 @@ def _converted(convert: Callable[[Any], Any]) -> Callable[[click.Context, click.
 
 
 def build_option_decorators() -> list[Callable[[Callable[..., Any]], Callable[..., Any]]]:
-    """``packer build``'s click options, one per BuildOptions field that has a ``help``: flag, type,
-    default and --help text all come from the field, so an option is written once (in BuildOptions)."""
+    """``packer build``'s click options, one per BuildOptions field that has a ``help``, then one per
+    Labelling field: flag, type, default and --help text all come from the field, so an option is
+    written once (in BuildOptions, or Labelling)."""
     decorators: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
-    for f in cli_fields():
+    for f in [*cli_fields(), *labelling_fields()]:
         meta = f.metadata
-        kwargs: dict[str, Any] = {"help": meta["help"], "default": f.default}
+        # a field with ``convert`` gets its default from it: click passes None (or () if multiple)
+        default = None if "convert" in meta else f.default
+        kwargs: dict[str, Any] = {"help": meta["help"], "default": default}
         if meta["type"] is bool:
             kwargs["is_flag"] = True
         else:
-            kwargs |= {"type": _click_type(meta["type"]), "show_default": f.default is not None}
+            kwargs |= {"type": _click_type(meta["type"]), "show_default": default is not None}
         if "convert" in meta:
             kwargs["callback"] = _converted(meta["convert"])
         kwargs |= {k: meta[k] for k in ("metavar", "multiple") if k in meta}
@@ -164,35 +179,6 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.argument("raw_dir", type=_PathOrURL(path_type=Path))
 @click.argument("out", type=_PathOrURL(path_type=Path))
 @_with_build_options
-@click.option(
-    "--classes",
-    "classes_file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    metavar="FILE",
-    help="Fixed class list, one name per line: line order = class ids. Folder names or CSV labels "
-    "must be in it (others: skipped and reported; an error with --on-error fail); classes "
-    "without images keep their id. Same mapping for every --split and --update.",
-)
-@click.option(
-    "--unlabeled",
-    is_flag=True,
-    help="No labels: every image under RAW_DIR (a flat folder, or folders whose names are ignored). "
-    "ShardDataset returns (image, -1), or (image, targets) with --targets.",
-)
-@click.option(
-    "--multi-label",
-    is_flag=True,
-    help="With --labels: the label column lists several labels separated by ';' (or none). "
-    "ShardDataset returns a multi-hot float32 vector of len(classes) as the label.",
-)
-@click.option(
-    "--targets",
-    metavar="COL[,COL...]",
-    default=None,
-    help="With --labels: store these numeric CSV columns per image (float32). ShardDataset returns "
-    "(image, label, targets), or (image, targets) with --unlabeled.",
-)
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option(
     "--dask",
@@ -202,18 +188,8 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
     "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.",
 )
-@_friendly
-def build(
-    raw_dir: Path,
-    out: Path,
-    dask_address: str | None,
-    classes_file: str | None,
-    unlabeled: bool,
-    multi_label: bool,
-    targets: str | None,
-    quiet: bool,
-    **fields: Any,
-) -> None:
+@functools.partial(_friendly, interrupted=BUILD_INTERRUPTED)
+def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fields: Any) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
 
@@ -226,9 +202,7 @@ def build(
     """
     from .builder.labels import Labelling
 
-    labelling = Labelling(
-        classes_file, unlabeled, multi_label, tuple(t.strip() for t in targets.split(",")) if targets else ()
-    )
+    labelling = Labelling(**{f.name: fields.pop(f.name) for f in labelling_fields()})
     options = BuildOptions(labelling=labelling, **fields)
     signal.signal(signal.SIGTERM, _raise_terminated)
     if dask_address is not None:
@@ -404,7 +378,9 @@ def compact(out: Path) -> None:
 
 @main.command()
 @click.argument("out", type=_PathOrURL(path_type=Path))
-@_friendly
+@functools.partial(
+    _friendly, interrupted="some of what was being deleted may be gone (run the same packer clean again)"
+)
 def clean(out: Path) -> None:
     """Delete the dataset OUT and any interrupted build of it; refuse what is not packer's.
 
@@ -412,7 +388,7 @@ def clean(out: Path) -> None:
     beside it, and nothing else. For a symlink OUT: the dataset it points to, then the link.
     Refuses while a build of OUT runs.
     """
-    from .builder.pipeline import clean as run_clean
+    from .tools.clean import clean as run_clean
 
     deleted = run_clean(out)
     click.echo(

@@ -1,4 +1,4 @@
-"""Run by tests/test_train_example.py as a new process: scripts/train_lightning.py's model and loader
+"""Run by tests/behaviour/test_train_example.py as a new process: scripts/train_lightning.py's model and loader
 under a Lightning Trainer that checkpoints every 3 steps, recording every training batch, so that a
 run stopped mid-epoch and resumed from its checkpoint can be compared with an uninterrupted one."""
 

@@ -1,4 +1,4 @@
-"""Shared by tests/test_sampler.py and run by it as a NEW process (``python -m tests._sampler_run``)
+"""Shared by tests/read/test_sampler.py and run by it as a NEW process (``python -m tests._sampler_run``)
 that resumes a training loop mid-epoch from a saved sampler or StatefulDataLoader state, as a
 preempted job does; with WORLD_SIZE > 1 each rank is a real torch.distributed (gloo) process."""
 

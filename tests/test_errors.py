@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,7 +110,7 @@ def test_every_command_refuses_a_url_in_one_line_and_writes_nothing(
 
 
 def test_the_api_refuses_urls_too(raw_photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer.builder.pipeline import clean
+    from packer.tools.clean import clean
     from packer.tools.compact import compact
     from packer.tools.verify import verify
 
@@ -126,3 +128,27 @@ def test_the_api_refuses_urls_too(raw_photos: Path, tmp_path: Path, monkeypatch:
     assert list(tmp_path.iterdir()) == []
     # a local path that merely contains "://" further on, and a Windows-style drive, are paths
     assert not is_url("raw/s3://x") and not is_url("C://data") and is_url("S3+x.y-z://b")
+
+
+def test_ctrl_c_of_a_reading_command_says_the_dataset_is_unchanged(built) -> None:
+    """A real SIGINT to ``packer bench`` mid-measurement (once it has started a process of its own, it
+    is past its imports): exit 130 and one line saying the dataset was not changed, not the build's
+    "run the same build with --resume"."""
+    out = built("memmap", "raw")
+    bench = [sys.executable, "-m", "packer.cli", "bench", str(out), "--workers", "1", "--repeats", "50"]
+    proc = subprocess.Popen(
+        bench,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under `make test &`
+    )
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not children.read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "bench ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["packer: interrupted; the dataset was not changed"], err

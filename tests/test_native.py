@@ -113,7 +113,7 @@ def test_native_resize_matches_pillows_filter() -> None:
     # filter with Pillow's coefficients, horizontal pass first, each pass rounded and clipped as Pillow
     # does. (Pillow's own LANCZOS result drifts from it when one axis is upscaled and the other
     # shrunk, by up to 29 levels on noise; packer's builds only shrink, where they agree within 2:
-    # test_inputs.py.)
+    # tests/builder/test_inputs.py.)
     def lanczos_matrix(size: int, out: int) -> np.ndarray:
         scale = size / out
         support = 3 * max(scale, 1.0)

@@ -43,12 +43,12 @@ from ..backends.write import fsync_path, write_atomic
 from ..codec import can_decode_region, codec_name
 from ..errors import ShardError, say
 from ..format import IDENTITY_DTYPE, INDEX_DTYPE, shard_name
-from .options import DASK_TASK_SIZE, BuildError, BuildOptions
+from .options import DASK_TASK_SIZE, BuildError, BuildOptions, Resolved
 from .pipeline import run_build
 from .preprocess import PreprocessSpec, Record, Result, Skip, process_chunk
 from .scan import Scan
 from .staging import PROGRESS, BuildReport, Progress, RecordSink, Writer, fill, write_json_atomic
-from .update import Cache, ordered_results
+from .update import ReusePlan, ordered_results
 
 FRAGMENTS = "fragments"
 CONNECT_TIMEOUT = 10  # seconds; an unreachable scheduler should fail fast, not hang
@@ -76,7 +76,9 @@ def pack_shard(
     raw: str, fragments: str, k: int, rels: list[str], opts: PreprocessSpec, *, inputs: str
 ) -> dict[str, Any]:
     """One task: preprocess ``rels`` (paths under ``raw``) into fragment ``k``; returns its metadata,
-    which records ``inputs``, the task's :func:`paths_digest`.
+    which records ``inputs``, the task's :func:`paths_digest`. The fragment's table (INDEX_DTYPE rows,
+    only where each record lies in the fragment and its size and CRC) is not the dataset's index: the
+    assembly reads its records back and the RecordSink fills their rows, as a local build's.
 
     Files go through ``process_chunk`` one at a time and straight to disk, so worker memory stays at
     one record whatever the task size, and an unexpected error names the exact file.
@@ -402,9 +404,8 @@ class DaskEngine:
     client: Any = None
 
     def pack(
-        self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], reuse: Optional[ReusePlan]
     ) -> tuple[RecordSink, int]:
-        assert options.backend is not None and options.shard_size is not None
         staging = Path(os.path.abspath(staging))  # workers have their own working directory
         fragments = staging / FRAGMENTS
         if state is None:
@@ -412,7 +413,7 @@ class DaskEngine:
         fragments.mkdir(exist_ok=True)
         for tmp in fragments.glob(".*.tmp-*"):
             tmp.unlink()  # from attempts killed mid-write
-        old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)
+        old_of = reuse.old_of if reuse is not None else np.full(len(found.sources), -1, dtype=np.int64)
         rels = found.sources.paths.select(old_of < 0)  # only the files to decode
         identities, size = found.identities()[old_of < 0], options.shard_size
         tasks = [list(rels[start : start + size]) for start in range(0, len(rels), size)]
@@ -441,7 +442,7 @@ class DaskEngine:
                 )
         finally:
             progress.close()
-        return self._assemble(staging, fragments, found, options, [metas[k] for k in range(len(tasks))], cache), resumed
+        return self._assemble(staging, fragments, found, options, [metas[k] for k in range(len(tasks))], reuse), resumed
 
     def _connect(self, fragments: Path, first: str, workers: int) -> Any:
         if self.client is None:
@@ -454,32 +455,31 @@ class DaskEngine:
         staging: Path,
         fragments: Path,
         found: Scan,
-        options: BuildOptions,
+        options: Resolved,
         metas: list[dict[str, Any]],
-        cache: Optional[Cache],
+        reuse: Optional[ReusePlan],
     ) -> RecordSink:
         """Fragments (and, with --update, the old dataset's records) into the sink in scan order."""
         backend, shard_size = options.backend, options.shard_size
-        assert backend is not None and shard_size is not None
-        base = cache.base if cache is not None else None
+        base = reuse.base if reuse is not None else None
         first = len(base.files) if base is not None else 0  # the old data files a refresh linked come first
         for stale in BACKENDS[backend].written_from(staging, first):
             stale.unlink(missing_ok=True)  # left by an interrupted assembly; rebuilt below
         fresh_bytes = sum(int(m["bytes"]) for m in metas)
         say(f"assembling {len(metas)} shards ({fresh_bytes / 1e6:.1f} MB)", self.quiet)
-        expected = fresh_bytes + (int(cache.manifest.bytes) if cache is not None else 0)
+        expected = fresh_bytes + (int(reuse.manifest.bytes) if reuse is not None else 0)
 
         def writer(state: Optional[dict[str, Any]]) -> Writer:
-            if cache is None and BACKENDS[backend].concatenated:  # each fragment is a shard: renamed into place
+            if reuse is None and BACKENDS[backend].concatenated:  # each fragment is a shard: renamed into place
                 return _AdoptedShards(staging, fragments, metas)
             return BACKENDS[backend].open_writer(
                 staging, None, shard_size, first, expected
             )  # reused records interleave
 
         sink = RecordSink(staging, found, None, writer, base)
-        old_of = cache.old_of if cache is not None else np.full(len(found.sources), -1, dtype=np.int64)
+        old_of = reuse.old_of if reuse is not None else np.full(len(found.sources), -1, dtype=np.int64)
         results = ordered_results(
-            Path(self.raw), found.sources, old_of, cache, options.preprocess, 1, _fragment_results(fragments, metas)
+            Path(self.raw), found.sources, old_of, reuse, options.preprocess, 1, _fragment_results(fragments, metas)
         )
         try:
             fill(sink, found, 0, results, options, Path(self.raw), Progress(len(found.sources), 0, quiet=True))

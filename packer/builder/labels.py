@@ -21,7 +21,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
@@ -36,14 +36,53 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INTEGER = re.compile(r"0|[1-9][0-9]*")  # no sign, no leading zeros: "007" stays a name
 
 
+def parse_targets(columns: Optional[str]) -> tuple[str, ...]:
+    """``--targets a,b`` as the column names ("a", "b"); no --targets: ()."""
+    return tuple(t.strip() for t in columns.split(",")) if columns else ()
+
+
 @dataclass(frozen=True)
 class Labelling:
     """How a build labels its images (see the module docstring); the default is one class per image."""
 
-    classes: Optional[str] = None  # a file of class names, one a line: their order is the ids
-    unlabeled: bool = False
-    multi_label: bool = False
-    targets: tuple[str, ...] = ()  # numeric columns of the labels CSV, stored as float32
+    # Each field is also a ``packer build`` flag (its name, as BuildOptions' fields are): the metadata
+    # is its --help text and command-line shape, in packer.builder.options' terms (see ``_option``).
+    classes: Optional[str] = field(  # a file of class names, one a line: their order is the ids
+        default=None,
+        metadata={
+            "help": "Fixed class list, one name per line: line order = class ids. Folder names or CSV labels "
+            "must be in it (others: skipped and reported; an error with --on-error fail); classes "
+            "without images keep their id. Same mapping for every --split and --update.",
+            "type": "file",
+            "metavar": "FILE",
+        },
+    )
+    unlabeled: bool = field(
+        default=False,
+        metadata={
+            "help": "No labels: every image under RAW_DIR (a flat folder, or folders whose names are ignored). "
+            "ShardDataset returns (image, -1), or (image, targets) with --targets.",
+            "type": bool,
+        },
+    )
+    multi_label: bool = field(
+        default=False,
+        metadata={
+            "help": "With --labels: the label column lists several labels separated by ';' (or none). "
+            "ShardDataset returns a multi-hot float32 vector of len(classes) as the label.",
+            "type": bool,
+        },
+    )
+    targets: tuple[str, ...] = field(  # numeric columns of the labels CSV, stored as float32
+        default=(),
+        metadata={
+            "help": "With --labels: store these numeric CSV columns per image (float32). ShardDataset returns "
+            "(image, label, targets), or (image, targets) with --unlabeled.",
+            "type": str,
+            "metavar": "COL[,COL...]",
+            "convert": parse_targets,
+        },
+    )
 
     @property
     def kind(self) -> str:

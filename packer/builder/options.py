@@ -187,9 +187,12 @@ class BuildOptions:
         """A copy with ``changes`` (field names), validated again."""
         return replace(self, **changes) if changes else self
 
-    def resolved(self, out: str | os.PathLike, shard_size: int) -> BuildOptions:
+    def resolved(self, out: str | os.PathLike, shard_size: int) -> Resolved:
         """The defaults that depend on OUT's name (backend) and on the engine (``shard_size``) filled in."""
-        return self.but(backend=self.backend or default_backend(out), shard_size=self.shard_size or shard_size)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Resolved(
+            **values | {"backend": self.backend or default_backend(out), "shard_size": self.shard_size or shard_size}
+        )
 
     @property
     def preprocess(self) -> PreprocessSpec:
@@ -230,6 +233,15 @@ class BuildOptions:
         return asdict(self.preprocess) | {"shard_size": self.shard_size, "checksum": self.checksum}
 
 
+@dataclass(frozen=True, kw_only=True)
+class Resolved(BuildOptions):
+    """The options of a running build (:meth:`BuildOptions.resolved`): its backend and shard size are
+    known, so the code past that point need not check them for None."""
+
+    backend: str
+    shard_size: int
+
+
 def flag(name: str) -> str:
     """The command-line flag of field ``name``."""
     return "--" + name.replace("_", "-")
@@ -244,3 +256,9 @@ def default_backend(out: str | os.PathLike) -> str:
 def cli_fields() -> list[Any]:
     """The BuildOptions fields that are ``packer build`` options, in --help order."""
     return [f for f in fields(BuildOptions) if "help" in f.metadata]
+
+
+def labelling_fields() -> list[Any]:
+    """The Labelling fields, ``packer build``'s --classes, --unlabeled, --multi-label and --targets
+    (options.labelling), in --help order: after :func:`cli_fields`."""
+    return list(fields(Labelling))

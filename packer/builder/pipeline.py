@@ -6,22 +6,16 @@ handling, manifest. An :class:`Engine` only decodes the sources and feeds their 
 :class:`~packer.builder.staging.RecordSink`: :class:`LocalEngine` here with this machine's worker processes,
 :class:`packer.builder.dask.DaskEngine` on a Dask cluster.
 
-When OUT is a symlink, the dataset behind it is built: staging, lock and the final swap all sit beside
-the link's target (on its disk), and the link is kept. One build per OUT at a time: see
-:func:`build_lock`.
+OUT behind a symlink, the build lock and which folders are packer's: :mod:`packer.builder.paths`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
-import shutil
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -29,15 +23,15 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from ..backends import BACKENDS, WRITE_ERRORS, close_all
-from ..errors import DatasetError, local_path, say
+from ..errors import local_path, say
 from ..format import MANIFEST, MAX_MANIFEST, Manifest
 from .labels import LabelError
-from .options import SHARD_SIZE, BuildError, BuildOptions
+from .options import SHARD_SIZE, BuildError, BuildOptions, Resolved
+from .paths import dataset_path, empty_folder, lock_outputs, made_by_packer, not_dataset
 from .scan import Paths, Scan, ScanError, confusable, identify, scan
 from .segments import link_base, old_files, plan
 from .split import TRAIN, split_path, split_scan
 from .staging import (
-    BUILD_STATE,
     BuildReport,
     Plan,
     Progress,
@@ -45,170 +39,13 @@ from .staging import (
     cannot_resume,
     complete,
     fill,
-    old_path,
     open_staging,
     rewind,
     staging_path,
 )
-from .update import Cache, Changes, inputs_digest, ordered_results, previous_dataset, reuse_plan, still_skipped
+from .update import Changes, ReusePlan, inputs_digest, ordered_results, previous_dataset, reuse_plan, still_skipped
 
-__all__ = ["BuildError", "BuildOptions", "BuildReport", "build", "clean", "prepare", "run_build"]
-
-
-def lock_path(out: Path) -> Path:
-    """Beside OUT, never inside it: OUT itself is swapped whole at the end of a build."""
-    return out.parent / f".{out.name}.packer-lock"
-
-
-def dataset_path(out: str | os.PathLike) -> Path:
-    """OUT, or the dataset a symlink at OUT points to: a refresh replaces that one and keeps the link."""
-    out = local_path(out)
-    return Path(os.path.realpath(out)) if out.is_symlink() else out
-
-
-_HELD: set[str] = set()  # lock files this process holds: POSIX locks do not exclude their own process
-_HELD_GUARD = threading.Lock()
-
-
-def _lock_holder(fd: int) -> str:
-    """The pid the holder wrote into the lock file (it writes it just after locking: wait a moment)."""
-    for _ in range(50):
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        if text.isdigit():
-            return text
-        time.sleep(0.02)
-    return "unknown"
-
-
-def _acquire(path: Path, out: Path, wait: bool, quiet: bool) -> Optional[int]:
-    """The locked file descriptor of ``path``; None (after a warning) where the filesystem has no locks."""
-    announced = False
-    while True:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError as e:  # ELOOP: a symlink in its place (in a --split folder: OUT's), never followed
-            why = "a symbolic link is in its place" if e.errno == errno.ELOOP else e.strerror or e
-            raise BuildError(f"cannot write beside the output ({path}): {why}") from None
-        try:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno not in (errno.EACCES, errno.EAGAIN):
-                    say(f"warning: cannot lock {path} ({e.strerror}); nothing stops a second build of {out} meanwhile")
-                    os.close(fd)
-                    return None
-                if not wait:
-                    raise BuildError(f"{out} is being built by pid {_lock_holder(fd)}") from None
-                if not announced:
-                    say(f"waiting for pid {_lock_holder(fd)}, which is building {out}", quiet)
-                announced = True
-                fcntl.lockf(fd, fcntl.LOCK_EX)  # Ctrl-C and SIGTERM interrupt the wait
-            if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a file its last holder removed
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-                return fd
-        except FileNotFoundError:
-            pass
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def build_lock(out: Path, wait: bool = False, quiet: bool = False) -> Iterator[None]:
-    """Hold OUT's build lock for the block: one build (or clean) per OUT at a time.
-
-    A POSIX record lock (``lockf``) on :func:`lock_path`: the kernel drops it when the holder exits,
-    however it exits (kill -9 included), and forked worker processes do not inherit it, so no stale
-    lock survives a build. Another holder: BuildError "OUT is being built by pid N", or with ``wait``
-    block until it is done. The holder removes the file on release while still holding it; a waiter
-    that then gets the lock on the removed file notices (another inode at the path) and starts over.
-    """
-    path = lock_path(out)
-    key = os.path.abspath(path)
-    with _HELD_GUARD:
-        if key in _HELD:
-            raise BuildError(f"{out} is being built by pid {os.getpid()} (this process)")
-        _HELD.add(key)
-    fd = None
-    try:
-        fd = _acquire(path, out, wait, quiet)
-        yield
-    finally:
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                path.unlink()
-            os.close(fd)
-        with _HELD_GUARD:
-            _HELD.discard(key)
-
-
-def lock_outputs(stack: contextlib.ExitStack, out: Path, options: BuildOptions, quiet: bool) -> None:
-    """Take the build locks of OUT and, with --split, of each split dataset inside it, onto ``stack``."""
-    split, backend = options.split, options.backend
-    assert backend is not None, "resolved() options"
-    for target in [out, *(split_path(out, name, backend) for name in (TRAIN, *split))] if split else [out]:
-        stack.enter_context(build_lock(target, options.wait, quiet))
-
-
-def _not_dataset(path: Path) -> str:
-    """Why ``path`` is not a dataset, "" when it holds a manifest that packer reads as its own (any
-    ``manifest.json`` is not: a browser extension's, a webpack build's)."""
-    if not os.path.lexists(path / MANIFEST):
-        return f"no {MANIFEST}"
-    try:
-        Manifest.load(path)
-    except DatasetError as e:
-        return str(e)
-    return ""
-
-
-def _made_by_packer(path: Path, sibling: bool) -> bool:
-    """A dataset (a manifest packer reads), a build's staging folder (``sibling`` only: its
-    settings, or empty), or a --split folder holding nothing but those; never through a symlink."""
-    if path.is_symlink() or not path.is_dir():
-        return False
-    marker = path / BUILD_STATE
-    if not _not_dataset(path) or (sibling and marker.is_file() and not marker.is_symlink()):
-        return True
-    entries = list(path.iterdir())
-    if not entries:
-        return sibling
-    return all(
-        _made_by_packer(e, e.name.startswith(".") and e.name.endswith((".packer-tmp", ".packer-old")))
-        or (e.name.startswith(".") and e.name.endswith(".packer-lock") and e.is_file())
-        for e in entries
-    )
-
-
-def _empty_folder(path: Path) -> bool:
-    return not path.is_symlink() and path.is_dir() and not any(path.iterdir())
-
-
-def clean(out: str | os.PathLike) -> list[Path]:
-    """Delete the dataset at OUT, its interrupted build and its replaced copy (``.NAME.packer-tmp``,
-    ``.NAME.packer-old``), and nothing else; returns what was deleted. Behind a symlink, the dataset
-    the link points to goes, then the link. Refuses (BuildError) anything that is not packer's, and
-    an OUT that a build holds."""
-    given, out = local_path(out), dataset_path(out)
-    if not out.parent.is_dir():  # nothing there to delete (and no folder to make for a lock file)
-        if given.is_symlink():
-            given.unlink()
-            return [given]
-        return []
-    with build_lock(out):
-        doomed = [path for path in (out, staging_path(out), old_path(out)) if path.exists() or path.is_symlink()]
-        for path in doomed:
-            if not _made_by_packer(path, sibling=path != out):
-                raise BuildError(f"{path} is not a packer dataset or build folder; refusing to delete it")
-        for path in doomed:
-            shutil.rmtree(path)
-        if given.is_symlink():
-            given.unlink()
-            doomed.append(given)
-    return doomed
+__all__ = ["BuildError", "BuildOptions", "BuildReport", "build", "prepare", "run_build"]
 
 
 def _up_to_date(out: Path, manifest: Manifest, retried: Optional[Paths] = None) -> BuildReport:
@@ -247,11 +84,10 @@ def _check_class_changes(out: Path, old: list[str], new: list[str], options: Bui
         say(f"warning: {change}", quiet)
 
 
-def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet: bool = False) -> Scan:
+def prepare(raw_dir: str | os.PathLike, out: Path, options: Resolved, quiet: bool = False) -> Scan:
     """Refuse an OUT this build must not replace, scan raw/ (with each source's identity); shared
     by both engines so that they refuse the same inputs. ``options``: :meth:`~BuildOptions.resolved`."""
     split, backend, labelling = options.split, options.backend, options.labelling
-    assert backend is not None, "resolved() options"
     force, update, resume = options.force, options.update, options.resume
     if split and (out / MANIFEST).is_file():
         raise BuildError(
@@ -261,8 +97,8 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: BuildOptions, quiet:
     for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
         if target.exists() and not (force or update or resume):
             raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
-        why = _not_dataset(target) if target.exists() else ""
-        if why and not (force and (_made_by_packer(target, sibling=False) or _empty_folder(target))):
+        why = not_dataset(target) if target.exists() else ""
+        if why and not (force and (made_by_packer(target, sibling=False) or empty_folder(target))):
             raise BuildError(
                 f"{target} exists and is not a packer dataset ({why}); packer replaces only its own datasets "
                 f"(--force: also a --split folder of them, or an empty folder): move it away or choose another OUT"
@@ -312,10 +148,10 @@ class Engine(Protocol):
         ...
 
     def pack(
-        self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], reuse: Optional[ReusePlan]
     ) -> tuple[RecordSink, int]:
         """Every source of ``found`` into a RecordSink (continuing the checkpoint ``state``, reusing the
-        old records ``cache`` names); the sink and the number of sources an earlier run had done."""
+        old records ``reuse`` names); the sink and the number of sources an earlier run had done."""
         ...
 
 
@@ -326,7 +162,6 @@ def run_build(
     t0 = time.monotonic()
     local_path(raw_dir)
     options = options.resolved(out, engine.shard_size)  # from the name given: a symlink's target may differ
-    assert options.backend is not None
     given, out = local_path(out), dataset_path(out)
     with contextlib.ExitStack() as locks:
         lock_outputs(locks, out, options, quiet)
@@ -345,7 +180,7 @@ def run_build(
     return report
 
 
-def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, engine: Engine) -> BuildReport:
+def _build_dataset(out: Path, found: Scan, options: Resolved, quiet: bool, engine: Engine) -> BuildReport:
     """One dataset at ``out`` from ``found``: kept when up to date, else staged (reusing records with
     --update), then renamed into place."""
     t0 = time.monotonic()
@@ -361,21 +196,21 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
         raise _built_otherwise(out)
     if previous is not None:
         _check_class_changes(out, previous[0].classes, found.classes, options, quiet)
-    cache = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
+    reuse = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
     staging = staging_path(out)
     state = open_staging(staging, settings | engine.marker, options.resume)
     if state is None:
-        if cache is not None:
-            _link_old_files(out, staging, cache, options, quiet)
-        of, base = (cache.manifest.computed_digest, cache.base) if cache is not None else (None, None)
+        if reuse is not None:
+            _link_old_files(out, staging, reuse, options, quiet)
+        of, base = (reuse.manifest.computed_digest, reuse.base) if reuse is not None else (None, None)
         Plan.made(staging, of, base).record(staging, found)
     else:
-        state = _resume(out, staging, found, options, cache, state, quiet)
+        state = _resume(out, staging, found, options, reuse, state, quiet)
     try:
         try:
-            sink, resumed_from = engine.pack(staging, found, options, state, cache)
+            sink, resumed_from = engine.pack(staging, found, options, state, reuse)
         finally:
-            if cache is not None:
+            if reuse is not None:
                 close_all(out)  # our handles on the old OUT, before the rename replaces it
         report = complete(staging, out, found, options, sink, resumed_from)
     except WRITE_ERRORS as e:  # LMDB reports a full disk as a bare "Input/output error"
@@ -386,7 +221,7 @@ def _build_dataset(out: Path, found: Scan, options: BuildOptions, quiet: bool, e
             f"free some space, then run the same build with --resume)"
         ) from e
     report.processed = len(found.sources) - resumed_from - report.reused
-    report.changes = cache.changes if cache is not None else None
+    report.changes = reuse.changes if reuse is not None else None
     report.seconds = time.monotonic() - t0
     return report
 
@@ -395,8 +230,8 @@ def _resume(
     out: Path,
     staging: Path,
     found: Scan,
-    options: BuildOptions,
-    cache: Optional[Cache],
+    options: Resolved,
+    reuse: Optional[ReusePlan],
     state: dict[str, Any],
     quiet: bool,
 ) -> Optional[dict[str, Any]]:
@@ -405,38 +240,36 @@ def _resume(
     chose), or BuildError where this command cannot continue that plan: a refresh resumed as a build
     that writes every record, or the other way round, or a refresh of an OUT replaced since."""
     recorded = Plan.recorded(staging)
-    if recorded.of is not None and cache is None:
+    if recorded.of is not None and reuse is None:
         raise cannot_resume(
             f"the interrupted build refreshed {out} (--update), reusing its records; "
             f"resume it with --update --resume, or build again without --resume"
         )
-    if recorded.of is None and cache is not None:
+    if recorded.of is None and reuse is not None:
         raise cannot_resume(
             f"the interrupted build of {out} wrote every record itself (--force or a first build); "
             f"resume it without --update, or run the --update again without --resume"
         )
-    if cache is not None:
-        if recorded.of != cache.manifest.computed_digest:
+    if reuse is not None:
+        if recorded.of != reuse.manifest.computed_digest:
             raise cannot_resume(f"{out} changed since the interrupted refresh; run the --update again without --resume")
         recorded.check_linked(out)
         if recorded.base:
-            cache.base = link_base(out, staging, recorded.base, quiet)
-            if cache.base is None:
+            reuse.base = link_base(out, staging, recorded.base, quiet)
+            if reuse.base is None:
                 raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
-    assert options.backend is not None
     return rewind(staging, found, state, options.backend, recorded.first, quiet)
 
 
-def _link_old_files(out: Path, staging: Path, cache: Cache, options: BuildOptions, quiet: bool) -> None:
+def _link_old_files(out: Path, staging: Path, reuse: ReusePlan, options: Resolved, quiet: bool) -> None:
     """Link the old dataset's data files into ``staging`` so that its records stay where they are
     (packer.builder.segments), as many of them as the refresh keeps; say why where it rewrites records."""
-    assert options.backend is not None and options.shard_size is not None
-    kept = cache.old_of[cache.old_of >= 0]
-    keep, why = plan(cache.manifest, cache.index, kept, options.backend, options.shard_size)
+    kept = reuse.old_of[reuse.old_of >= 0]
+    keep, why = plan(reuse.manifest, reuse.index, kept, options.backend, options.shard_size)
     if why:
         say(f"{out}: {why}", quiet)
     if keep:
-        cache.base = link_base(out, staging, old_files(cache.manifest, cache.index)[:keep], quiet)
+        reuse.base = link_base(out, staging, old_files(reuse.manifest, reuse.index)[:keep], quiet)
 
 
 @dataclass
@@ -449,19 +282,18 @@ class LocalEngine:
     shard_size: int = SHARD_SIZE
 
     def pack(
-        self, staging: Path, found: Scan, options: BuildOptions, state: Optional[dict[str, Any]], cache: Optional[Cache]
+        self, staging: Path, found: Scan, options: Resolved, state: Optional[dict[str, Any]], reuse: Optional[ReusePlan]
     ) -> tuple[RecordSink, int]:
-        assert options.backend is not None and options.shard_size is not None
         backend, shard_size = options.backend, options.shard_size
         done = int(state["sources_done"]) if state else 0
-        base = cache.base if cache is not None else None
+        base = reuse.base if reuse is not None else None
         first = len(base.files) if base is not None else 0  # a refresh's new segment: after the linked files
         sink = RecordSink(
             staging, found, state, lambda s: BACKENDS[backend].open_writer(staging, s, shard_size, first), base
         )
         todo = found.sources[done:]
-        old_of = cache.old_of[done:] if cache is not None else np.full(len(todo), -1, dtype=np.int64)
-        results = ordered_results(self.raw, todo, old_of, cache, options.preprocess, options.processes)
+        old_of = reuse.old_of[done:] if reuse is not None else np.full(len(todo), -1, dtype=np.int64)
+        results = ordered_results(self.raw, todo, old_of, reuse, options.preprocess, options.processes)
         progress = Progress(len(found.sources), done, self.quiet)
         try:
             fill(sink, found, done, results, options, self.raw, progress)

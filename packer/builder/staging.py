@@ -11,8 +11,11 @@ its own data files start) and the scan identities of its sources are recorded th
 ever read, and a file changed since the journal holds it is packed again.
 
 Every record reaches the dataset through one :class:`RecordSink`, whichever engine decoded it: the
-writer appends its bytes, its index row is filled (the only place that fills one), its source path
-journalled. A record a refresh keeps in its old (linked) data file (:class:`packer.builder.update.Kept`, see
+writer appends its bytes, its index row is filled (the only place that fills a dataset's row), its
+source path journalled. A --dask worker also writes rows of INDEX_DTYPE, but into its fragment's own
+table (:func:`packer.builder.dask.pack_shard`: where each record lies in that fragment, read back as
+Records when the fragments are assembled through this sink); it is staging data a --resume reads,
+not an index row. A record a refresh keeps in its old (linked) data file (:class:`packer.builder.update.Kept`, see
 packer.builder.segments) enters the same way, its row pointing where it lies. :func:`complete` then writes the
 manifest, with the digest of the index's logical content (docs/FORMAT.md, "The digest"), and
 :func:`finalize` renames the staging folder into place.
@@ -55,7 +58,7 @@ from ..format import (
     logical_digest,
 )
 from ..format.label_arrays import arrays_digest, class_counts
-from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions
+from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions, Resolved
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
 from .segments import Base, data_table
@@ -504,7 +507,7 @@ def _nothing_packed(staging: Path, out: Path, candidates: int) -> BuildError:
 
 
 def complete(
-    staging: Path, out: Path, found: Scan, options: BuildOptions, sink: RecordSink, resumed_from: int
+    staging: Path, out: Path, found: Scan, options: Resolved, sink: RecordSink, resumed_from: int
 ) -> BuildReport:
     """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
     written = sink.close()
@@ -515,7 +518,6 @@ def complete(
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
     shards, total, dead, segments = data_table(staging, rows, sink.base, written)
-    assert options.backend is not None, "resolved() options"
     manifest = Manifest(
         backend=options.backend,
         format=options.format,

@@ -1,6 +1,6 @@
 """``--update``: what a dataset was built from, and which of its records a refresh can copy.
 
-OUT itself is the build cache: its index records each source's identity (size, mtime, optional content
+OUT itself is the build's cache: its index records each source's identity (size, mtime, optional content
 hash) and its manifest an ``inputs`` digest over everything the bytes depend on, so a refresh decodes
 only added or changed files and still writes what a full rebuild would.
 """
@@ -109,8 +109,9 @@ def still_skipped(
 
 
 @dataclass
-class Cache:
-    """The records of the dataset being replaced that --update reuses instead of decoding again."""
+class ReusePlan:
+    """A refresh's reuse plan: which records of the dataset being replaced --update keeps instead of
+    decoding again (``old_of``), and, once its data files are linked, where they stay (``base``)."""
 
     root: Path
     manifest: Manifest
@@ -151,8 +152,8 @@ class _OldRecords:
     """The old dataset's records by number, copied (those of the data files a refresh does not link):
     read in sequential walks (packer.backends.walk.InOrder: readahead, the disk's speed)."""
 
-    def __init__(self, cache: Cache) -> None:
-        self._cache = cache
+    def __init__(self, plan: ReusePlan) -> None:
+        self._plan = plan
         self._records: Optional[InOrder] = None
         self._checked: set[int] = set()  # data files checked before a walk reads them (LMDB: their pages)
         self._broken = False
@@ -161,11 +162,11 @@ class _OldRecords:
         """Old record ``j`` as its index row describes it, or None when its bytes are missing, differ
         from the row (damaged since they were written: the file is decoded again) or cannot be read
         (a damaged old dataset: then every later record is decoded again too)."""
-        row = self._cache.index[j]
+        row = self._plan.index[j]
         if self._broken:
             return None
         try:
-            c = self._cache
+            c = self._plan
             if self._records is None:
                 self._records = InOrder(c.root, c.manifest, c.index)
             k = int(self._records.number[j])
@@ -243,7 +244,7 @@ def _same_paths(index: np.ndarray, paths: np.ndarray, rels: Sequence[str], step:
 
 def reuse_plan(
     out: Path, previous: tuple[Manifest, np.ndarray, np.ndarray], found: Scan, settings: dict[str, Any], quiet: bool
-) -> Optional[Cache]:
+) -> Optional[ReusePlan]:
     """Match each source to an old record by path and identity (size and mtime, or size and content
     hash with --checksum); None when the old records were built differently."""
     manifest, index, paths = previous
@@ -258,7 +259,7 @@ def reuse_plan(
         same &= index[name][candidate[known]] == found.identities()[name][known]
     old_of = np.full(len(found.sources), -1, dtype=np.int64)
     old_of[known[same]] = candidate[known[same]]
-    return Cache(out, manifest, index, old_of, _changes(out, previous, found, candidate, known[~same]))
+    return ReusePlan(out, manifest, index, old_of, _changes(out, previous, found, candidate, known[~same]))
 
 
 def _changes(
@@ -296,7 +297,7 @@ def ordered_results(
     raw: Path,
     todo: Sources,
     old_of: np.ndarray,
-    cache: Optional[Cache],
+    reuse: Optional[ReusePlan],
     opts: PreprocessSpec,
     workers: int,
     fresh: Optional[Generator[Result, None, None]] = None,
@@ -308,16 +309,16 @@ def ordered_results(
     if fresh is None:
         rels = todo.paths.select(old_of < 0)
         fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
-    old = _OldRecords(cache) if cache is not None else None
+    old = _OldRecords(reuse) if reuse is not None else None
     step = 4096
     kept: Iterator[Optional[Kept]] = (
-        itertools.chain.from_iterable(cache.kept(old_of[at : at + step]) for at in range(0, len(old_of), step))
-        if cache is not None
+        itertools.chain.from_iterable(reuse.kept(old_of[at : at + step]) for at in range(0, len(old_of), step))
+        if reuse is not None
         else itertools.repeat(None)
     )
     try:
         for source, j, keep in zip(todo, old_of.tolist(), kept):
-            if j < 0 or cache is None or old is None:
+            if j < 0 or reuse is None or old is None:
                 yield next(fresh), False
             elif keep is not None:
                 yield keep, True

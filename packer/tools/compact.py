@@ -14,7 +14,7 @@ from ..backends import BACKENDS, data_files
 from ..backends.pin import pin
 from ..backends.walk import InOrder
 from ..builder.options import SHARD_SIZE
-from ..builder.pipeline import build_lock, dataset_path
+from ..builder.paths import build_lock, dataset_path
 from ..builder.segments import data_table
 from ..builder.staging import (
     BUILD_STATE,

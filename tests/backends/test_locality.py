@@ -22,8 +22,8 @@ from packer.backends.lmdb import LmdbReader, close_lmdb
 from packer.format import lmdb_key
 from packer.read.dataset import ShardDataset
 
-from . import _sampler_run as run
-from .conftest import BACKEND_NAMES
+from .. import _sampler_run as run
+from ..conftest import BACKEND_NAMES
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -18,7 +18,7 @@ from packer.format import Manifest, lmdb_key, load_index
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
-from .conftest import COMBOS
+from ..conftest import COMBOS
 
 
 @pytest.mark.parametrize(("backend", "fmt"), COMBOS)

@@ -20,7 +20,7 @@ from packer.format import lmdb_key
 from packer.read.dataset import ShardDataset
 from packer.transform import IMAGENET_MEAN, IMAGENET_STD, to_device
 
-from .conftest import COMBOS
+from ..conftest import COMBOS
 
 CROP = 64
 Batch = tuple[torch.Tensor, torch.Tensor]

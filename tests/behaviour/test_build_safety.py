@@ -29,7 +29,7 @@ from PIL import Image
 
 from packer import build
 from packer.builder.options import BuildOptions
-from packer.builder.pipeline import build_lock, lock_path
+from packer.builder.paths import build_lock, lock_path
 from packer.builder.preprocess import Record, Skip, process
 from packer.builder.staging import staging_path
 from packer.format import Manifest
@@ -101,7 +101,7 @@ def test_split_datasets_inside_out_are_locked_too(raw: Path, tmp_path: Path) -> 
 HOLD = """
 import sys, time
 from pathlib import Path
-from packer.builder.pipeline import build_lock
+from packer.builder.paths import build_lock
 with build_lock(Path(sys.argv[1])):
     print("locked", flush=True)
     time.sleep(120)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from packer import DatasetError, DatasetReplaced, ShardDataset, build
 
-from .conftest import COMBOS, ONE_EACH
+from ..conftest import COMBOS, ONE_EACH
 
 CLASSES = 3
 PER_CLASS = 7

@@ -22,9 +22,9 @@ from packer.format import INDEX_DTYPE, Manifest, load_index, source_path
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
-from .conftest import BACKEND_NAMES
+from ..conftest import BACKEND_NAMES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKER = [sys.executable, "-m", "packer.cli"]
 
 

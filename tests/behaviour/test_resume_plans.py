@@ -25,7 +25,7 @@ import pytest
 from PIL import Image
 
 from packer import build
-from packer.builder.pipeline import lock_path
+from packer.builder.paths import lock_path
 from packer.builder.staging import PROGRESS, staging_path
 from packer.format import Manifest
 from packer.read.reader import open_reader

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def run(*args: str) -> str:
@@ -74,7 +74,7 @@ def test_lightning_example_drives_the_sampler_and_resumes_mid_epoch(built, tmp_p
     )
     assert re.findall(r"epoch (\d+): sampler epoch (\d+), dataset epoch (\d+)", out) == [(e, e, e) for e in "012"], out
     helper = ["-m", "tests._lightning_run", dataset]
-    cwd = Path(__file__).resolve().parents[1]
+    cwd = Path(__file__).resolve().parents[2]
     for args in ([str(tmp_path / "full"), "18"], [str(tmp_path / "stop"), "3"]):
         subprocess.run([sys.executable, *helper, *args], cwd=cwd, check=True, capture_output=True, timeout=300)
     ckpt = next((tmp_path / "stop").glob("*step=3*.ckpt"))

@@ -36,7 +36,7 @@ from packer.format import (
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
-from .conftest import BACKEND_NAMES
+from ..conftest import BACKEND_NAMES
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packer import BuildError, build
+from packer import BuildError, Labelling, build
 from packer.builder.options import SHARD_SIZE, BuildOptions, cli_fields, flag
 from packer.builder.scan import identify, scan
 from packer.cli import build as build_command
@@ -25,10 +25,10 @@ from packer.tools.verify import verify
 
 from .test_labels import v1_pixels
 
-V2 = Path(__file__).resolve().parent / "data" / "v2-memmap"
+V2 = Path(__file__).resolve().parents[1] / "data" / "v2-memmap"
 # packer build's parameters that are not BuildOptions fields: the call's own, and the four flags
-# that make BuildOptions.labelling
-NOT_FIELDS = {"raw_dir", "out", "quiet", "dask_address", "classes_file", "unlabeled", "multi_label", "targets"}
+# that make BuildOptions.labelling (Labelling's fields)
+NOT_FIELDS = {"raw_dir", "out", "quiet", "dask_address"} | {f.name for f in dataclasses.fields(Labelling)}
 
 
 def test_every_build_option_is_a_field_with_its_default_and_help() -> None:
@@ -47,6 +47,20 @@ def test_cli_defaults_make_the_default_options() -> None:
     ctx = build_command.make_context("build", ["raw", "out"])
     seen = {k: v for k, v in ctx.params.items() if k not in NOT_FIELDS}
     assert BuildOptions(**seen) == BuildOptions()
+    assert Labelling(**{f.name: ctx.params[f.name] for f in dataclasses.fields(Labelling)}) == Labelling()
+
+
+def test_the_labelling_flags_are_labellings_fields() -> None:
+    """--classes, --unlabeled, --multi-label, --targets: one per Labelling field, help from its metadata,
+    and the command line's values make that Labelling."""
+    params = {p.name: p for p in build_command.params}
+    for f in dataclasses.fields(Labelling):
+        p = params[f.name]
+        assert isinstance(p, click.Option) and p.opts == [flag(f.name)] and p.help == f.metadata["help"]
+    args = ["raw", "out", "--classes", __file__, "--unlabeled", "--multi-label", "--targets", " a, b"]
+    ctx = build_command.make_context("build", args)
+    got = Labelling(**{f.name: ctx.params[f.name] for f in dataclasses.fields(Labelling)})
+    assert got == Labelling(classes=__file__, unlabeled=True, multi_label=True, targets=("a", "b"))
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,10 @@ from packer.read import rng
 from packer.read.dataset import ShardDataset
 from packer.read.sampler import Draw
 
-from . import _sampler_run as run
-from ._sampler_run import BATCH, CROP, jitter
+from .. import _sampler_run as run
+from .._sampler_run import BATCH, CROP, jitter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def same(a: list, b: list) -> bool:
@@ -313,7 +313,7 @@ def mixup(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def test_batch_transform_mixes_a_multi_label_batch(tmp_path: Path) -> None:
-    from .test_labels import cli, make_raw, write_csv
+    from ..builder.test_labels import cli, make_raw, write_csv
 
     rels = [f"p/{k}.jpg" for k in range(6)]
     raw = make_raw(tmp_path / "raw", rels)

@@ -17,8 +17,8 @@ from packer import codec, transform
 from packer.read.dataset import ShardDataset
 from packer.transform import DRAWS, random_resized_crops, resize, to_device, uniforms
 
-from .conftest import FORMAT_NAMES
-from .test_dataset import CROP, load
+from ..conftest import FORMAT_NAMES
+from ..read.test_dataset import CROP, load
 
 #: The resize kernels this install has (packer's own needs packer._native built).
 BACKENDS = ("torch", "pillow") + (("packer",) if codec._native is not None else ())
@@ -256,7 +256,7 @@ def test_native_packing_matches_pillows(built, fmt: str, monkeypatch) -> None:
 # CPU), so they are keyed by those; elsewhere the test is skipped, saying how to record the install's
 # (``PACKER_RECORD_DIGESTS=1``, run on the code before the change).
 
-DIGESTS = Path(__file__).resolve().parent / "data" / "batch-digests.json"
+DIGESTS = Path(__file__).resolve().parents[1] / "data" / "batch-digests.json"
 
 
 def install_key() -> str:

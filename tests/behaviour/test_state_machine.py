@@ -10,7 +10,7 @@ random moment or once their journal shows progress. After every step:
 - a step that failed said so in one line (one of the expected refusals), never a traceback.
 
 The default suite runs a few short sequences. More: ``PACKER_STATE_STEPS=200 PACKER_STATE_SEEDS=1,2,3,4
-python -m pytest tests/test_state_machine.py`` (steps per sequence; seeds, one sequence per seed and backend).
+python -m pytest tests/behaviour/test_state_machine.py`` (steps per sequence; seeds, one sequence per seed and backend).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from PIL import Image
 
 from packer import build
 from packer.backends import Reader
-from packer.builder.pipeline import lock_path
+from packer.builder.paths import lock_path
 from packer.builder.staging import PROGRESS, old_path, staging_path
 from packer.format import MANIFEST, Manifest
 from packer.read.reader import open_reader

@@ -27,7 +27,7 @@ from packer.builder.staging import PROGRESS, staging_path
 from packer.format import Manifest
 from packer.tools.verify import verify
 
-from .conftest import BACKEND_NAMES
+from ..conftest import BACKEND_NAMES
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 N_IMAGES = 480

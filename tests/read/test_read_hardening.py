@@ -134,7 +134,7 @@ def test_verify_covers_class_names_options_and_source_paths(small, tmp_path: Pat
 def test_verify_of_a_format_1_dataset_says_what_it_cannot_check(small, tmp_path: Path) -> None:
     """Format 1 had no manifest_digest or sources_digest: verified as far as its digests go, and
     verify says what it could not check (exit 0). A format-2 manifest without them fails."""
-    v1 = copy(Path(__file__).parent / "data" / "v1-memmap", tmp_path / "v1")
+    v1 = copy(Path(__file__).parents[1] / "data" / "v1-memmap", tmp_path / "v1")
     result = verify(v1)
     assert result.ok and [n.split(":")[0] for n in result.notes] == [MANIFEST, SOURCES], result.notes
     run = subprocess.run(PACKER + ["verify", str(v1)], capture_output=True, text=True, timeout=120)

@@ -26,7 +26,7 @@ from packer.builder.staging import staging_path  # noqa: E402
 from packer.format import LABELS, TARGETS, Manifest, load_index  # noqa: E402
 from packer.sample import make_sample  # noqa: E402
 
-from .conftest import ONE_EACH  # noqa: E402
+from ..conftest import ONE_EACH  # noqa: E402
 from .test_build import stored_images  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from packer.tools.preview import contact_sheet
 from packer.tools.verify import verify
 
 PACKER = [sys.executable, "-m", "packer.cli"]
-V1 = Path(__file__).resolve().parent / "data" / "v1-memmap"
+V1 = Path(__file__).resolve().parents[1] / "data" / "v1-memmap"
 
 
 def make_raw(root: Path, rels: list[str]) -> Path:

@@ -18,7 +18,7 @@ from packer.backends.lmdb import close_lmdb
 from packer.builder.preprocess import target_size
 from packer.format import INDEX_DTYPE, Manifest, lmdb_key, load_index, source_path
 
-from .conftest import COMBOS, PHOTOS
+from ..conftest import COMBOS, PHOTOS
 
 
 def stored_images(out: Path) -> tuple[Manifest, np.ndarray, np.ndarray, list[np.ndarray]]:

@@ -29,7 +29,7 @@ from packer.format import INDEX, MANIFEST, SOURCES, DatasetError, Manifest, load
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
-from .conftest import FORMAT_NAMES
+from ..conftest import FORMAT_NAMES
 
 PACKER = [sys.executable, "-m", "packer.cli"]
 KINDS = [("lmdb", "jpeg"), ("memmap", "jpeg"), ("memmap", "raw")]  # fuzzing: every backend and format, not every pair
