@@ -151,15 +151,18 @@ class Remote:
         self.home = self.cache_dir / f"{tail}-{_digest(self.url)}"
         self.version = ""  # sha256 of the manifest opened: the version this object reads
         self._store: Optional[tuple[int, Store]] = None
+        self._settings: Optional[dict[str, Any]] = None  # a store resolved elsewhere (__setstate__)
         self._hold_units()
         # set by pin(): the version's manifest, index and data file names (not the Pinned: that refers
         # back to this object, and a cycle would keep the units held until the garbage collector runs)
         self._layout: Optional[tuple[Manifest, np.ndarray, list[str]]] = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version")}
+        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version")}
+        return state | {"settings": self.store.settings()}  # the store as this process resolved it
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self._settings = state.pop("settings")
         self.__dict__.update(state)
         self._store = None
         self._hold_units()
@@ -177,7 +180,7 @@ class Remote:
         """This process's client (a forked child makes its own)."""
         mine = self._store
         if mine is None or mine[0] != os.getpid():
-            mine = self._store = (os.getpid(), open_store(self.url))
+            mine = self._store = (os.getpid(), open_store(self.url, settings=self._settings))
         return mine[1]
 
     # --- versions -------------------------------------------------------------------------------

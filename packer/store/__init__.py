@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any, Optional
 
 from ..errors import ObjectChanged, ObjectNotFound, StoreError, is_url
 from .base import ObjectInfo, Store
@@ -15,7 +16,7 @@ from .s3 import S3Store
 __all__ = ["STORES", "ObjectChanged", "ObjectInfo", "ObjectNotFound", "Store", "StoreError", "is_url", "open_store"]
 
 #: Every store by the URL scheme that names it.
-STORES: dict[str, Callable[[str], Store]] = {"s3": S3Store, "http": HttpStore, "https": HttpStore}
+STORES: dict[str, Callable[..., Store]] = {"s3": S3Store, "http": HttpStore, "https": HttpStore}
 #: Schemes users will try that no store here serves, and what to do instead.
 ELSEWHERE = {
     "gs": "use its S3-compatible endpoint: s3://BUCKET/... with AWS_ENDPOINT_URL=https://storage.googleapis.com "
@@ -26,11 +27,12 @@ ELSEWHERE = {
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def open_store(url: str) -> Store:
-    """The store of ``url``'s scheme at ``url`` (StoreError for a scheme none serves)."""
+def open_store(url: str, *, settings: Optional[dict[str, Any]] = None) -> Store:
+    """The store of ``url``'s scheme at ``url`` (StoreError for a scheme none serves); ``settings``:
+    another process's :meth:`Store.settings` for the same URL, used instead of this environment."""
     found = _SCHEME.match(url)
     scheme = found.group(1).lower() if found else ""
     if scheme not in STORES:
         advice = ELSEWHERE.get(scheme, f"packer reads {', '.join(f'{s}://' for s in STORES)} URLs")
         raise StoreError(f"{url}: {scheme}:// is not supported; {advice}")
-    return STORES[scheme](url)
+    return STORES[scheme](url, settings=settings)

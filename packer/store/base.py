@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, Optional, TypeVar
 
 from ..errors import StoreError
 
@@ -53,8 +53,15 @@ class Store(abc.ABC):
     objects are named relative to it. Subclasses implement :meth:`_head` and :meth:`_stream`, each
     raising :class:`Passing` for what a retry may fix and :class:`StoreError` for what it will not."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, settings: Optional[dict[str, Any]] = None) -> None:
         self.url = url.rstrip("/")
+
+    def settings(self) -> dict[str, Any]:
+        """What this store resolved from its process's environment (endpoint, region, credentials),
+        as plain values: ``open_store(url, settings=...)`` in another process (a DataLoader worker)
+        reaches the same store even where that process's environment differs (a forkserver started
+        before the variables were set)."""
+        return {}
 
     def name(self, key: str) -> str:
         """The object's URL, for messages."""

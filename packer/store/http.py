@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 from urllib.parse import quote
 
 import urllib3
@@ -34,8 +34,8 @@ def _pool() -> urllib3.PoolManager:
 class HttpStore(Store):
     """Objects under an ``http://`` or ``https://`` URL, read with GET and Range."""
 
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
+    def __init__(self, url: str, *, settings: Optional[dict[str, Any]] = None) -> None:
+        super().__init__(url, settings=settings)
         self._pools = PerProcess(_pool)
 
     def object_url(self, key: str) -> str:

@@ -67,6 +67,23 @@ def test_workers_fetch_each_file_once(built, s3_server: S3Server, proxy: Proxy, 
         assert proxy.fetched(name) == size, name  # once per node: the lock holder's download only
 
 
+def test_workers_reach_the_store_their_parent_resolved(
+    built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose environment lacks the AWS variables (a forkserver started before a script set
+    them, as a build's earlier in the same process does) reads from the endpoint, with the keys, that
+    the dataset was opened with: seen in CI as workers asking AWS itself for a SeaweedFS bucket."""
+    local = built("memmap", "jpeg")
+    url = s3_server.upload(local, "settings/memmap")
+    remote = ShardDataset(url, crop_size=32, seed=3, cache_dir=tmp_path / "cache")
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    loader = DataLoader(remote, batch_size=6, num_workers=1, multiprocessing_context="spawn")
+    want = DataLoader(ShardDataset(local, crop_size=32, seed=3), batch_size=6)
+    for g, w in zip(loader, want, strict=True):
+        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+
+
 def test_faults_retried_resumed_and_batches_identical(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
     """503 SlowDown, resets mid-body and bodies cut short are retried; a broken transfer resumes from
     the byte it reached (its next Range starts there); every sample equals the local one."""
