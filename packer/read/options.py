@@ -158,4 +158,5 @@ class ReadOptions:
         return Augment(self.crop_size, self.train, self.scale, self.ratio, self.eval_ratio, self.flip)
 
 
+#: ShardDataset's signature takes its defaults from here (so help() shows them, written once)
 DEFAULTS = ReadOptions()
