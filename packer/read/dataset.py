@@ -19,11 +19,10 @@ Design points, each answering a known DataLoader failure:
 from __future__ import annotations
 
 import gc
-import math
 import operator
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -39,15 +38,11 @@ from ..errors import is_url
 from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
 from ..format.records import FORMATS
-from ..transform import Augment  # by name: __init__'s ``transform`` argument hides the module there
 from . import batchpool, rng
 from .draw import Draw
+from .options import DEFAULTS, BatchTransform, ReadOptions, Transform
 from .reader import open_reader
 from .remote import Remote
-
-#: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``.
-Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
-BatchTransform = Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]
 
 
 class Sample(NamedTuple):
@@ -172,58 +167,54 @@ class ShardDataset(Dataset):
     def __init__(
         self,
         path: str | os.PathLike,
-        crop_size: Optional[int] = 224,
-        train: bool = True,
-        seed: int = 0,
-        dtype: torch.dtype = torch.float32,
-        mean: Sequence[float] = transform.IMAGENET_MEAN,
-        std: Sequence[float] = transform.IMAGENET_STD,
-        scale: tuple[float, float] = (0.08, 1.0),
-        ratio: tuple[float, float] = (3 / 4, 4 / 3),
-        eval_ratio: float = 0.875,
-        flip: bool = True,
-        verify: Optional[bool] = None,
-        memory_format: torch.memory_format = torch.channels_last,
-        transform: Transform = None,
-        batch_transform: BatchTransform = None,
+        crop_size: Optional[int] = DEFAULTS.crop_size,
+        train: bool = DEFAULTS.train,
+        seed: int = DEFAULTS.seed,
+        dtype: torch.dtype = DEFAULTS.dtype,
+        mean: Sequence[float] = DEFAULTS.mean,
+        std: Sequence[float] = DEFAULTS.std,
+        scale: tuple[float, float] = DEFAULTS.scale,
+        ratio: tuple[float, float] = DEFAULTS.ratio,
+        eval_ratio: float = DEFAULTS.eval_ratio,
+        flip: bool = DEFAULTS.flip,
+        verify: Optional[bool] = DEFAULTS.verify,
+        memory_format: torch.memory_format = DEFAULTS.memory_format,
+        transform: Transform = DEFAULTS.transform,
+        batch_transform: BatchTransform = DEFAULTS.batch_transform,
         *,
-        cache_dir: Optional[str | os.PathLike] = None,
-        cache_limit: int | str | None = None,
+        cache_dir: Optional[str | os.PathLike] = DEFAULTS.cache_dir,
+        cache_limit: int | str | None = DEFAULTS.cache_limit,
     ) -> None:
-        if any(f is not None and not callable(f) for f in (transform, batch_transform)):
-            raise ValueError("transform and batch_transform must be callables")
-        if batch_transform is not None and crop_size is None and transform is None:
-            raise ValueError("batch_transform needs images of one size: a crop_size or a transform")
-        if crop_size is not None and crop_size <= 0:
-            raise ValueError(f"crop_size must be positive or None, not {crop_size}")
-        if not (len(scale) == 2 and 0 < scale[0] <= scale[1]) or not (
-            len(ratio) == 2 and 0 < ratio[0] <= ratio[1] < math.inf
-        ):
-            raise ValueError(f"scale and ratio must be (low, high) with 0 < low <= high, not {scale}, {ratio}")
-        if not 0 < eval_ratio <= 1:
-            raise ValueError(f"eval_ratio must be in (0, 1] (crop size / resized short edge), not {eval_ratio}")
-        if not (dtype == torch.uint8 or dtype.is_floating_point):
-            raise ValueError(f"dtype must be torch.uint8 or a floating type, not {dtype}")
+        # every argument's default, doc and check: packer.read.options (checked before anything opens)
+        self.options = o = ReadOptions(
+            crop_size=crop_size,
+            train=train,
+            seed=seed,
+            dtype=dtype,
+            mean=mean,
+            std=std,
+            scale=scale,
+            ratio=ratio,
+            eval_ratio=eval_ratio,
+            flip=flip,
+            verify=verify,
+            memory_format=memory_format,
+            transform=transform,
+            batch_transform=batch_transform,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+        )
         # a URL (s3://, https://) is read through the node's cache (packer.read.remote); a path as it is
         self._remote = Remote(str(path), cache_dir=cache_dir, cache_limit=cache_limit) if is_url(path) else None
         self.root = self._remote.url if self._remote is not None else str(Path(path).resolve())
-        self.seed = seed
-        self.dtype = dtype
-        if memory_format not in (torch.channels_last, torch.contiguous_format):
-            raise ValueError(
-                f"memory_format must be torch.channels_last or torch.contiguous_format, not {memory_format}"
-            )
-        self.memory_format = memory_format
-        self.mean, self.std = tuple(mean), tuple(std)
-        self.augment = (
-            Augment(crop_size, train, (scale[0], scale[1]), (ratio[0], ratio[1]), eval_ratio, flip)
-            if crop_size is not None
-            else None
-        )
-        self.transform, self.batch_transform = transform, batch_transform
+        # plain attributes for the per-sample code
+        self.seed, self.dtype, self.memory_format = o.seed, o.dtype, o.memory_format
+        self.mean, self.std = tuple(o.mean), tuple(o.std)
+        self.augment = o.augment()
+        self.transform, self.batch_transform = o.transform, o.batch_transform
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._load()
-        self.verify = FORMATS[self.manifest.format].crc_on_read if verify is None else verify
+        self.verify = FORMATS[self.manifest.format].crc_on_read if o.verify is None else o.verify
 
     def _load(self, expect: Optional[dict[str, FileKey]] = None) -> None:
         """Everything derived from disk, from one pinned version (with ``expect``: that version only)."""
@@ -249,6 +240,7 @@ class ShardDataset(Dataset):
             "batch_transform",
             "_files",
             "_remote",
+            "options",
         )
         return {k: self.__dict__[k] for k in keep}
 
