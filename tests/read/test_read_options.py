@@ -15,7 +15,7 @@ from packer.read.dataset import ShardDataset
 from packer.read.options import ReadOptions
 from packer.transform import Augment
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "DATASET.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "DATASET.md"
 FIELDS = dataclasses.fields(ReadOptions)
 
 
