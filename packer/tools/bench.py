@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..backends import BACKENDS
+from ..errors import is_url
 from ..format import disk_bytes
 from ..format.records import FORMATS
 
@@ -450,7 +451,6 @@ def run_bench(
     ``path``; see ``packer bench --help``."""
     import torch
 
-    from ..errors import is_url
     from ..read.dataset import ShardDataset
     from ..transform import resize_backend
 

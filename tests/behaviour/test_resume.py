@@ -33,6 +33,15 @@ PACKER = [sys.executable, "-m", "packer.cli"]
 N_IMAGES = 480
 
 
+def interrupt(proc: subprocess.Popen, how: str) -> None:
+    """Stop ``proc`` as a terminal's Ctrl-C does (SIGINT to its whole process group, the job) or as
+    kill or a scheduler does (SIGTERM to the process alone)."""
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+
+
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """N_IMAGES varied 640x480 JPEGs in 3 classes (big enough that a 2-worker build takes a while),
@@ -147,10 +156,7 @@ def test_interrupt_exits_cleanly_leaves_no_output_no_processes_and_resumes(
     out = tmp_path / "out.lmdb"
     proc = start_build(raw, out)
     wait_for_checkpoint(proc, out)
-    if how == "ctrl-c":
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        os.kill(proc.pid, signal.SIGTERM)
+    interrupt(proc, how)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == (130 if how == "ctrl-c" else 143), stderr
     assert "interrupted" in stderr and "--resume" in stderr and "Traceback" not in stderr

@@ -31,6 +31,8 @@ from packer.format import Manifest
 from packer.read.reader import open_reader
 from packer.tools.verify import verify
 
+from .test_resume import interrupt
+
 PACKER = [sys.executable, "-m", "packer.cli"]
 BACKENDS = ["lmdb", "memmap"]
 N = 300  # files: a build with a checkpoint after each one runs long enough to be caught mid-way
@@ -312,10 +314,7 @@ def test_compact_interrupted_says_what_is_true_for_compact(noisy: Path, tmp_path
     dataset is whole and to run compact again (not a build's --resume), no traceback, OUT intact."""
     before = contents(noisy)
     out, proc = start_compact(noisy, tmp_path)
-    if how == "ctrl-c":
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        os.kill(proc.pid, signal.SIGTERM)
+    interrupt(proc, how)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == (130 if how == "ctrl-c" else 143), stderr
     assert stderr.splitlines() == [
