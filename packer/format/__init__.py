@@ -151,7 +151,11 @@ class Manifest:
         """The manifest in the open file ``fd`` (``path`` names it in errors), checked."""
         try:
             with open(os.dup(fd), "rb") as f:
-                text = f.read(MAX_MANIFEST + 1)
+                # Asked for its size, not the limit: a read of n bytes allocates n first.
+                size = os.fstat(f.fileno()).st_size
+                text = f.read(min(size, MAX_MANIFEST) + 1)
+                if len(text) > size:  # it grew since fstat: read on, to the limit
+                    text += f.read(MAX_MANIFEST + 1 - len(text))
         except OSError as e:
             raise DatasetError(f"{path}: unreadable manifest ({e})") from None
         return cls.parse(text, path)
