@@ -529,6 +529,7 @@ def bench(
         epochs=epochs,
         dtype=dtype,
         repeats=repeats,
+        progress=lambda line: click.echo(f"packer bench: {line}", err=True),
     )
     if plot_file is not None:
         plot(result, plot_file)

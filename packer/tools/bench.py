@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -446,9 +446,11 @@ def run_bench(
     profile_samples: int = PROFILE_SAMPLES,
     *,
     repeats: int = REPEATS,
+    progress: Callable[[str], object] = lambda line: None,
 ) -> BenchResult:
     """Run the sweep (``repeats`` timed runs for each of ``workers``) and the profile on the dataset at
-    ``path``; see ``packer bench --help``."""
+    ``path``; see ``packer bench --help``. ``progress`` is told of each step as it ends (a sweep of
+    many worker counts takes minutes)."""
     import torch
 
     from ..read.dataset import ShardDataset
@@ -457,8 +459,12 @@ def run_bench(
     ds = ShardDataset(path, crop_size=crop_size, train=train, dtype=getattr(torch, dtype))
     workers = sorted(set(workers)) if workers else list(range(cores() + 1))
     samples = len(ds) * epochs if epochs else max(min(len(ds), DEFAULT_MAX_SAMPLES), DEFAULT_MIN_BATCHES * batch_size)
-    points = [measure(ds, w, batch_size, samples, packer_sampler=True, repeats=repeats) for w in workers]
+    points = []
+    for w in workers:
+        points.append(measure(ds, w, batch_size, samples, packer_sampler=True, repeats=repeats))
+        progress(f"num_workers={w}: {points[-1].samples_per_s:,.0f} samples/s (median of {repeats})")
     prof = profile(ds, batch_size, profile_samples)
+    progress("profile of the stages: done")
     size, avail = disk_bytes(path) if not is_url(path) else ds.manifest.bytes, mem_available()
     fits, resize = None if avail is None else size < avail, resize_backend()
     return BenchResult(
