@@ -2,7 +2,8 @@
 callers (and the CLI) catch one type for every failure packer expects: bad arguments or input
 (BuildError, ScanError, LabelError), a damaged, hostile or replaced dataset (DatasetError,
 DatasetReplaced), a failed distributed task (ShardError), a URL where only local paths work yet
-(URLNotSupported). Anything else is a bug and keeps its traceback."""
+(URLNotSupported), an object store's refusals (StoreError and its kinds, PreconditionFailed: a
+conditional write that lost). Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def local_path(path: str | os.PathLike) -> Path:
     """``path`` as a local Path; a URL raises URLNotSupported. ``Path("s3://b/x")`` is the relative
     path ``s3:/b/x``: a build would write a folder named ``s3:`` in the working directory. Every entry
     point that does not read a URL passes its paths through here (build's raw folder and OUT, clean,
-    compact, the API's verify); ShardDataset and the commands that read a dataset take URLs
+    compact); verify, ShardDataset and the commands that read a dataset take URLs
     (packer.read.remote)."""
     text = os.fsdecode(path)
     if is_url(text):

@@ -39,6 +39,7 @@ __all__ = [
     "VersionFiles",
     "files_json",
     "parse_files",
+    "published_versions",
     "read_files",
     "read_version",
     "version_id",
@@ -136,6 +137,13 @@ def read_files(store: Store, version: str) -> Optional[dict[str, FileEntry]]:
     dataset copied as it is, whose data files sit at U/NAME)."""
     found = read_version(store, version)
     return found.files if found is not None else None
+
+
+def published_versions(store: Store) -> list[str]:
+    """The ids of the versions whose folder has its files.json (published whole), in key order;
+    empty for a dataset synced as it is."""
+    suffix = "/" + FILES
+    return [o.key.split("/")[1] for o in store.list(f"{VERSIONS}/") if o.key.endswith(suffix) and o.key.count("/") == 2]
 
 
 def read_version(store: Store, version: str) -> Optional[VersionFiles]:
