@@ -413,9 +413,20 @@ def clean(out: Path) -> None:
     Deletes OUT (a packer dataset, or a --split folder of them), .OUT.packer-tmp and .OUT.packer-old
     beside it, and nothing else. For a symlink OUT: the dataset it points to, then the link.
     Refuses while a build of OUT runs.
+
+    A URL (a published dataset): what interrupted publishes left there, under its lease (a dead
+    writer's expired lease is taken over): unfinished multipart uploads are aborted and version
+    folders no pointer named are deleted. Its published versions stay (see packer gc).
     """
     from .tools.clean import clean as run_clean
+    from .tools.clean import clean_url
 
+    if is_url(out):
+        gone = clean_url(str(out))
+        for what in gone:
+            click.echo(f"packer: deleted {what}", err=True)
+        click.echo(f"packer: {out}: {len(gone) or 'nothing'} left by interrupted publishes deleted", err=True)
+        return
     deleted = run_clean(out)
     click.echo(
         f"packer: deleted {', '.join(map(str, deleted))}" if deleted else f"packer: {out}: nothing to delete", err=True

@@ -158,7 +158,8 @@ def read_version(store: Store, version: str) -> Optional[VersionFiles]:
     return _parse(data, store.name(key))
 
 
-def _utc(t: float) -> str:
+def utc(t: float) -> str:
+    """A time for messages: ``2026-12-01 03:00:02 UTC``."""
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
@@ -275,7 +276,7 @@ class Lease:
             if max(age, seen) >= ttl and self._take_over(info, doc):
                 return
             holder = str(doc.get("holder", "another writer"))
-            since = f" since {_utc(float(doc['since']))}" if isinstance(doc.get("since"), (int, float)) else ""
+            since = f" since {utc(float(doc['since']))}" if isinstance(doc.get("since"), (int, float)) else ""
             if not self.wait:
                 raise BuildError(
                     f"{self.store.url} is being built by {holder}{since} (lease renewed {max(0.0, age):.0f} s ago, "
