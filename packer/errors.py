@@ -62,6 +62,11 @@ class ObjectChanged(StoreError):
     """The object was replaced while it was being read (its ETag no longer matches)."""
 
 
+class PreconditionFailed(StoreError):
+    """A conditional write lost: the object exists (``If-None-Match: *``) or is no longer the version
+    named (``If-Match``); HTTP 412, or S3's 409 ConditionalRequestConflict for a concurrent one."""
+
+
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")  # two letters at least: not a Windows drive (C://)
 
 
