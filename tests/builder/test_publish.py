@@ -297,3 +297,49 @@ def test_compact_url_publishes_a_new_layout(raw: Path, s3_server: S3Server, tmp_
     assert files is not None and all(e.key.startswith(f"versions/{done.version}/") for e in files.values())
     assert sorted(numbers(url, tmp_path / "new")) == [*range(10), 60]
     assert sorted(read_checked(old)) == [*range(10), 60]
+
+
+def test_rewrite_from_the_store_fetches_through_the_cache(
+    raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path
+) -> None:
+    """A refresh past the dead-bytes threshold on a machine that holds no copy: the records it keeps
+    are fetched through the read cache and rewritten into a new layout, under the new version's folder;
+    the old version's objects are left as they were (its pinned readers keep reading them)."""
+    url = _url(s3_server, "rewrite")
+    _publish(raw, url, staging=tmp_path / "a")
+    store = open_store(url)
+    before = {o.key: o.etag for o in store.list() if o.key != "manifest.json"}  # all but the pointer
+    pinned = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "pinned")
+    for number in (0, 1, 5, 6):
+        (raw / f"c{number // PER_CLASS}" / f"m{number:03d}.png").unlink()
+    report, (done,) = _publish(raw, url, update=True, staging=tmp_path / "b")
+    assert report.reused == 6 and report.processed == 0
+    files = read_files(store, done.version)
+    assert files is not None and all(e.key.startswith(f"versions/{done.version}/") for e in files.values())
+    assert {k: e for k, e in ((o.key, o.etag) for o in store.list()) if k in before} == before  # none overwritten
+    assert sorted(numbers(url, tmp_path / "r")) == [2, 3, 4, 7, 8, 9]
+    assert read_checked(pinned) == list(range(10))
+
+
+def test_split_and_synced_copy(raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """--split publishes one dataset per split under the URL; a dataset synced as it is (aws s3
+    sync) is refreshed in place of a published one: its objects are reused where they lie."""
+    url = _url(s3_server, "split")
+    _publish(raw, url, split={"val": 0.3})
+    train, val = numbers(f"{url}/train", tmp_path / "t"), numbers(f"{url}/val", tmp_path / "v")
+    assert sorted(train + val) == list(range(10)) and val
+
+    from packer import build
+
+    local = tmp_path / "synced"
+    build(raw, local, workers=1, quiet=True, shard_size=4, format="raw", short_edge=16)
+    synced = s3_server.upload(local, "publish/synced")
+    write(raw, 1, 44)
+    proxy.clear()
+    report, (done,) = _publish(raw, synced, update=True)
+    assert report.processed == 1 and report.reused == 10
+    files = read_files(open_store(synced), done.version)
+    assert files is not None
+    reused = {n for n, e in files.items() if e.key == n}
+    assert len(reused) == len(files) - 1 and reused  # the synced shards, where they lie
+    assert sorted(numbers(synced, tmp_path / "s")) == [*range(10), 44]
