@@ -221,7 +221,8 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | Non
         report, published = publish_build(
             raw_dir, str(out), options, quiet=quiet, staging=staging, dask_address=dask_address
         )
-        click.echo(report.summary(), err=True)
+        if not report.up_to_date or all(done.up_to_date for done in published):
+            click.echo(report.summary(), err=True)  # (up to date, published: the copy an interrupted publish left)
         for done in published:
             click.echo(done.summary(), err=True)
         return

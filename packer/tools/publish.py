@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -48,7 +47,7 @@ from ..errors import DatasetError, PreconditionFailed, URLNotSupported
 from ..format import INDEX, LABELS, MANIFEST, REPORT, SOURCES, TARGETS, Manifest
 from ..read.remote import Remote, default_cache_dir
 from ..store import ObjectNotFound, Store, open_store
-from ..store.published import FILES, FileEntry, files_json, read_files, version_id, version_key
+from ..store.published import FILES, FileEntry, Lease, files_json, read_files, version_id, version_key
 from .compact import compact as compact_local
 
 __all__ = ["Published", "publish_build", "publish_compact"]
@@ -258,7 +257,7 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
-def publish(t: _Target, seen: Optional[_Pointer], wait: bool) -> Published:
+def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Published:
     """Upload the local copy's version to ``t.url`` and make it current, under the store's lease;
     ``seen``: the pointer the build started from (another writer's since: BuildError)."""
     text = (t.local / MANIFEST).read_bytes()
@@ -269,8 +268,7 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool) -> Published:
         return done
     record = _load_record(t.record) or {"files": {}}
     known: dict[str, Any] = record["files"]
-    holder = f"{socket.gethostname()} pid {os.getpid()}"
-    with contextlib.nullcontext(holder):  # the store's lease (packer.store.published.Lease) once it is there
+    with Lease(t.store, wait=wait, quiet=quiet) as lease:
         current = _pointer(t.store)
         if (current.etag if current else None) != (seen.etag if seen else None):
             raise BuildError(
@@ -299,6 +297,7 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool) -> Published:
             if (t.local / name).is_file():
                 _upload(t.store, version_key(version, name), t.local / name, done)
         _upload(t.store, version_key(version, FILES), files_json(entries), done)
+        lease.check()  # still ours (a renewal refused: another writer took it over)
         try:
             t.store.put(MANIFEST, text, if_match=seen.etag if seen else "", if_none_match=seen is None)
         except PreconditionFailed:
@@ -351,7 +350,7 @@ def publish_build(
             report = build_dask(raw_dir, local, here, address=dask_address, quiet=quiet, fetch=_fetch(by_path))
         else:
             report = run_build(raw_dir, local, here, quiet, LocalEngine(Path(raw_dir), quiet), fetch=_fetch(by_path))
-        published = [publish(t, seen[t.local], options.wait) for t in targets]
+        published = [publish(t, seen[t.local], options.wait, quiet) for t in targets]
     report.out = url
     return report, published
 
@@ -371,4 +370,4 @@ def publish_compact(
         if missing:
             _fetch({t.local: t})(t.local, missing)
         old, new = compact_local(t.local, quiet)
-        return old, new, publish(t, seen, wait)
+        return old, new, publish(t, seen, wait, quiet)
