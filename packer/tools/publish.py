@@ -43,7 +43,7 @@ from ..builder.paths import build_lock
 from ..builder.pipeline import LocalEngine, run_build
 from ..builder.split import TRAIN, split_path
 from ..builder.staging import BuildReport, write_json_atomic
-from ..errors import DatasetError, PreconditionFailed, URLNotSupported
+from ..errors import DatasetError, PreconditionFailed, URLNotSupported, say
 from ..format import INDEX, LABELS, MANIFEST, REPORT, SOURCES, TARGETS, Manifest
 from ..read.remote import Remote, default_cache_dir
 from ..store import ObjectNotFound, Store, open_store
@@ -257,6 +257,10 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
+class _Overtaken(BuildError):
+    """Another writer published while this build ran: its version is not the one this build refreshed."""
+
+
 def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Published:
     """Upload the local copy's version to ``t.url`` and make it current, under the store's lease;
     ``seen``: the pointer the build started from (another writer's since: BuildError)."""
@@ -271,7 +275,7 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Pu
     with Lease(t.store, wait=wait, quiet=quiet) as lease:
         current = _pointer(t.store)
         if (current.etag if current else None) != (seen.etag if seen else None):
-            raise BuildError(
+            raise _Overtaken(
                 f"{t.url} was published by another writer while this build ran (now version "
                 f"{current.version if current else 'none'}); {t.local} is kept: run the build again"
             )
@@ -301,7 +305,7 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Pu
         try:
             t.store.put(MANIFEST, text, if_match=seen.etag if seen else "", if_none_match=seen is None)
         except PreconditionFailed:
-            raise BuildError(
+            raise _Overtaken(
                 f"{t.url} was published by another writer meanwhile; {t.local} is kept: run the build again"
             ) from None
         done.uploaded += 1
@@ -339,18 +343,26 @@ def publish_build(
     options = (options or BuildOptions()).but(**changes)
     local, targets = _targets(url, options, staging)
     by_path = {t.local: t for t in targets}
+    # the local copy is refreshed, not rebuilt, unless --force: a staged copy that a publish did not
+    # finish, or the store's version, is reused (what a rebuild would write, decoded only where changed)
+    here = options if options.force else options.but(update=True)
     with build_lock(local.with_name(local.name + ".publish"), options.wait, quiet):
-        seen = {t.local: _prepare(t, options) for t in targets}
-        # the local copy is refreshed, not rebuilt, unless --force: a staged copy that a publish did not
-        # finish, or the store's version, is reused (what a rebuild would write, decoded only where changed)
-        here = options if options.force else options.but(update=True)
-        if dask_address is not None:
-            from ..builder.dask import build_dask
+        while True:
+            seen = {t.local: _prepare(t, options) for t in targets}
+            if dask_address is not None:
+                from ..builder.dask import build_dask
 
-            report = build_dask(raw_dir, local, here, address=dask_address, quiet=quiet, fetch=_fetch(by_path))
-        else:
-            report = run_build(raw_dir, local, here, quiet, LocalEngine(Path(raw_dir), quiet), fetch=_fetch(by_path))
-        published = [publish(t, seen[t.local], options.wait, quiet) for t in targets]
+                report = build_dask(raw_dir, local, here, address=dask_address, quiet=quiet, fetch=_fetch(by_path))
+            else:
+                engine = LocalEngine(Path(raw_dir), quiet)
+                report = run_build(raw_dir, local, here, quiet, engine, fetch=_fetch(by_path))
+            try:
+                published = [publish(t, seen[t.local], options.wait, quiet) for t in targets]
+                break
+            except _Overtaken as e:
+                if not options.wait:
+                    raise
+                say(f"{e}; --wait: refreshing that version instead", quiet)
     report.out = url
     return report, published
 

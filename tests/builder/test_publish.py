@@ -9,6 +9,7 @@ and which files a version holds: a version seen part old and part new would show
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,7 +269,9 @@ def test_readers_see_whole_versions_through_refreshes(
 
 def test_two_publishers_one_wins(raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
     """Two publishes of the same URL at once, from two machines (staging folders): one commits, the
-    other fails cleanly; the store holds the winner's version, whole."""
+    other fails cleanly; the store holds the winner's version, whole. Then two refreshes at once, the
+    second with --wait: it waits for the lease, or fails over to the version the first committed and
+    refreshes that, so it always ends current."""
     url = _url(s3_server, "race")
     other = tmp_path / "other"
     write(other, 0, 90)
@@ -281,7 +284,21 @@ def test_two_publishers_one_wins(raw: Path, s3_server: S3Server, proxy: Proxy, t
     messages = (a.stderr.read() if a.stderr else "") + (b.stderr.read() if b.stderr else "")
     assert codes == [0, 1], messages
     assert "being built by" in messages or "another writer" in messages, messages
-    assert sorted(numbers(url, tmp_path / "reader")) in (list(range(10)), [90, 91, 92])
+    first = sorted(numbers(url, tmp_path / "r1"))
+    assert first in (list(range(10)), [90, 91, 92])
+
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    shutil.copytree(other if first == [90, 91, 92] else raw, mine)
+    shutil.copytree(mine, theirs)
+    write(mine, 0, 93)
+    write(theirs, 1, 94)
+    proxy.clear()
+    proxy.faults.append(Faults(match="shard-", method="PUT", fail=2))
+    a = _cli(theirs, url, "--update", "--staging", str(tmp_path / "a"), env=_env(proxy))
+    b = _cli(mine, url, "--update", "--wait", "--staging", str(tmp_path / "c"), env=_env(proxy))
+    assert b.wait(timeout=120) == 0, b.stderr.read() if b.stderr else ""
+    a.wait(timeout=120)
+    assert sorted(numbers(url, tmp_path / "r2")) == [*first, 93]
 
 
 def test_compact_url_publishes_a_new_layout(raw: Path, s3_server: S3Server, tmp_path: Path) -> None:
@@ -345,3 +362,20 @@ def test_split_and_synced_copy(raw: Path, s3_server: S3Server, proxy: Proxy, tmp
     reused = {n for n, e in files.items() if e.key == n}
     assert len(reused) == len(files) - 1 and reused  # the synced shards, where they lie
     assert sorted(numbers(synced, tmp_path / "s")) == [*range(10), 44]
+
+
+def test_dask_publishes_the_same_way(raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """``--dask`` to a URL: staged on the cluster, published as a local build is; its --update from
+    the store alone uploads only the new segment."""
+    pytest.importorskip("distributed", reason="Dask distributed is not installed (pip install 'packer[dask]')")
+    url = _url(s3_server, "dask")
+    _publish(raw, url, dask_address="local", staging=tmp_path / "a")
+    assert numbers(url, tmp_path / "r1") == list(range(10))
+    write(raw, 1, 45)
+    proxy.clear()
+    report, (done,) = _publish(raw, url, update=True, dask_address="local", staging=tmp_path / "b")
+    assert report.processed == 1 and report.reused == 10
+    files = read_files(open_store(url), done.version)
+    assert files is not None
+    assert len([key for key in puts(proxy) if key.rsplit("/", 1)[-1] in files]) == 1
+    assert sorted(numbers(url, tmp_path / "r2")) == [*range(10), 45]
