@@ -429,6 +429,67 @@ def clean(out: Path) -> None:
     )
 
 
+def _age(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    from .tools.gc import parse_age
+
+    try:
+        return parse_age(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@main.command()
+@click.argument("url", type=_PathOrURL(path_type=Path))
+@click.option(
+    "--keep-versions",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Versions kept by count, the current one included.",
+)
+@click.option(
+    "--keep-age",
+    "keep_age_s",
+    metavar="AGE",
+    callback=_age,
+    default="3d",
+    show_default=True,
+    help="Also keep every version younger than this (3d, 12h, 30m, 90s): readers that opened it keep reading.",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be deleted, and its bytes; delete nothing.")
+@click.option("--wait", is_flag=True, help="Wait for a build of URL that holds its lease, instead of failing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@functools.partial(_friendly, interrupted="some old objects may be gone, never a kept version's (run gc again)")
+def gc(url: str, keep_versions: int, keep_age_s: float, dry_run: bool, wait: bool, as_json: bool) -> None:
+    """Delete the objects of URL's old versions that no kept version uses (a published dataset).
+
+    Kept: the current version, the --keep-versions newest, every version younger than --keep-age,
+    and every file one of them uses (a refresh reuses its predecessors' data files). Also deletes the
+    objects of publishes that failed, once older than --keep-age. Holds URL's lease, as a build does.
+    See docs/OBJECT-STORAGE.md.
+    """
+    from .tools.gc import collect
+
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    report = collect(str(url), keep_versions=keep_versions, keep_age_s=keep_age_s, dry_run=dry_run, wait=wait)
+    if as_json:
+        facts = {
+            "url": report.url,
+            "current": report.current,
+            "kept": report.kept,
+            "dropped": report.dropped,
+            "deleted": [{"key": o.key, "size": o.size} for o in report.deleted],
+            "bytes": report.bytes,
+            "dry_run": report.dry_run,
+        }
+        click.echo(json_text(facts, indent=1))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for o in report.deleted:
+        click.echo(f"packer: {verb} {report.url}/{o.key} ({o.size:,} bytes)", err=True)
+    click.echo(f"packer: {report.summary()}", err=True)
+
+
 @main.command()
 @click.argument("out", type=DATASET)
 @click.option(

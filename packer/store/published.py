@@ -36,9 +36,11 @@ __all__ = [
     "VERSIONS",
     "FileEntry",
     "Lease",
+    "VersionFiles",
     "files_json",
     "parse_files",
     "read_files",
+    "read_version",
     "version_id",
     "version_key",
 ]
@@ -77,22 +79,43 @@ def version_key(version: str, name: str) -> str:
     return f"{VERSIONS}/{version}/{name}"
 
 
-def files_json(entries: Mapping[str, FileEntry]) -> bytes:
-    """The bytes of a version's ``files.json`` (sorted, so one set of entries has one form)."""
+@dataclass(frozen=True)
+class VersionFiles:
+    """A version's ``files.json``: its data files, and the version it was published over
+    (``parent``: "" for a first publish, None where the file does not say), which orders the
+    versions for gc without comparing clocks."""
+
+    files: dict[str, FileEntry]
+    parent: Optional[str]
+
+
+def files_json(entries: Mapping[str, FileEntry], *, parent: Optional[str] = None) -> bytes:
+    """The bytes of a version's ``files.json`` (sorted, so one set of entries has one form);
+    ``parent``: the current version this one is published over ("" for none)."""
     files = {
         name: {"key": e.key, "size": e.size, **({"sha256": e.sha256} if e.sha256 else {})}
         for name, e in sorted(entries.items())
     }
-    return json.dumps({"format": FILES_FORMAT, "files": files}, indent=1, sort_keys=True).encode("utf-8")
+    doc: dict[str, Any] = {"format": FILES_FORMAT, "files": files}
+    if parent is not None:
+        doc["parent"] = parent
+    return json.dumps(doc, indent=1, sort_keys=True).encode("utf-8")
 
 
 def parse_files(data: bytes, *, where: str) -> dict[str, FileEntry]:
     """``files.json``'s entries; DatasetError (naming ``where``) for one packer did not write: a key
     outside U (absolute, or with ``..``) would point a reader anywhere in the bucket."""
+    return _parse(data, where).files
+
+
+def _parse(data: bytes, where: str) -> VersionFiles:
     try:
         doc = json.loads(data)
         if doc.get("format") != FILES_FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, this packer reads {FILES_FORMAT}")
+        parent = doc.get("parent")
+        if parent is not None and not (isinstance(parent, str) and (parent == "" or _ID.fullmatch(parent))):
+            raise ValueError(f"parent {parent!r}")
         found: dict[str, FileEntry] = {}
         for name, e in doc["files"].items():
             key, size, sha = e["key"], e["size"], e.get("sha256", "")
@@ -105,12 +128,18 @@ def parse_files(data: bytes, *, where: str) -> dict[str, FileEntry]:
             found[name] = FileEntry(key, size, sha)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DatasetError(f"{where}: not a files.json packer wrote ({e})") from None
-    return found
+    return VersionFiles(found, parent)
 
 
 def read_files(store: Store, version: str) -> Optional[dict[str, FileEntry]]:
     """Version ``version``'s data files as its ``files.json`` lists them; None where it has none (a
     dataset copied as it is, whose data files sit at U/NAME)."""
+    found = read_version(store, version)
+    return found.files if found is not None else None
+
+
+def read_version(store: Store, version: str) -> Optional[VersionFiles]:
+    """Version ``version``'s ``files.json``; None where it has none."""
     if not _ID.fullmatch(version):
         raise DatasetError(f"{store.url}: {version!r} is not a version id")
     key = version_key(version, FILES)
@@ -118,7 +147,7 @@ def read_files(store: Store, version: str) -> Optional[dict[str, FileEntry]]:
         data = store.get(key)
     except ObjectNotFound:
         return None
-    return parse_files(data, where=store.name(key))
+    return _parse(data, store.name(key))
 
 
 def _utc(t: float) -> str:
