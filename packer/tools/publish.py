@@ -300,7 +300,8 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Pu
         for name in METADATA:
             if (t.local / name).is_file():
                 _upload(t.store, version_key(version, name), t.local / name, done)
-        _upload(t.store, version_key(version, FILES), files_json(entries), done)
+        parent = seen.version if seen is not None else ""  # the chain gc orders versions by
+        _upload(t.store, version_key(version, FILES), files_json(entries, parent=parent), done)
         lease.check()  # still ours (a renewal refused: another writer took it over)
         try:
             t.store.put(MANIFEST, text, if_match=seen.etag if seen else "", if_none_match=seen is None)
