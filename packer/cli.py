@@ -122,6 +122,11 @@ def main(debug: bool) -> None:
             stream.reconfigure(errors="packer-escape")
 
 
+_STAGING_HELP = (
+    "With a URL OUT: where the dataset is staged before it is uploaded, and kept for the next "
+    "--update (default: publish/ in the cache directory, $PACKER_CACHE_DIR or ~/.cache/packer)."
+)
+
 #: OUT of the commands that read a dataset (info, verify, preview, show, bench): a local path, or a URL
 #: (``s3://...``, ``https://...``) read through the node cache (packer.read.remote).
 DATASET = _PathOrURL(path_type=Path)
@@ -188,8 +193,9 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
     "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.",
 )
+@click.option("--staging", "staging", metavar="DIR", default=None, help=_STAGING_HELP)
 @functools.partial(_friendly, interrupted=BUILD_INTERRUPTED)
-def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fields: Any) -> None:
+def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | None, quiet: bool, **fields: Any) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
 
@@ -199,12 +205,29 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fie
     not change that: see OUT/report.jsonl, or use --on-error fail; unless every file was skipped:
     see --allow-empty), 1 on an error, 130/143 when interrupted (Ctrl-C/SIGTERM; OUT untouched,
     continue with --resume).
+
+    OUT may be an s3:// URL: the dataset is staged on this machine (see --staging), then published,
+    the store's current version replaced last, in one step; interrupted or failed, the store keeps its
+    previous version and the same command finishes the job (README, "Publishing to object storage").
     """
     from .builder.labels import Labelling
 
     labelling = Labelling(**{f.name: fields.pop(f.name) for f in labelling_fields()})
     options = BuildOptions(labelling=labelling, **fields)
     signal.signal(signal.SIGTERM, _raise_terminated)
+    if is_url(out):
+        from .tools.publish import publish_build
+
+        report, published = publish_build(
+            raw_dir, str(out), options, quiet=quiet, staging=staging, dask_address=dask_address
+        )
+        if not report.up_to_date or all(done.up_to_date for done in published):
+            click.echo(report.summary(), err=True)  # (up to date, published: the copy an interrupted publish left)
+        for done in published:
+            click.echo(done.summary(), err=True)
+        return
+    if staging is not None:
+        raise click.UsageError("--staging is for an OUT in object storage (a URL); a local OUT is staged beside it")
     if dask_address is not None:
         from .builder.dask import build_dask
 
@@ -384,10 +407,11 @@ def verify(out: Path, limit: int, all_versions: bool) -> None:
 
 @main.command()
 @click.argument("out", type=_PathOrURL(path_type=Path))
+@click.option("--staging", "staging", metavar="DIR", default=None, help=_STAGING_HELP)
 @functools.partial(
     _friendly, interrupted="the dataset is whole, compacted or as it was (run the same packer compact again)"
 )
-def compact(out: Path) -> None:
+def compact(out: Path, staging: str | None) -> None:
     """Rewrite OUT into one segment, dropping the records that refreshes replaced or deleted.
 
     `build --update` keeps the old records where they are and adds the new ones in a segment of their
@@ -395,10 +419,19 @@ def compact(out: Path) -> None:
     segments (docs/FORMAT.md, "Segments"). Records are copied as they are (each checked against its
     CRC-32) and the digest stays the same. Readers of the old version keep reading it. Interrupted
     (Ctrl-C, SIGTERM, kill -9), OUT stays whole; `packer compact` or `packer clean` then takes what is left.
+    OUT may be an s3:// URL: its data files are fetched through the read cache, compacted here, and
+    published as a new version (the old one's objects stay for its readers).
     """
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    if is_url(out):
+        from .tools.publish import publish_compact
+
+        click.echo(publish_compact(str(out), staging=staging)[2].summary(), err=True)
+        return
+    if staging is not None:
+        raise click.UsageError("--staging is for an OUT in object storage (a URL)")
     from .tools.compact import compact as run_compact
 
-    signal.signal(signal.SIGTERM, _raise_terminated)
     run_compact(out)
 
 
