@@ -187,6 +187,8 @@ STEPS = {
     "files-json-killed": ("kill", FILES, Faults(match=FILES, method="PUT", fail=10**6)),
     # everything sent but the pointer
     "pointer-failed": ("fail", "POINTER", Faults(match="POINTER", method="PUT", fail=10**6)),
+    # killed at files.json, then the staging folder deleted: the rerun starts from the store's version
+    "staging-deleted": ("kill", FILES, Faults(match=FILES, method="PUT", fail=10**6)),
 }
 
 
@@ -195,7 +197,9 @@ def test_interrupted_publish_keeps_the_old_version(
     raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, step: str
 ) -> None:
     """Killed or failed at each upload step: a reader opens the old version, whole; the same command
-    run again finishes, uploading only what the interrupted one had not."""
+    run again finishes, uploading only what the interrupted one had not (also with its staging folder
+    deleted: it starts again from the store's version, rebuilds the same bytes, and finds the objects
+    the interrupted run left)."""
     url = _url(s3_server, f"interrupted-{step}")
     prefix = f"/{s3_server.bucket}/publish/interrupted-{step}"
     _publish(raw, url)
@@ -210,6 +214,8 @@ def test_interrupted_publish_keeps_the_old_version(
     else:
         assert proc.wait(timeout=120) == 1
         assert proc.stderr is not None and "error" in proc.stderr.read()
+    if step == "staging-deleted":
+        shutil.rmtree(tmp_path / "cache" / "publish")
     store = open_store(url)
     if how == "kill":  # its lease outlives it by the lease's ttl (test_lease.py tests the takeover): skipped here
         store.delete(LEASE)
