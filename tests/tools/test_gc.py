@@ -18,8 +18,8 @@ from packer.errors import BuildError
 from packer.format import INDEX, MANIFEST, SOURCES, Manifest
 from packer.store import open_store
 from packer.store.base import Store
-from packer.store.published import LEASE, Lease, files_json, read_files, read_version, version_key
-from packer.tools.gc import collect, gc, parse_age
+from packer.store.published import LEASE, POINTER, Lease, files_json, read_files, read_version, version_key
+from packer.tools.gc import KEEP_AGE_S, KEEP_VERSIONS, collect, gc, parse_age
 
 from ..store.seaweed import S3Server
 from .conftest import Versions
@@ -140,6 +140,22 @@ def test_gc_command(versions: Versions) -> None:
     assert LEASE not in {o.key for o in open_store(versions.url).list()}
     with pytest.raises(BuildError, match="a local dataset keeps no old versions"):
         collect("/tmp/some/train.lmdb")
+
+
+def test_without_a_pointer_every_whole_version_stays(versions: Versions) -> None:
+    """No pointer (deleted by hand, or a first publish that died before it): no history to keep by,
+    so only unfinished folders go."""
+    store = open_store(versions.url)
+    store.put(version_key(ABANDONED, INDEX), b"half a publish")
+    store.delete(POINTER)
+    report = gc(store, keep_versions=1, keep_age_s=0)
+    assert [o.key for o in report.deleted] == [version_key(ABANDONED, INDEX)]
+    assert sorted(report.kept) == sorted(versions.ids)
+
+
+def test_command_defaults_are_the_api_defaults() -> None:
+    defaults = {p.name: p.default for p in main.commands["gc"].params}
+    assert defaults["keep_versions"] == KEEP_VERSIONS and parse_age(str(defaults["keep_age_s"])) == KEEP_AGE_S
 
 
 def test_parse_age() -> None:
