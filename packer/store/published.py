@@ -308,8 +308,9 @@ class Lease:
 
     def _probe(self) -> None:
         """Refuse a store that ignores If-None-Match (it would let a second writer in) unless unguarded."""
-        try:
-            self.store.put(LEASE, self._body(), if_none_match=True)  # the same bytes: harmless if accepted
+        probe = json.dumps(json.loads(self._body()) | {"probe": True}).encode("utf-8")  # still our lease
+        try:  # other bytes than the lease's, so that a retry's read-back (Store.put) cannot take them for ours
+            self.etag = self.store.put(LEASE, probe, if_none_match=True).etag
         except PreconditionFailed:
             return
         if self.unguarded:
