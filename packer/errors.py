@@ -81,12 +81,12 @@ def local_path(path: str | os.PathLike) -> Path:
     path ``s3:/b/x``: a build would write a folder named ``s3:`` in the working directory. Every entry
     point that does not read a URL passes its paths through here (build's raw folder and OUT, clean,
     compact); verify, ShardDataset and the commands that read a dataset take URLs
-    (packer.read.remote)."""
+    (packer.read.remote), and the CLI's build and compact publish to them (packer.tools.publish)."""
     text = os.fsdecode(path)
     if is_url(text):
         raise URLNotSupported(
-            f"{text}: URLs are not supported yet here (packer reads datasets from object storage, but builds, "
-            "compacts and cleans local paths only); give a local path"
+            f"{text}: URLs are not supported yet here; give a local path (packer reads datasets from object "
+            "storage, and `packer build RAW s3://...` and `packer compact s3://...` publish to it)"
         )
     return Path(text)
 

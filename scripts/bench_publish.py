@@ -52,7 +52,7 @@ def touch(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=20_000)
-    parser.add_argument("--size", type=int, nargs=2, default=(96, 72), metavar=("W", "H"))
+    parser.add_argument("--size", type=int, nargs=2, default=(320, 240), metavar=("W", "H"))
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, seaweed(Path(tmp)) as server:
@@ -62,7 +62,7 @@ def main() -> None:
         proxy, proxy_server = start(server.endpoint)
         env = dict(os.environ, PYTHONPATH=str(ROOT), PACKER_CACHE_DIR=str(work / "cache")) | server.env(proxy.url)
         url = f"s3://{server.bucket}/bench/train"
-        common = ["--quiet", "--short-edge", "64"]
+        common = ["--quiet"]
         first_local = packer("build", str(raw), str(local), *common, env=env)
         first_publish = packer("build", str(raw), url, *common, env=env)
         os.environ.update(env)

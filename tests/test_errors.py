@@ -72,15 +72,15 @@ def test_cli_reports_a_packer_error_in_one_line(tmp_path: Path) -> None:
 
 #: Commands that write (or take raw/): local paths only, for now.
 URL_COMMANDS = [
-    ["build", "{raw}", "s3://bucket/x"],
-    ["build", "{raw}", "file:///tmp/x.lmdb"],
     ["build", "s3://bucket/raw", "out.lmdb"],
-    ["build", "--dask", "local", "{raw}", "gs://bucket/x"],
-    ["compact", "s3://bucket/x"],
-    ["clean", "s3://bucket/x"],
 ]
-#: Commands that read a dataset take URLs (tests/store reads real ones); a scheme no store serves is one line.
+#: Commands that read a dataset take URLs (tests/store reads real ones), and build, compact and clean
+#: write to them (tests/builder/test_publish.py, tests/tools); a scheme no store serves is one line.
 READ_COMMANDS = [
+    ["build", "{raw}", "file:///tmp/x.lmdb"],
+    ["build", "--dask", "local", "{raw}", "gs://bucket/x"],
+    ["compact", "az://container/x"],
+    ["clean", "gs://bucket/x"],
     ["info", "gs://bucket/x"],
     ["info", "--json", "gs://bucket/x"],
     ["verify", "az://container/x"],

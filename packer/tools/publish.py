@@ -81,7 +81,7 @@ class Published:
 @dataclass
 class _Target:
     """One dataset at ``url`` and its local copy ``local`` (a --split build has one per split), with
-    ``record``: what this machine last published there (``published.json`` beside the copy)."""
+    ``record``: what this machine last published there (a ``published*.json`` in the staging folder)."""
 
     url: str
     local: Path
@@ -89,10 +89,10 @@ class _Target:
     store: Store = field(init=False)
 
     def __post_init__(self) -> None:
-        self.store = writable_store(self.url)
+        self.store = _writable_store(self.url)
 
 
-def writable_store(url: str) -> Store:
+def _writable_store(url: str) -> Store:
     """The store at ``url``, refused in one line where it is read-only (https://)."""
     store = open_store(url)
     if not store.writable:
@@ -102,7 +102,7 @@ def writable_store(url: str) -> Store:
     return store
 
 
-def work_folder(url: str, staging: Optional[str | os.PathLike]) -> Path:
+def _work_folder(url: str, staging: Optional[str | os.PathLike]) -> Path:
     """Where the dataset at ``url`` is staged: ``staging`` or the cache directory's ``publish/``, in a
     folder named after the URL (as the read cache names its own)."""
     root = Path(staging) if staging is not None else default_cache_dir() / "publish"
@@ -111,7 +111,7 @@ def work_folder(url: str, staging: Optional[str | os.PathLike]) -> Path:
 
 @dataclass(frozen=True)
 class _Pointer:
-    """The store's current version: its manifest bytes and the pointer's ETag (None: no dataset)."""
+    """The store's current version: its manifest bytes (the pointer's) and the pointer's ETag."""
 
     text: bytes
     etag: str
@@ -122,6 +122,7 @@ class _Pointer:
 
 
 def _pointer(store: Store) -> Optional[_Pointer]:
+    """The pointer as it is now (None: no dataset there yet); its GET pinned to the ETag its HEAD saw."""
     try:
         info = store.head(MANIFEST)
         return _Pointer(store.get(MANIFEST, 0, info.size, etag=info.etag), info.etag)
@@ -257,13 +258,15 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
-class _Overtaken(BuildError):
+def _overtaken(t: _Target) -> BuildError:
     """Another writer published while this build ran: its version is not the one this build refreshed."""
+    return BuildError(f"{t.url} was published by another writer while this build ran; {t.local} is kept: run it again")
 
 
-def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Published:
+def _publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Optional[Published]:
     """Upload the local copy's version to ``t.url`` and make it current, under the store's lease;
-    ``seen``: the pointer the build started from (another writer's since: BuildError)."""
+    ``seen``: the pointer the build started from. None, with nothing committed, where another writer
+    published since (:func:`_overtaken`)."""
     text = (t.local / MANIFEST).read_bytes()
     version = version_id(text)
     done = Published(t.url, version)
@@ -275,10 +278,7 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Pu
     with Lease(t.store, wait=wait, quiet=quiet) as lease:
         current = _pointer(t.store)
         if (current.etag if current else None) != (seen.etag if seen else None):
-            raise _Overtaken(
-                f"{t.url} was published by another writer while this build ran (now version "
-                f"{current.version if current else 'none'}); {t.local} is kept: run the build again"
-            )
+            return None
         manifest = Manifest.load(t.local)
         entries: dict[str, FileEntry] = {}
         inodes: dict[str, list[int]] = {}
@@ -306,9 +306,7 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Pu
         try:
             t.store.put(MANIFEST, text, if_match=seen.etag if seen else "", if_none_match=seen is None)
         except PreconditionFailed:
-            raise _Overtaken(
-                f"{t.url} was published by another writer meanwhile; {t.local} is kept: run the build again"
-            ) from None
+            return None
         done.uploaded += 1
         done.uploaded_bytes += len(text)
     _write_record(t, version, entries, inodes)
@@ -318,7 +316,7 @@ def publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Pu
 def _targets(url: str, options: BuildOptions, staging: Optional[str | os.PathLike]) -> tuple[Path, list[_Target]]:
     """The local copy of ``url`` (a --split build: a folder of them) and each dataset to publish."""
     url = url.rstrip("/")
-    work = work_folder(url, staging)
+    work = _work_folder(url, staging)
     last = url.split("://", 1)[-1].rsplit("/", 1)[-1]
     local = work / (re.sub(r"[^A-Za-z0-9._-]+", "_", last).strip(".") or "dataset")
     if not options.split:
@@ -357,13 +355,14 @@ def publish_build(
             else:
                 engine = LocalEngine(Path(raw_dir), quiet)
                 report = run_build(raw_dir, local, here, quiet, engine, fetch=_fetch(by_path))
-            try:
-                published = [publish(t, seen[t.local], options.wait, quiet) for t in targets]
+            done = [(t, _publish(t, seen[t.local], options.wait, quiet)) for t in targets]
+            published = [p for _, p in done if p is not None]
+            late = [t for t, p in done if p is None]
+            if not late:
                 break
-            except _Overtaken as e:
-                if not options.wait:
-                    raise
-                say(f"{e}; --wait: refreshing that version instead", quiet)
+            if not options.wait:
+                raise _overtaken(late[0])
+            say(f"{_overtaken(late[0])}; --wait: refreshing its version instead", quiet)
     report.out = url
     return report, published
 
@@ -383,4 +382,7 @@ def publish_compact(
         if missing:
             _fetch({t.local: t})(t.local, missing)
         old, new = compact_local(t.local, quiet)
-        return old, new, publish(t, seen, wait, quiet)
+        done = _publish(t, seen, wait, quiet)
+        if done is None:
+            raise _overtaken(t)
+        return old, new, done
