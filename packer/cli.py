@@ -255,8 +255,9 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | Non
 
 def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     """The facts `packer info` shows, as a dict (its --json form)."""
-    from .format import Manifest, disk_bytes, load_index, load_label_arrays
+    from .format import MANIFEST, Manifest, disk_bytes, load_index, load_label_arrays
     from .read.remote import local_version
+    from .store.published import version_id
 
     shown, out = out, local_version(str(out)) if is_url(out) else out  # a URL: its manifest and index, cached
     manifest = Manifest.load(out)
@@ -266,6 +267,10 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     record_bytes = int(index["length"].sum()) if len(index) else 0
     return {
         "path": str(shown),
+        # the id the version has (would have) in object storage: its manifest's sha256, 32 hex digits
+        "version": version_id((Path(out) / MANIFEST).read_bytes()),
+        # a published dataset (URL): the versions kept in the store (packer gc); else None
+        "versions": _kept_versions(str(shown)) if shown is not out else None,
         "count": manifest.count,
         "label_kind": manifest.label_kind,
         "classes": manifest.classes,
@@ -299,6 +304,16 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
         "long_edge_histogram": _histogram(np.maximum(index["height"], index["width"])),
         "short_edge_histogram": _histogram(np.minimum(index["height"], index["width"])),
     }
+
+
+def _kept_versions(url: str) -> int | None:
+    """How many published versions the store at ``url`` keeps; None for a copy synced as it is, or
+    a store that cannot be listed (a web server)."""
+    from .store import open_store
+    from .store.published import published_versions
+
+    store = open_store(url)
+    return (len(published_versions(store)) or None) if store.writable else None
 
 
 def _stored_bytes(root: Path, manifest: Any) -> int:
@@ -348,6 +363,10 @@ def info(out: Path, as_json: bool) -> None:
             f"(packer compact rewrites them away)"
         )
     click.echo(f"  digest {facts['digest']}")
+    if facts["versions"] is not None:
+        click.echo(
+            f"  version {facts['version']}; {facts['versions']} versions kept in the store (packer gc drops old ones)"
+        )
     total = facts["count"]
     if facts["label_kind"] != "none":
         multi = facts["label_kind"] == "multi"

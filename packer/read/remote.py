@@ -557,14 +557,8 @@ def _mtime(path: Path) -> int:
         return 0
 
 
-def local_version(url: str, *, fetch_all: bool = False) -> Path:
+def local_version(url: str) -> Path:
     """The cache directory (default cache) of the current version of the dataset at ``url``: its
-    manifest, index and label arrays, and with ``fetch_all`` every data file, each checked against
-    the index on the way in (``packer info``/``verify`` on a URL read this local copy)."""
-    remote = Remote(url)
-    pinned = remote.pin()
-    root = Path(pinned.root)
-    if fetch_all:
-        for name in data_files(pinned.manifest):
-            os.close(remote._open_unit(root, name))
-    return root
+    manifest, index and label arrays (``packer info`` on a URL reads this local copy; ``verify``
+    checks the store itself, packer.tools.verify)."""
+    return Path(Remote(url).pin().root)

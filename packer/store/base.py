@@ -231,8 +231,11 @@ class Store(abc.ABC):
                     return self._retrying(key, lambda: self._upload_part(key, upload, n + 1, data))
 
                 parts = -(-size // step)
-                with ThreadPoolExecutor(min(PART_THREADS, parts), thread_name_prefix="packer-upload") as pool:
+                pool = ThreadPoolExecutor(min(PART_THREADS, parts), thread_name_prefix="packer-upload")
+                try:
                     etags = list(pool.map(one, range(parts)))
+                finally:  # a part that failed for good: the parts not begun are not sent for nothing
+                    pool.shutdown(cancel_futures=True)
                 expected = _multipart_etag(etags)
                 sent = [False]
 
@@ -258,7 +261,10 @@ class Store(abc.ABC):
         it (PreconditionFailed otherwise, where the store checks: S3 and SeaweedFS do)."""
         self._check_writable()
         headers = {"If-Match": if_match} if if_match else {}
-        self._retrying(key, lambda: self._delete(key, headers))
+        try:
+            self._retrying(key, lambda: self._delete(key, headers))
+        except ObjectNotFound:  # S3 answers 204 for an absent key; a store that says 404 means the same
+            pass
 
     def list(self, prefix: str = "") -> Iterator[Listed]:
         """Every object whose key starts with ``prefix``, in key order, a page at a time."""

@@ -53,6 +53,7 @@ LEASE = ".packer-lease"
 FILES_FORMAT = 1
 #: A lease not renewed for this long is its dead holder's, and the next writer takes it over.
 LEASE_TTL_S = 120.0
+DATE_RESOLUTION_S = 1.0  # of Last-Modified and Date
 #: How long ``wait=True`` waits for another writer at most before it gives up.
 WAIT_TIMEOUT_S = 6 * 3600.0
 
@@ -273,7 +274,8 @@ class Lease:
             ttl = float(doc.get("ttl_s", LEASE_TTL_S))
             seen = time.monotonic() - first_seen.setdefault(info.etag, time.monotonic())
             age = info.served - info.modified if info.modified and info.served else seen
-            if max(age, seen) >= ttl and self._take_over(info, doc):
+            # HTTP dates are whole seconds: the age by them may be a second too long
+            if max(age - DATE_RESOLUTION_S, seen) >= ttl and self._take_over(info, doc):
                 return
             holder = str(doc.get("holder", "another writer"))
             since = f" since {utc(float(doc['since']))}" if isinstance(doc.get("since"), (int, float)) else ""
@@ -306,8 +308,9 @@ class Lease:
 
     def _probe(self) -> None:
         """Refuse a store that ignores If-None-Match (it would let a second writer in) unless unguarded."""
-        try:
-            self.store.put(LEASE, self._body(), if_none_match=True)  # the same bytes: harmless if accepted
+        probe = json.dumps(json.loads(self._body()) | {"probe": True}).encode("utf-8")  # still our lease
+        try:  # other bytes than the lease's, so that a retry's read-back (Store.put) cannot take them for ours
+            self.etag = self.store.put(LEASE, probe, if_none_match=True).etag
         except PreconditionFailed:
             return
         if self.unguarded:

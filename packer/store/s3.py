@@ -105,12 +105,20 @@ class S3Store(HttpStore):
         signer.add_auth(request)
         return dict(request.headers.items())
 
-    def _xml(self, method: str, key: str, *, query: dict[str, str], body: Optional[bytes] = None) -> ET.Element:
+    def _xml(
+        self,
+        method: str,
+        key: str,
+        *,
+        query: dict[str, str],
+        headers: Optional[dict[str, str]] = None,
+        body: Optional[bytes] = None,
+    ) -> ET.Element:
         """The parsed XML answer of one request (``key`` "" : the bucket, for listings). A 200 whose body
         is an <Error> (S3 may answer a CompleteMultipartUpload so, after it began) is passing."""
         url = self.object_url(key) if key else f"{self.base}/"
         url += "?" + urlencode(query, quote_via=quote)
-        response = self._send(method, url, key, {}, body)
+        response = self._send(method, url, key, headers or {}, body)
         try:
             text = response.read()
         except urllib3.exceptions.HTTPError as e:
@@ -155,16 +163,7 @@ class S3Store(HttpStore):
         return page, root.findtext("NextContinuationToken", "") if more else ""
 
     def _create_upload(self, key: str, headers: dict[str, str]) -> str:
-        url = f"{self.object_url(key)}?uploads="
-        response = self._send("POST", url, key, headers)
-        try:
-            text = response.read()
-        except urllib3.exceptions.HTTPError as e:
-            raise Passing(f"{type(e).__name__}: {e}") from None
-        finally:
-            response.release_conn()
-        root = ET.fromstring(text)
-        upload = next((e.text for e in root.iter() if e.tag.endswith("UploadId")), None)
+        upload = self._xml("POST", key, query={"uploads": ""}, headers=headers).findtext("UploadId", "")
         if not upload:
             raise Passing("no UploadId in the answer")
         return upload

@@ -108,6 +108,8 @@ def gc(
     read = {v.id: read_version(store, v.id) for v in newest_first if v.complete}
     history = _history(current, newest_first, read)
     kept = set(history[:keep_versions])
+    if not current:  # no pointer (deleted, or never written): no history to go by, so every whole version stays
+        kept |= set(read)
     kept |= {v.id for v in newest_first if now - v.written < keep_age_s}
     needed: set[str] = set()
     for v in newest_first:

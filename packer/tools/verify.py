@@ -174,8 +174,10 @@ def _verify_url(url: str, limit: int, version: str) -> Verification:
         text = store.get(version_key(version, MANIFEST) if version else POINTER)
     except ObjectNotFound:
         raise DatasetError(f"{url}: no {'version ' + version if version else 'dataset'} there") from None
-    version = version or version_id(text)
+    pinned, version = version, version or version_id(text)
     listed = read_files(store, version)  # None: a copy synced as it is, everything at U/NAME
+    if pinned and listed is None:
+        raise DatasetError(f"{url}: version {version} has no files.json (a publish that did not finish)")
     with tempfile.TemporaryDirectory(prefix="packer-verify-") as tmp:
         root = Path(tmp)
         (root / MANIFEST).write_bytes(text)
@@ -191,6 +193,15 @@ def _verify_url(url: str, limit: int, version: str) -> Verification:
         multi, targets = load_label_arrays(root, manifest)
         result = Verification(url if listed is None else f"{url} (version {version})", manifest.count, "", limit=limit)
         checks = _Checks(result, manifest, index, sources, multi, targets)
+        if listed is not None and not pinned:  # the version's own copy of the manifest the pointer holds
+            key = version_key(version, MANIFEST)
+            try:
+                if store.get(key) != text:
+                    result.add(
+                        f"{store.name(key)}: differs from {store.name(POINTER)} (damaged or replaced)", always=True
+                    )
+            except ObjectNotFound:
+                result.add(f"{store.name(key)}: missing", always=True)
         _check_objects(store, root, manifest, index, listed, checks)
         checks.finish()
     return result

@@ -90,7 +90,7 @@ def test_killed_holder_is_taken_over_after_expiry(s3_server: S3Server, tmp_path:
         took = time.monotonic() - killed
         assert store.get(LEASE).decode().count(lease.token) == 1
         lease.check()
-    assert took < TTL + 2.5, took  # its last renewal was at most TTL/3 before the kill; dates are to 1 s
+    assert took < TTL + 3, took  # its last renewal was at most TTL/3 before the kill; dates are whole seconds
     assert list(store.list()) == []
 
 

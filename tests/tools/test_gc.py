@@ -8,18 +8,22 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
+from packer import ShardDataset
 from packer.backends import data_files
 from packer.cli import main
 from packer.errors import BuildError
 from packer.format import INDEX, MANIFEST, SOURCES, Manifest
 from packer.store import open_store
 from packer.store.base import Store
-from packer.store.published import LEASE, Lease, files_json, read_files, read_version, version_key
-from packer.tools.gc import collect, gc, parse_age
+from packer.store.published import LEASE, POINTER, Lease, files_json, read_files, read_version, version_key
+from packer.tools.gc import KEEP_AGE_S, KEEP_VERSIONS, collect, gc, parse_age
 
+from ..store.seaweed import S3Server
 from .conftest import Versions
+from .published import publish
 
 ABANDONED = "f" * 32  # a publish that died before its files.json
 
@@ -60,6 +64,25 @@ def test_gc_keeps_what_kept_versions_need(versions: Versions) -> None:
     assert gc(store, keep_versions=2, keep_age_s=0).deleted == []  # nothing more to do
 
 
+def test_reader_pinned_to_a_kept_version_reads_it_all_after_gc(
+    three_builds: list[Path], s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A ShardDataset opened on the second version reads every record (as the local copy has them)
+    after the third was published and gc dropped the first, whose shards the second still uses."""
+    store = open_store(url := f"s3://{s3_server.bucket}/tools/pinned-{tmp_path.name}")
+    publish(store, three_builds[0])
+    publish(store, three_builds[1])
+    reader = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+    local = ShardDataset(three_builds[1], crop_size=None, dtype=torch.uint8)
+    assert torch.equal(reader[0][0], local[0][0])  # opened: pinned to the second version
+    publish(store, three_builds[2])
+    assert len(gc(store, keep_versions=2, keep_age_s=0).deleted) > 0
+    assert len(reader) == len(local) == 19
+    for i in range(len(local)):
+        got, want = reader[i], local[i]
+        assert torch.equal(got[0], want[0]) and got[1] == want[1], i
+
+
 def test_gc_keeps_young_versions_and_publishes(versions: Versions) -> None:
     """Within the age every version stays, an unfinished publish too; the count alone keeps one."""
     store = open_store(versions.url)
@@ -81,6 +104,18 @@ def test_gc_counts_only_versions_the_pointer_named(versions: Versions) -> None:
     report = gc(store, keep_versions=3, keep_age_s=0)
     assert (report.kept, report.dropped) == (versions.ids[::-1], [uncommitted])
     assert read_version(store, versions.ids[1]).parent == versions.ids[0]  # type: ignore[union-attr]
+
+
+def test_info_shows_the_version_and_how_many_are_kept(versions: Versions, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "cache"))
+    runner = CliRunner()
+    facts = json.loads(runner.invoke(main, ["info", "--json", versions.url]).output)
+    assert (facts["version"], facts["versions"], facts["count"]) == (versions.ids[2], 3, 19)
+    gc(open_store(versions.url), keep_versions=2, keep_age_s=0)
+    shown = runner.invoke(main, ["info", versions.url])
+    assert shown.exit_code == 0 and f"  version {versions.ids[2]}; 2 versions kept in the store" in shown.output
+    local = json.loads(runner.invoke(main, ["info", "--json", str(versions.local[2])]).output)
+    assert (local["version"], local["versions"]) == (versions.ids[2], None)
 
 
 def test_gc_command(versions: Versions) -> None:
@@ -105,6 +140,22 @@ def test_gc_command(versions: Versions) -> None:
     assert LEASE not in {o.key for o in open_store(versions.url).list()}
     with pytest.raises(BuildError, match="a local dataset keeps no old versions"):
         collect("/tmp/some/train.lmdb")
+
+
+def test_without_a_pointer_every_whole_version_stays(versions: Versions) -> None:
+    """No pointer (deleted by hand, or a first publish that died before it): no history to keep by,
+    so only unfinished folders go."""
+    store = open_store(versions.url)
+    store.put(version_key(ABANDONED, INDEX), b"half a publish")
+    store.delete(POINTER)
+    report = gc(store, keep_versions=1, keep_age_s=0)
+    assert [o.key for o in report.deleted] == [version_key(ABANDONED, INDEX)]
+    assert sorted(report.kept) == sorted(versions.ids)
+
+
+def test_command_defaults_are_the_api_defaults() -> None:
+    defaults = {p.name: p.default for p in main.commands["gc"].params}
+    assert defaults["keep_versions"] == KEEP_VERSIONS and parse_age(str(defaults["keep_age_s"])) == KEEP_AGE_S
 
 
 def test_parse_age() -> None:

@@ -10,9 +10,10 @@ import pytest
 from click.testing import CliRunner
 
 from packer.cli import main
+from packer.errors import DatasetError
 from packer.format import Manifest
 from packer.store import open_store
-from packer.store.published import read_files
+from packer.store.published import read_files, version_key
 from packer.tools.verify import verify
 
 from ..store.proxy import Faults, Proxy
@@ -29,6 +30,13 @@ def test_published_versions_verify(versions: Versions, tmp_path: Path, monkeypat
     assert (current.count, current.digest) == (19, verify(versions.local[2]).digest)
     old = verify(versions.url, version=versions.ids[0])
     assert old.ok and old.count == 18 and old.digest == verify(versions.local[0]).digest
+    open_store(versions.url).put(
+        version_key("a" * 32, "manifest.json"), (versions.local[0] / "manifest.json").read_bytes()
+    )
+    with pytest.raises(DatasetError, match=f"version {'a' * 32} has no files.json"):
+        verify(versions.url, version="a" * 32)
+    with pytest.raises(DatasetError, match=f"no version {'b' * 32} there"):
+        verify(versions.url, version="b" * 32)
     out = CliRunner().invoke(main, ["verify", "--all-versions", versions.url])
     assert out.exit_code == 0, out.output
     assert sorted(line.split("version ")[1][:32] for line in out.output.splitlines()) == sorted(versions.ids)
@@ -57,6 +65,7 @@ def test_every_damaged_object_named(versions: Versions) -> None:
     store.put(a.key, bytes(data))
     store.put(b.key, store.get(b.key)[: b.size - 100])
     store.delete(c.key)
+    store.put(version_key(versions.ids[2], "manifest.json"), b"{}")
     held = {str(sh["file"]): int(sh["count"]) for sh in Manifest.load(versions.local[2]).shards}[deleted]
     result = verify(versions.url, limit=1)
     assert not result.ok and result.bad_records == 1 + 1 + held
@@ -64,6 +73,7 @@ def test_every_damaged_object_named(versions: Versions) -> None:
     assert f"{store.name(a.key)}: sha256 differs from files.json's" in problems
     assert f"{store.name(b.key)}: {b.size - 100} bytes, files.json says {b.size} (truncated or replaced)" in problems
     assert f"{store.name(c.key)}: missing ({deleted}, {held} records)" in problems
+    assert f"versions/{versions.ids[2]}/manifest.json: differs from {store.name('manifest.json')}" in problems
     out = CliRunner().invoke(main, ["verify", versions.url, "--limit", "1"])
     assert out.exit_code == 1 and "FAILED verification" in out.output
     assert all(store.name(e.key) in out.output for e in (a, b, c))
