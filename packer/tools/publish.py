@@ -41,6 +41,7 @@ from ..backends import data_files
 from ..builder.options import SHARD_SIZE, BuildError, BuildOptions
 from ..builder.paths import build_lock
 from ..builder.pipeline import LocalEngine, run_build
+from ..builder.segments import Fetch
 from ..builder.split import TRAIN, split_path
 from ..builder.staging import BuildReport, write_json_atomic
 from ..errors import DatasetError, PreconditionFailed, URLNotSupported, say
@@ -186,7 +187,7 @@ def _write_record(t: _Target, version: str, entries: dict[str, FileEntry], inode
     write_json_atomic(t.record, {"url": t.url, "version": version, "files": files})
 
 
-def _fetch(targets: dict[Path, _Target]) -> Any:
+def _fetch(targets: dict[Path, _Target]) -> Fetch:
     """The build's ``fetch``: old data files of a target's local copy brought in from the store,
     through the read cache (checked against the index on the way), for the records a rewrite copies."""
 
@@ -213,6 +214,10 @@ def _prepare(t: _Target, options: BuildOptions) -> Optional[_Pointer]:
     if current is None:
         if record is not None:  # the store's dataset was deleted: everything is uploaded again
             t.record.unlink()
+            if (t.local / MANIFEST).is_file() and any(
+                not os.path.lexists(t.local / name) for name in data_files(Manifest.load(t.local))
+            ):
+                shutil.rmtree(t.local)  # it named data files that were only in the store
         return None
     if not (options.force or options.update or options.resume):
         raise BuildError(f"{t.url} already exists (use --force to replace it, or --update to refresh it)")
@@ -226,14 +231,14 @@ def _prepare(t: _Target, options: BuildOptions) -> Optional[_Pointer]:
     return current
 
 
-def _upload(store: Store, key: str, source: Path | bytes, done: Published, sha256: str = "") -> str:
+def _upload(store: Store, key: str, source: Path | bytes, done: Published) -> str:
     """``source`` (a file, or bytes) as object ``key`` unless the store holds it already: same size
     and ``sha256`` metadata (never the name alone: a rerun finds a half-sent object, or another
-    version's); its sha256 (computed unless given)."""
+    version's); its sha256."""
     if isinstance(source, bytes):
         size, sha256 = len(source), hashlib.sha256(source).hexdigest()
     else:
-        size, sha256 = os.path.getsize(source), sha256 or _sha256(source)
+        size, sha256 = os.path.getsize(source), _sha256(source)
     with contextlib.suppress(ObjectNotFound):
         info = store.head(key)
         if info.size == size and info.metadata.get("sha256") == sha256:

@@ -397,3 +397,18 @@ def test_dask_publishes_the_same_way(raw: Path, s3_server: S3Server, proxy: Prox
     assert files is not None
     assert len([key for key in puts(proxy) if key.rsplit("/", 1)[-1] in files]) == 1
     assert sorted(numbers(url, tmp_path / "r2")) == [*range(10), 45]
+
+
+def test_store_emptied_publishes_everything_again(raw: Path, s3_server: S3Server, tmp_path: Path) -> None:
+    """The dataset deleted from the store under a staged copy that names data files only the store
+    had: the next publish builds them again and uploads the whole dataset."""
+    url = _url(s3_server, "emptied")
+    _publish(raw, url, staging=tmp_path / "a")
+    write(raw, 0, 46)
+    _publish(raw, url, update=True, staging=tmp_path / "b")  # b's copy: the old shards are the store's
+    store = open_store(url)
+    for o in list(store.list()):
+        store.delete(o.key)
+    report, (done,) = _publish(raw, url, update=True, staging=tmp_path / "b")
+    assert report.count == 11 and done.uploaded > 0
+    assert sorted(numbers(url, tmp_path / "r")) == [*range(10), 46]
