@@ -412,3 +412,24 @@ def test_store_emptied_publishes_everything_again(raw: Path, s3_server: S3Server
     report, (done,) = _publish(raw, url, update=True, staging=tmp_path / "b")
     assert report.count == 11 and done.uploaded > 0
     assert sorted(numbers(url, tmp_path / "r")) == [*range(10), 46]
+
+
+def test_resume_of_a_refresh_from_the_store(raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """A refresh that keeps the store's data files where they are, stopped by a bad file (--on-error
+    fail), then --resume'd once it is fixed: the recorded plan (those files unlinked) is continued,
+    and only the new segment is uploaded."""
+    url = _url(s3_server, "resumed")
+    _publish(raw, url, staging=tmp_path / "a")
+    write(raw, 0, 47)
+    bad = raw / "c1" / "m048.png"
+    bad.write_bytes(b"not an image")
+    with pytest.raises(BuildError, match=r"m048\.png"):
+        _publish(raw, url, update=True, on_error="fail", staging=tmp_path / "b")
+    write(raw, 1, 48)
+    proxy.clear()
+    report, (done,) = _publish(raw, url, update=True, resume=True, on_error="fail", staging=tmp_path / "b")
+    assert report.resumed_from > 0 and report.count == 12
+    files = read_files(open_store(url), done.version)
+    assert files is not None
+    assert len([key for key in puts(proxy) if key.rsplit("/", 1)[-1] in files]) == 1
+    assert sorted(numbers(url, tmp_path / "r")) == [*range(10), 47, 48]
