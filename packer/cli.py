@@ -32,6 +32,11 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 BUILD_INTERRUPTED = "nothing was written at the output (run the same build with --resume to continue)"
+#: a build to a URL: interrupted before its pointer PUT, the store still serves the version it had
+PUBLISH_INTERRUPTED = (
+    "the dataset in the store is at its previous version (run the same build again to finish; "
+    "--resume continues a build cut short before its upload)"
+)
 #: Ctrl-C in a command that only reads the dataset (info, verify, preview, show, bench)
 READ_INTERRUPTED = "the dataset was not changed"
 #: the parameters naming a file such a command writes (-o, --plot): interrupted, it may be cut short
@@ -45,7 +50,15 @@ def _read_interrupted() -> str:
     return READ_INTERRUPTED + "".join(f"; {path} may be missing or incomplete" for path in written)
 
 
-def _friendly(fn: Callable[..., Any], *, interrupted: str | None = None) -> Callable[..., Any]:
+def _build_interrupted() -> str:
+    """What is true after Ctrl-C of a build: OUT untouched, or in a store, at its previous version."""
+    out = click.get_current_context().params.get("out")
+    return PUBLISH_INTERRUPTED if out is not None and is_url(out) else BUILD_INTERRUPTED
+
+
+def _friendly(
+    fn: Callable[..., Any], *, interrupted: str | Callable[[], str] = _read_interrupted
+) -> Callable[..., Any]:
     """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback.
     Ctrl-C and SIGTERM (where the command turns it into :class:`Terminated`) print "interrupted;"
     and ``interrupted``, what is true of the command's output then (by default: a command that only
@@ -69,7 +82,8 @@ def _friendly(fn: Callable[..., Any], *, interrupted: str | None = None) -> Call
         except KeyboardInterrupt as e:
             if debug:
                 raise
-            click.echo(f"packer: interrupted; {interrupted or _read_interrupted()}", err=True)
+            why = interrupted if isinstance(interrupted, str) else interrupted()
+            click.echo(f"packer: interrupted; {why}", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
         except PackerError as e:
             if debug:
@@ -194,7 +208,7 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.",
 )
 @click.option("--staging", "staging", metavar="DIR", default=None, help=_STAGING_HELP)
-@functools.partial(_friendly, interrupted=BUILD_INTERRUPTED)
+@functools.partial(_friendly, interrupted=_build_interrupted)
 def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | None, quiet: bool, **fields: Any) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.

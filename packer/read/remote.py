@@ -184,6 +184,15 @@ class Remote:
             mine = self._store = (os.getpid(), open_store(self.url, settings=self._settings))
         return mine[1]
 
+    def _key(self, name: str) -> str:
+        """The object key of data file ``name`` (relative to the dataset's URL): where the files.json
+        of its version puts it when the version was published (packer.tools.publish), else ``name``
+        (a synced copy: no files.json)."""
+        listed = self.home / _VERSIONS / self.version / FILES
+        if not listed.is_file():
+            return name
+        return parse_files(listed.read_bytes(), where=str(listed))[name].key
+
     # --- versions -------------------------------------------------------------------------------
 
     def pin(self, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
@@ -292,14 +301,6 @@ class Remote:
 
     # --- units ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _key(root: Path, name: str) -> str:
-        """Where data file ``name`` of the cached version ``root`` lies in the store: its published
-        version's files.json names its object (packer.store.published); a synced copy's is ``name``."""
-        if not (root / FILES).is_file():
-            return name
-        return parse_files((root / FILES).read_bytes(), where=str(root / FILES))[name].key
-
     def _open_unit(self, root: Path, name: str) -> int:
         """A descriptor of data file ``name`` of the version at ``root``: fetched and checked first
         unless the version already has it; held (shared flock) so that no process evicts it."""
@@ -346,7 +347,7 @@ class Remote:
         rows["position"], rows["length"], rows["crc32"] = positions[mine], index["length"][mine], index["crc32"][mine]
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
-        key = self._key(root, name)
+        key = self._key(name)
         with _locked(self.home / _LOCKS / f"unit-{name}"):
             if (root / name).exists():
                 return

@@ -166,16 +166,21 @@ def _env(proxy: Proxy) -> dict[str, str]:
     return dict(os.environ, AWS_ENDPOINT_URL=proxy.url, PYTHONPATH=str(Path(__file__).parents[2]))
 
 
-def _killed_when(proc: subprocess.Popen, proxy: Proxy, method: str, match: str) -> None:
-    """kill -9 the publish once the proxy has seen a ``method`` request for a key containing ``match``."""
+def _killed_when(proc: subprocess.Popen, proxy: Proxy, method: str, match: str, how: int = signal.SIGKILL) -> int:
+    """kill -9 (or ``how``) the publish once the proxy has seen a ``method`` request for a key
+    containing ``match``; its exit status."""
     deadline = time.monotonic() + 60
     while not any(m == method and match in key for (m, key) in list(proxy.requests)):
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    if how == signal.SIGKILL:
+        os.killpg(proc.pid, how)  # its whole process group, workers included
+    else:
+        proc.send_signal(how)  # the CLI unwinds as on Ctrl-C
+    code = proc.wait(timeout=60)
     proxy.settle()
+    return code
 
 
 STEPS = {
@@ -187,6 +192,10 @@ STEPS = {
     "files-json-killed": ("kill", FILES, Faults(match=FILES, method="PUT", fail=10**6)),
     # everything sent but the pointer
     "pointer-failed": ("fail", "POINTER", Faults(match="POINTER", method="PUT", fail=10**6)),
+    # SIGTERM while the pointer's PUT keeps failing: the interrupted message, the lease released
+    "pointer-terminated": ("term", "POINTER", Faults(match="POINTER", method="PUT", fail=10**6)),
+    # killed at files.json, then the staging folder deleted: the rerun starts from the store's version
+    "staging-deleted": ("kill", FILES, Faults(match=FILES, method="PUT", fail=10**6)),
 }
 
 
@@ -195,7 +204,9 @@ def test_interrupted_publish_keeps_the_old_version(
     raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, step: str
 ) -> None:
     """Killed or failed at each upload step: a reader opens the old version, whole; the same command
-    run again finishes, uploading only what the interrupted one had not."""
+    run again finishes, uploading only what the interrupted one had not (also with its staging folder
+    deleted: it starts again from the store's version, rebuilds the same bytes, and finds the objects
+    the interrupted run left)."""
     url = _url(s3_server, f"interrupted-{step}")
     prefix = f"/{s3_server.bucket}/publish/interrupted-{step}"
     _publish(raw, url)
@@ -207,9 +218,16 @@ def test_interrupted_publish_keeps_the_old_version(
     proc = _cli(raw, url, "--update", env=_env(proxy))
     if how == "kill":
         _killed_when(proc, proxy, "PUT", match)
+    elif how == "term":
+        assert _killed_when(proc, proxy, "PUT", match, signal.SIGTERM) == 128 + signal.SIGTERM
+        assert proc.stderr is not None and "interrupted; the dataset in the store is at its previous version" in (
+            proc.stderr.read()
+        )
     else:
         assert proc.wait(timeout=120) == 1
         assert proc.stderr is not None and "error" in proc.stderr.read()
+    if step == "staging-deleted":
+        shutil.rmtree(tmp_path / "cache" / "publish")
     store = open_store(url)
     if how == "kill":  # its lease outlives it by the lease's ttl (test_lease.py tests the takeover): skipped here
         store.delete(LEASE)
@@ -224,7 +242,7 @@ def test_interrupted_publish_keeps_the_old_version(
     assert files is not None
     new = {o.key for o in store.list()} - landed - {LEASE}  # (a listing may still show a lease just deleted)
     metadata = {f"versions/{version}/{n}" for n in ("manifest.json", "index.npy", "sources.npy", "report.jsonl", FILES)}
-    assert new <= {e.key for e in files.values()} | metadata and bool(new) == (step != "pointer-failed")
+    assert new <= {e.key for e in files.values()} | metadata and bool(new) == (not step.startswith("pointer"))
     sent = {key.removeprefix(f"{prefix}/") for key in puts(proxy)} - {LEASE}
     assert sent == new | {"manifest.json"}  # only what was missing, and the pointer
     assert sorted(numbers(url, tmp_path / "after")) == [*range(10), 43]
