@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 
 from packer import BuildError, ShardDataset, URLNotSupported
 from packer.store import open_store
@@ -282,6 +283,11 @@ def test_readers_see_whole_versions_through_refreshes(
     assert not failures, failures
     assert len(seen) >= 2 and all(s in versions for s in seen)
     assert read_checked(pinned) == list(range(10))
+    loader = DataLoader(pinned, batch_size=4, num_workers=2)  # its workers too: the version it opened
+    images, labels = (torch.cat(parts) for parts in zip(*loader))
+    red = images.to(torch.float64).mean(dim=(2, 3))[:, 0]
+    assert labels.tolist() == [0] * PER_CLASS + [1] * PER_CLASS
+    assert [round(r) for r in red.tolist()] == [colour(int(label), 0)[0] for label in labels.tolist()]
     assert sorted(numbers(url, tmp_path / "last")) == versions[-1]
 
 
