@@ -91,7 +91,7 @@ dataset: setup
 	$(VENV)/bin/packer build "$(RAW)" "$(OUT)" --update --format $(FORMAT) $(ARGS)
 
 dataset-verify: setup
-	@if [ -e "$(OUT)/manifest.json" ]; then set -- "$(OUT)"; else set -- "$(OUT)"/*/manifest.json; set -- "$${@%/manifest.json}"; fi; \
+	@if [ -e "$(OUT)/manifest.json" ] || case "$(OUT)" in *://*) true;; *) false;; esac; then set -- "$(OUT)"; else set -- "$(OUT)"/*/manifest.json; set -- "$${@%/manifest.json}"; fi; \
 	for d in "$$@"; do $(VENV)/bin/packer verify "$$d" || exit 1; done
 
 # Refuses anything that is not a packer dataset or build folder, and an OUT being built.

@@ -32,6 +32,11 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 BUILD_INTERRUPTED = "nothing was written at the output (run the same build with --resume to continue)"
+#: a build to a URL: interrupted before its pointer PUT, the store still serves the version it had
+PUBLISH_INTERRUPTED = (
+    "the dataset in the store is at its previous version (run the same build again to finish; "
+    "--resume continues a build cut short before its upload)"
+)
 #: Ctrl-C in a command that only reads the dataset (info, verify, preview, show, bench)
 READ_INTERRUPTED = "the dataset was not changed"
 #: the parameters naming a file such a command writes (-o, --plot): interrupted, it may be cut short
@@ -45,7 +50,15 @@ def _read_interrupted() -> str:
     return READ_INTERRUPTED + "".join(f"; {path} may be missing or incomplete" for path in written)
 
 
-def _friendly(fn: Callable[..., Any], *, interrupted: str | None = None) -> Callable[..., Any]:
+def _build_interrupted() -> str:
+    """What is true after Ctrl-C of a build: OUT untouched, or in a store, at its previous version."""
+    out = click.get_current_context().params.get("out")
+    return PUBLISH_INTERRUPTED if out is not None and is_url(out) else BUILD_INTERRUPTED
+
+
+def _friendly(
+    fn: Callable[..., Any], *, interrupted: str | Callable[[], str] = _read_interrupted
+) -> Callable[..., Any]:
     """Expected failures print one line and exit 1 (2 for usage); --debug shows the traceback.
     Ctrl-C and SIGTERM (where the command turns it into :class:`Terminated`) print "interrupted;"
     and ``interrupted``, what is true of the command's output then (by default: a command that only
@@ -69,7 +82,8 @@ def _friendly(fn: Callable[..., Any], *, interrupted: str | None = None) -> Call
         except KeyboardInterrupt as e:
             if debug:
                 raise
-            click.echo(f"packer: interrupted; {interrupted or _read_interrupted()}", err=True)
+            why = interrupted if isinstance(interrupted, str) else interrupted()
+            click.echo(f"packer: interrupted; {why}", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
         except PackerError as e:
             if debug:
@@ -121,6 +135,11 @@ def main(debug: bool) -> None:
         if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
             stream.reconfigure(errors="packer-escape")
 
+
+_STAGING_HELP = (
+    "With a URL OUT: where the dataset is staged before it is uploaded, and kept for the next "
+    "--update (default: publish/ in the cache directory, $PACKER_CACHE_DIR or ~/.cache/packer)."
+)
 
 #: OUT of the commands that read a dataset (info, verify, preview, show, bench): a local path, or a URL
 #: (``s3://...``, ``https://...``) read through the node cache (packer.read.remote).
@@ -188,8 +207,9 @@ def _with_build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="Preprocess on Dask distributed: 'local' (a LocalCluster of --workers processes) or a "
     "scheduler address like tcp://host:8786. See docs/DISTRIBUTED.md.",
 )
-@functools.partial(_friendly, interrupted=BUILD_INTERRUPTED)
-def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fields: Any) -> None:
+@click.option("--staging", "staging", metavar="DIR", default=None, help=_STAGING_HELP)
+@functools.partial(_friendly, interrupted=_build_interrupted)
+def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | None, quiet: bool, **fields: Any) -> None:
     """Pack RAW_DIR into OUT. Labels: each sub-folder of RAW_DIR is a class, numbered in sorted order
     of the folder names (torchvision ImageFolder's order), unless --labels, --classes or --unlabeled.
 
@@ -199,12 +219,29 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fie
     not change that: see OUT/report.jsonl, or use --on-error fail; unless every file was skipped:
     see --allow-empty), 1 on an error, 130/143 when interrupted (Ctrl-C/SIGTERM; OUT untouched,
     continue with --resume).
+
+    OUT may be an s3:// URL: the dataset is staged on this machine (see --staging), then published,
+    the store's current version replaced last, in one step; interrupted or failed, the store keeps its
+    previous version and the same command finishes the job (README, "Publishing to object storage").
     """
     from .builder.labels import Labelling
 
     labelling = Labelling(**{f.name: fields.pop(f.name) for f in labelling_fields()})
     options = BuildOptions(labelling=labelling, **fields)
     signal.signal(signal.SIGTERM, _raise_terminated)
+    if is_url(out):
+        from .tools.publish import publish_build
+
+        report, published = publish_build(
+            raw_dir, str(out), options, quiet=quiet, staging=staging, dask_address=dask_address
+        )
+        if not report.up_to_date or all(done.up_to_date for done in published):
+            click.echo(report.summary(), err=True)  # (up to date, published: the copy an interrupted publish left)
+        for done in published:
+            click.echo(done.summary(), err=True)
+        return
+    if staging is not None:
+        raise click.UsageError("--staging is for an OUT in object storage (a URL); a local OUT is staged beside it")
     if dask_address is not None:
         from .builder.dask import build_dask
 
@@ -218,8 +255,9 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, quiet: bool, **fie
 
 def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     """The facts `packer info` shows, as a dict (its --json form)."""
-    from .format import Manifest, disk_bytes, load_index, load_label_arrays
+    from .format import MANIFEST, Manifest, disk_bytes, load_index, load_label_arrays
     from .read.remote import local_version
+    from .store.published import version_id
 
     shown, out = out, local_version(str(out)) if is_url(out) else out  # a URL: its manifest and index, cached
     manifest = Manifest.load(out)
@@ -229,6 +267,10 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
     record_bytes = int(index["length"].sum()) if len(index) else 0
     return {
         "path": str(shown),
+        # the id the version has (would have) in object storage: its manifest's sha256, 32 hex digits
+        "version": version_id((Path(out) / MANIFEST).read_bytes()),
+        # a published dataset (URL): the versions kept in the store (packer gc); else None
+        "versions": _kept_versions(str(shown)) if shown is not out else None,
         "count": manifest.count,
         "label_kind": manifest.label_kind,
         "classes": manifest.classes,
@@ -262,6 +304,16 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
         "long_edge_histogram": _histogram(np.maximum(index["height"], index["width"])),
         "short_edge_histogram": _histogram(np.minimum(index["height"], index["width"])),
     }
+
+
+def _kept_versions(url: str) -> int | None:
+    """How many published versions the store at ``url`` keeps; None for a copy synced as it is, or
+    a store that cannot be listed (a web server)."""
+    from .store import open_store
+    from .store.published import published_versions
+
+    store = open_store(url)
+    return (len(published_versions(store)) or None) if store.writable else None
 
 
 def _stored_bytes(root: Path, manifest: Any) -> int:
@@ -311,6 +363,10 @@ def info(out: Path, as_json: bool) -> None:
             f"(packer compact rewrites them away)"
         )
     click.echo(f"  digest {facts['digest']}")
+    if facts["versions"] is not None:
+        click.echo(
+            f"  version {facts['version']}; {facts['versions']} versions kept in the store (packer gc drops old ones)"
+        )
     total = facts["count"]
     if facts["label_kind"] != "none":
         multi = facts["label_kind"] == "multi"
@@ -337,31 +393,58 @@ def info(out: Path, as_json: bool) -> None:
     show_default=True,
     help="Problems to list at most (all are counted).",
 )
+@click.option(
+    "--all-versions",
+    is_flag=True,
+    help="A published dataset (URL): every version kept in the store, not only the current one.",
+)
 @_friendly
-def verify(out: Path, limit: int) -> None:
-    """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad)."""
-    from .read.remote import local_version
+def verify(out: Path, limit: int, all_versions: bool) -> None:
+    """Re-read every record of OUT: checksums, digest, index/manifest consistency (exit 1 if bad).
+
+    A URL is checked in the store, streaming (nothing is kept in the node cache): each object against
+    the manifest and the version's files.json (size, sha256), each record against the index; every
+    missing or damaged object is named.
+    """
     from .tools.verify import verify as run_verify
 
-    # a URL: every data file fetched into the cache (each checked on the way in), then verified there
-    result = run_verify(local_version(str(out), fetch_all=True) if is_url(out) else out, limit=limit)
-    for note in result.notes:
-        click.echo(f"packer: {out}: note: {note}", err=True)
-    if result.ok:
-        click.echo(f"packer: {out}: ok, {result.count} records, {result.digest}")
-        return
-    for problem in result.problems:
-        click.echo(f"packer: {out}: {problem}", err=True)
-    click.echo(f"packer: {out}: FAILED verification ({result.bad_records} bad records)", err=True)
-    sys.exit(1)
+    versions = [""]  # the current one
+    if all_versions:
+        if not is_url(out):
+            raise click.BadParameter("a local dataset has one version; --all-versions is for a URL")
+        from .store import ObjectNotFound, open_store
+        from .store.published import POINTER, published_versions, version_id
+
+        store = open_store(str(out))
+        try:
+            current = version_id(store.get(POINTER))
+        except ObjectNotFound:
+            current = ""  # verify says there is no dataset there
+        versions += [v for v in published_versions(store) if v != current]
+    failed = False
+    for version in versions:
+        result = run_verify(out, limit=limit, version=version)
+        where = result.root
+        for note in result.notes:
+            click.echo(f"packer: {where}: note: {note}", err=True)
+        if result.ok:
+            click.echo(f"packer: {where}: ok, {result.count} records, {result.digest}")
+            continue
+        for problem in result.problems:
+            click.echo(f"packer: {where}: {problem}", err=True)
+        click.echo(f"packer: {where}: FAILED verification ({result.bad_records} bad records)", err=True)
+        failed = True
+    if failed:
+        sys.exit(1)
 
 
 @main.command()
 @click.argument("out", type=_PathOrURL(path_type=Path))
+@click.option("--staging", "staging", metavar="DIR", default=None, help=_STAGING_HELP)
 @functools.partial(
     _friendly, interrupted="the dataset is whole, compacted or as it was (run the same packer compact again)"
 )
-def compact(out: Path) -> None:
+def compact(out: Path, staging: str | None) -> None:
     """Rewrite OUT into one segment, dropping the records that refreshes replaced or deleted.
 
     `build --update` keeps the old records where they are and adds the new ones in a segment of their
@@ -369,10 +452,19 @@ def compact(out: Path) -> None:
     segments (docs/FORMAT.md, "Segments"). Records are copied as they are (each checked against its
     CRC-32) and the digest stays the same. Readers of the old version keep reading it. Interrupted
     (Ctrl-C, SIGTERM, kill -9), OUT stays whole; `packer compact` or `packer clean` then takes what is left.
+    OUT may be an s3:// URL: its data files are fetched through the read cache, compacted here, and
+    published as a new version (the old one's objects stay for its readers).
     """
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    if is_url(out):
+        from .tools.publish import publish_compact
+
+        click.echo(publish_compact(str(out), staging=staging)[2].summary(), err=True)
+        return
+    if staging is not None:
+        raise click.UsageError("--staging is for an OUT in object storage (a URL)")
     from .tools.compact import compact as run_compact
 
-    signal.signal(signal.SIGTERM, _raise_terminated)
     run_compact(out)
 
 
@@ -387,13 +479,85 @@ def clean(out: Path) -> None:
     Deletes OUT (a packer dataset, or a --split folder of them), .OUT.packer-tmp and .OUT.packer-old
     beside it, and nothing else. For a symlink OUT: the dataset it points to, then the link.
     Refuses while a build of OUT runs.
+
+    A URL (a published dataset): what interrupted publishes left there, under its lease (a dead
+    writer's expired lease is taken over): unfinished multipart uploads are aborted and version
+    folders no pointer named are deleted. Its published versions stay (see packer gc).
     """
     from .tools.clean import clean as run_clean
+    from .tools.clean import clean_url
 
+    if is_url(out):
+        gone = clean_url(str(out))
+        for what in gone:
+            click.echo(f"packer: deleted {what}", err=True)
+        click.echo(f"packer: {out}: {len(gone) or 'nothing'} left by interrupted publishes deleted", err=True)
+        return
     deleted = run_clean(out)
     click.echo(
         f"packer: deleted {', '.join(map(str, deleted))}" if deleted else f"packer: {out}: nothing to delete", err=True
     )
+
+
+def _age(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    from .tools.gc import parse_age
+
+    try:
+        return parse_age(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@main.command()
+@click.argument("url", type=_PathOrURL(path_type=Path))
+@click.option(
+    "--keep-versions",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Versions kept by count, the current one included.",
+)
+@click.option(
+    "--keep-age",
+    "keep_age_s",
+    metavar="AGE",
+    callback=_age,
+    default="3d",
+    show_default=True,
+    help="Also keep every version younger than this (3d, 12h, 30m, 90s): readers that opened it keep reading.",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be deleted, and its bytes; delete nothing.")
+@click.option("--wait", is_flag=True, help="Wait for a build of URL that holds its lease, instead of failing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@functools.partial(_friendly, interrupted="some old objects may be gone, never a kept version's (run gc again)")
+def gc(url: str, keep_versions: int, keep_age_s: float, dry_run: bool, wait: bool, as_json: bool) -> None:
+    """Delete the objects of URL's old versions that no kept version uses (a published dataset).
+
+    Kept: the current version, the --keep-versions newest, every version younger than --keep-age,
+    and every file one of them uses (a refresh reuses its predecessors' data files). Also deletes the
+    objects of publishes that failed, once older than --keep-age. Holds URL's lease, as a build does.
+    See docs/OBJECT-STORAGE.md.
+    """
+    from .tools.gc import collect
+
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    report = collect(str(url), keep_versions=keep_versions, keep_age_s=keep_age_s, dry_run=dry_run, wait=wait)
+    if as_json:
+        facts = {
+            "url": report.url,
+            "current": report.current,
+            "kept": report.kept,
+            "dropped": report.dropped,
+            "deleted": [{"key": o.key, "size": o.size} for o in report.deleted],
+            "bytes": report.bytes,
+            "dry_run": report.dry_run,
+        }
+        click.echo(json_text(facts, indent=1))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for o in report.deleted:
+        click.echo(f"packer: {verb} {report.url}/{o.key} ({o.size:,} bytes)", err=True)
+    click.echo(f"packer: {report.summary()}", err=True)
 
 
 @main.command()

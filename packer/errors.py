@@ -2,7 +2,8 @@
 callers (and the CLI) catch one type for every failure packer expects: bad arguments or input
 (BuildError, ScanError, LabelError), a damaged, hostile or replaced dataset (DatasetError,
 DatasetReplaced), a failed distributed task (ShardError), a URL where only local paths work yet
-(URLNotSupported). Anything else is a bug and keeps its traceback."""
+(URLNotSupported), an object store's refusals (StoreError and its kinds, PreconditionFailed: a
+conditional write that lost). Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ class ObjectChanged(StoreError):
     """The object was replaced while it was being read (its ETag no longer matches)."""
 
 
+class PreconditionFailed(StoreError):
+    """A conditional write lost: the object exists (``If-None-Match: *``) or is no longer the version
+    named (``If-Match``); HTTP 412, or S3's 409 ConditionalRequestConflict for a concurrent one."""
+
+
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")  # two letters at least: not a Windows drive (C://)
 
 
@@ -74,13 +80,13 @@ def local_path(path: str | os.PathLike) -> Path:
     """``path`` as a local Path; a URL raises URLNotSupported. ``Path("s3://b/x")`` is the relative
     path ``s3:/b/x``: a build would write a folder named ``s3:`` in the working directory. Every entry
     point that does not read a URL passes its paths through here (build's raw folder and OUT, clean,
-    compact, the API's verify); ShardDataset and the commands that read a dataset take URLs
-    (packer.read.remote)."""
+    compact); verify, ShardDataset and the commands that read a dataset take URLs
+    (packer.read.remote), and the CLI's build and compact publish to them (packer.tools.publish)."""
     text = os.fsdecode(path)
     if is_url(text):
         raise URLNotSupported(
-            f"{text}: URLs are not supported yet here (packer reads datasets from object storage, but builds, "
-            "compacts and cleans local paths only); give a local path"
+            f"{text}: URLs are not supported yet here; give a local path (packer reads datasets from object "
+            "storage, and `packer build RAW s3://...` and `packer compact s3://...` publish to it)"
         )
     return Path(text)
 

@@ -47,6 +47,7 @@ from .options import DASK_TASK_SIZE, BuildError, BuildOptions, Resolved
 from .pipeline import run_build
 from .preprocess import PreprocessSpec, Record, Result, Skip, process_chunk
 from .scan import Scan
+from .segments import Fetch
 from .staging import PROGRESS, BuildReport, Progress, RecordSink, Writer, fill, write_json_atomic
 from .update import ReusePlan, ordered_results
 
@@ -500,6 +501,7 @@ def build_dask(
     address: str = "local",
     quiet: bool = False,
     retries: int = RETRIES,
+    fetch: Optional[Fetch] = None,
     **changes: Any,
 ) -> BuildReport:
     """Like :func:`packer.builder.pipeline.build`, with tasks of ``shard_size`` files run on a Dask cluster.
@@ -507,7 +509,8 @@ def build_dask(
     ``address`` is ``"local"`` (a LocalCluster of ``workers`` processes on this machine) or a scheduler
     address such as ``tcp://host:8786``. For memmap, each task's records become one shard, so a shard
     holds up to ``shard_size`` records (with --update, whose reused records are copied: ``shard_size``
-    records a shard). raw/ and OUT's parent must be visible to every worker.
+    records a shard). raw/ and OUT's parent must be visible to every worker. ``fetch``: as for
+    :func:`~packer.builder.pipeline.run_build` (OUT the local copy of a dataset in object storage).
     """
     options = (options or BuildOptions()).but(**changes)
     if address != "local" and options.workers is not None:
@@ -515,4 +518,4 @@ def build_dask(
     with ExitStack() as stack:
         raw = os.path.abspath(raw_dir)  # workers have their own working directory
         engine = DaskEngine(raw, address, quiet, retries, stack)
-        return run_build(raw_dir, out, options, quiet, engine)
+        return run_build(raw_dir, out, options, quiet, engine, fetch=fetch)

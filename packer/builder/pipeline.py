@@ -29,7 +29,7 @@ from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions, Resolved
 from .paths import dataset_path, empty_folder, lock_outputs, made_by_packer, not_dataset
 from .scan import Paths, Scan, ScanError, confusable, identify, scan
-from .segments import link_base, old_files, plan
+from .segments import Fetch, link_base, old_files, plan
 from .split import TRAIN, split_path, split_scan
 from .staging import (
     BuildReport,
@@ -156,9 +156,17 @@ class Engine(Protocol):
 
 
 def run_build(
-    raw_dir: str | os.PathLike, out: str | os.PathLike, options: BuildOptions, quiet: bool, engine: Engine
+    raw_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    options: BuildOptions,
+    quiet: bool,
+    engine: Engine,
+    *,
+    fetch: Optional[Fetch] = None,
 ) -> BuildReport:
-    """Pack ``raw_dir`` into ``out`` with ``engine``: the build both engines share (see the module docstring)."""
+    """Pack ``raw_dir`` into ``out`` with ``engine``: the build both engines share (see the module docstring).
+    ``fetch``: OUT is the local copy of a dataset in object storage (packer.tools.publish), whose data
+    files a refresh keeps where they are when they are not in OUT, and fetches where it copies records."""
     t0 = time.monotonic()
     local_path(raw_dir)
     options = options.resolved(out, engine.shard_size)  # from the name given: a symlink's target may differ
@@ -167,11 +175,11 @@ def run_build(
         lock_outputs(locks, out, options, quiet)
         found = prepare(raw_dir, out, options, quiet)
         if not options.split:
-            report = _build_dataset(out, found, options, quiet, engine)
+            report = _build_dataset(out, found, options, quiet, engine, fetch)
         else:
             out.mkdir(parents=True, exist_ok=True)
             reports = {
-                name: _build_dataset(split_path(out, name, options.backend), part, options, quiet, engine)
+                name: _build_dataset(split_path(out, name, options.backend), part, options, quiet, engine, fetch)
                 for name, part in split_scan(found, options.split, options.split_seed).items()
             }
             report = BuildReport.combine(str(out), reports)
@@ -180,7 +188,9 @@ def run_build(
     return report
 
 
-def _build_dataset(out: Path, found: Scan, options: Resolved, quiet: bool, engine: Engine) -> BuildReport:
+def _build_dataset(
+    out: Path, found: Scan, options: Resolved, quiet: bool, engine: Engine, fetch: Optional[Fetch]
+) -> BuildReport:
     """One dataset at ``out`` from ``found``: kept when up to date, else staged (reusing records with
     --update), then renamed into place."""
     t0 = time.monotonic()
@@ -201,11 +211,11 @@ def _build_dataset(out: Path, found: Scan, options: Resolved, quiet: bool, engin
     state = open_staging(staging, settings | engine.marker, options.resume)
     if state is None:
         if reuse is not None:
-            _link_old_files(out, staging, reuse, options, quiet)
+            _link_old_files(out, staging, reuse, options, quiet, fetch)
         of, base = (reuse.manifest.computed_digest, reuse.base) if reuse is not None else (None, None)
         Plan.made(staging, of, base).record(staging, found)
     else:
-        state = _resume(out, staging, found, options, reuse, state, quiet)
+        state = _resume(out, staging, found, options, reuse, state, quiet, fetch)
     try:
         try:
             sink, resumed_from = engine.pack(staging, found, options, state, reuse)
@@ -234,6 +244,7 @@ def _resume(
     reuse: Optional[ReusePlan],
     state: dict[str, Any],
     quiet: bool,
+    fetch: Optional[Fetch],
 ) -> Optional[dict[str, Any]]:
     """The checkpoint the interrupted build at ``staging`` continues from, with its recorded
     :class:`~packer.builder.staging.Plan` (not a new one: the journal's rows point into the data files it
@@ -255,13 +266,16 @@ def _resume(
             raise cannot_resume(f"{out} changed since the interrupted refresh; run the --update again without --resume")
         recorded.check_linked(out)
         if recorded.base:
-            reuse.base = link_base(out, staging, recorded.base, quiet)
+            reuse.base = link_base(out, staging, recorded.base, quiet, remote=fetch is not None)
             if reuse.base is None:
                 raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
+        _fetch_copied(out, reuse, fetch)
     return rewind(staging, found, state, options.backend, recorded.first, quiet)
 
 
-def _link_old_files(out: Path, staging: Path, reuse: ReusePlan, options: Resolved, quiet: bool) -> None:
+def _link_old_files(
+    out: Path, staging: Path, reuse: ReusePlan, options: Resolved, quiet: bool, fetch: Optional[Fetch]
+) -> None:
     """Link the old dataset's data files into ``staging`` so that its records stay where they are
     (packer.builder.segments), as many of them as the refresh keeps; say why where it rewrites records."""
     kept = reuse.old_of[reuse.old_of >= 0]
@@ -269,7 +283,19 @@ def _link_old_files(out: Path, staging: Path, reuse: ReusePlan, options: Resolve
     if why:
         say(f"{out}: {why}", quiet)
     if keep:
-        reuse.base = link_base(out, staging, old_files(reuse.manifest, reuse.index)[:keep], quiet)
+        files = old_files(reuse.manifest, reuse.index)[:keep]
+        reuse.base = link_base(out, staging, files, quiet, remote=fetch is not None)
+    _fetch_copied(out, reuse, fetch)
+
+
+def _fetch_copied(out: Path, reuse: ReusePlan, fetch: Optional[Fetch]) -> None:
+    """The old data files whose records the refresh copies (those after the linked ones), fetched into
+    ``out`` from object storage where they are not there."""
+    linked = len(reuse.base.files) if reuse.base is not None else 0
+    names = [str(f["file"]) for f in old_files(reuse.manifest, reuse.index)[linked:]]
+    missing = [name for name in names if not os.path.lexists(out / name)]
+    if fetch is not None and missing and reuse.old_of.max(initial=-1) >= 0:
+        fetch(out, missing)
 
 
 @dataclass

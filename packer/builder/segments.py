@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +31,10 @@ import numpy as np
 from ..backends import BACKENDS, data_files, record_places
 from ..errors import DatasetError, say
 from ..format import Manifest, bytes_per_file, open_regular
+
+#: ``fetch(out, names)``: the old version's data files ``names``, not on this disk, brought into ``out``
+#: (from object storage: packer.tools.publish), for the records a refresh copies rather than links.
+Fetch = Callable[[Path, list[str]], None]
 
 #: A refresh rewrites every record into one segment when, after it, more than this share of the record
 #: bytes in the old data files would be dead (records of deleted or changed files)...
@@ -42,9 +47,13 @@ MAX_SEGMENTS = 16
 class Base:
     """The old version's data files that a refresh links into its staging folder: the new version's
     first data files, numbered as before (a kept record's row keeps its ``shard`` and ``offset``).
-    Each entry: ``file``, ``segment`` and ``stored``, its record bytes live or dead."""
+    Each entry: ``file``, ``segment`` and ``stored``, its record bytes live or dead (and ``bytes``, its
+    size, where the manifest lists it). ``elsewhere``: those not linked because they are not on this
+    disk (the old version is in object storage: packer.tools.publish); the new version names them all
+    the same, and its publish reuses their objects."""
 
     entries: list[dict[str, Any]]
+    elsewhere: frozenset[str] = frozenset()
 
     @property
     def files(self) -> list[str]:
@@ -52,13 +61,14 @@ class Base:
 
 
 def old_files(manifest: Manifest, index: np.ndarray) -> list[dict[str, Any]]:
-    """The old version's data files in order: ``file``, ``segment`` (0 before version 3) and ``stored``
-    (record bytes in it: its rows' lengths plus its ``dead``)."""
+    """The old version's data files in order: ``file``, ``segment`` (0 before version 3), ``stored``
+    (record bytes in it: its rows' lengths plus its ``dead``) and, where the manifest lists it, ``bytes``."""
     files = data_files(manifest)
     live = bytes_per_file(record_places(manifest, index)[0], index["length"], len(files))
     listed = manifest.shards if manifest.format_version >= 3 else [{} for _ in files]
     return [
         {"file": name, "segment": int(e.get("segment", 0)), "stored": int(n) + int(e.get("dead", 0))}
+        | ({"bytes": int(e["bytes"])} if "bytes" in e else {})
         for name, e, n in zip(files, listed, live.tolist())
     ]
 
@@ -93,15 +103,23 @@ def plan(manifest: Manifest, index: np.ndarray, kept: np.ndarray, backend: str, 
     return keep, why
 
 
-def link_base(old: Path, staging: Path, entries: list[dict[str, Any]], quiet: bool) -> Optional[Base]:
+def link_base(
+    old: Path, staging: Path, entries: list[dict[str, Any]], quiet: bool, *, remote: bool = False
+) -> Optional[Base]:
     """Hard-link the old data files ``entries`` (:func:`old_files`) into ``staging`` (already there from
     an interrupted run: kept); None, after saying why, where the filesystem cannot or a file is not
-    the dataset's own regular file (then every record is rewritten)."""
+    the dataset's own regular file (then every record is rewritten). ``remote``: the old version is in
+    object storage, and those of its files not in ``old`` (whose size its manifest lists) stay there
+    (:attr:`Base.elsewhere`)."""
     files = [str(e["file"]) for e in entries]
+    elsewhere = frozenset(
+        str(e["file"]) for e in entries if remote and "bytes" in e and not os.path.lexists(old / str(e["file"]))
+    )
     try:
         for name in files:
-            _link_regular(old / name, staging / name)
-        return Base(entries)
+            if name not in elsewhere:
+                _link_regular(old / name, staging / name)
+        return Base(entries, elsewhere)
     except OSError as e:
         why = "another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
     except DatasetError as e:  # a symlink, a FIFO: not the old dataset's own file
@@ -151,7 +169,7 @@ def data_table(
             (staging / name).unlink()
             continue
         dead = int(old[k]["stored"]) - live[k] if k < len(old) else 0
-        size = os.path.getsize(staging / name)
+        size = int(old[k]["bytes"]) if base is not None and name in base.elsewhere else os.path.getsize(staging / name)
         table.append(
             {
                 "file": name,

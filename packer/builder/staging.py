@@ -265,14 +265,15 @@ class Plan:
     (``plan.json``): ``of``, the manifest digest of the OUT version whose records a refresh reuses
     (None: the build writes every record itself, --force or a first build); ``base``, the entries
     (packer.builder.segments.Base) of that version's data files linked into the staging folder, and
-    ``linked``, their (st_dev, st_ino): files of a complete dataset, which this build only ever reads;
+    ``linked``, their (st_dev, st_ino): files of a complete dataset, which this build only ever reads
+    (None for one left in object storage, :attr:`~packer.builder.segments.Base.elsewhere`);
     ``first``, the number of the first data file the build writes itself (always a new file). The
     rest of a refresh's reuse plan follows from OUT's version and the sources' paths and identities,
     which the staging folder also records (IDENTITIES)."""
 
     of: Optional[str]
     base: list[dict[str, Any]]
-    linked: list[list[int]]
+    linked: list[Optional[list[int]]]
     first: int
 
     @classmethod
@@ -280,8 +281,9 @@ class Plan:
         """The plan of a build that refreshes the version ``of`` (None: writes every record), with
         ``base`` linked into ``staging``."""
         entries = base.entries if base is not None else []
-        stats = [os.stat(staging / str(e["file"])) for e in entries]
-        return cls(of, entries, [[st.st_dev, st.st_ino] for st in stats], len(entries))
+        elsewhere = base.elsewhere if base is not None else frozenset()
+        stats = [None if e["file"] in elsewhere else os.stat(staging / str(e["file"])) for e in entries]
+        return cls(of, entries, [None if st is None else [st.st_dev, st.st_ino] for st in stats], len(entries))
 
     def record(self, staging: Path, found: Scan) -> None:
         """Into the staging folder, with the scan identities its journal rows will come from."""
@@ -294,7 +296,8 @@ class Plan:
         """The plan the interrupted build at ``staging`` recorded."""
         try:
             data = json.loads((staging / PLAN).read_text(encoding="utf-8"))
-            return cls(data["of"], list(data["base"]), [list(x) for x in data["linked"]], int(data["first"]))
+            linked = [None if x is None else list(x) for x in data["linked"]]
+            return cls(data["of"], list(data["base"]), linked, int(data["first"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise cannot_resume(
                 f"{staging} holds no plan this packer can continue ({e}); build again without --resume"
@@ -302,7 +305,10 @@ class Plan:
 
     def check_linked(self, old: Path) -> None:
         """Refuse unless the data files linked into the staging folder are still those of ``old``."""
-        for entry, (dev, ino) in zip(self.base, self.linked):
+        for entry, linked in zip(self.base, self.linked):
+            if linked is None:  # left in object storage: ``of`` names its version
+                continue
+            dev, ino = linked
             try:
                 st = os.stat(old / str(entry["file"]))
             except OSError:

@@ -65,6 +65,7 @@ from ..format import (
 from ..format.label_arrays import arrays_digest
 from ..store import ObjectChanged, ObjectNotFound, Store, open_store
 from ..store.base import ObjectInfo, PerProcess
+from ..store.published import FILES, files_json, parse_files, read_files, version_key
 
 #: Data files fetched at once in the background per process (each in parallel parts itself).
 PREFETCH_UNITS = 4
@@ -183,6 +184,15 @@ class Remote:
             mine = self._store = (os.getpid(), open_store(self.url, settings=self._settings))
         return mine[1]
 
+    def _key(self, name: str) -> str:
+        """The object key of data file ``name`` (relative to the dataset's URL): where the files.json
+        of its version puts it when the version was published (packer.tools.publish), else ``name``
+        (a synced copy: no files.json)."""
+        listed = self.home / _VERSIONS / self.version / FILES
+        if not listed.is_file():
+            return name
+        return parse_files(listed.read_bytes(), where=str(listed))[name].key
+
     # --- versions -------------------------------------------------------------------------------
 
     def pin(self, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
@@ -262,12 +272,16 @@ class Remote:
             names = [INDEX, SOURCES]
             names += [LABELS] if manifest.label_kind == "multi" else []
             names += [TARGETS] if manifest.targets else []
+            listed = read_files(self.store, root.name)  # None: a synced copy, everything at the top level
+            if listed is not None:  # published (packer.tools.publish): the version's folder and files.json
+                (staging / FILES).write_bytes(files_json(listed))
             arrays = {}
             for name in names:
                 try:
-                    (staging / name).write_bytes(self.store.get(name))
+                    key = version_key(root.name, name) if listed is not None else name
+                    (staging / name).write_bytes(self.store.get(key))
                 except ObjectNotFound:
-                    raise DatasetError(f"{self.store.name(name)}: missing (the manifest names it)") from None
+                    raise DatasetError(f"{self.store.name(key)}: missing (the manifest names it)") from None
                 fd = open_regular(staging / name)
                 try:
                     arrays[name] = map_npy(fd, f"{self.url}/{name}")
@@ -333,27 +347,28 @@ class Remote:
         rows["position"], rows["length"], rows["crc32"] = positions[mine], index["length"][mine], index["crc32"][mine]
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
+        key = self._key(name)
         with _locked(self.home / _LOCKS / f"unit-{name}"):
             if (root / name).exists():
                 return
             try:
-                info = self.store.head(name)
+                info = self.store.head(key)
             except ObjectNotFound:
-                raise DatasetError(f"{self.store.name(name)}: missing (the manifest names it)") from None
+                raise DatasetError(f"{self.store.name(key)}: missing (the manifest names it)") from None
             listed = int(manifest.shards[k]["bytes"]) if backend.lists_files(manifest) else None
             if listed is not None and info.size != listed:
                 raise DatasetError(
-                    f"{self.store.name(name)}: {info.size} bytes, the manifest says {listed} (the dataset was "
+                    f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset was "
                     f"replaced since this version was opened: open it again)"
                 )
             unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
             if not _checked_for(unit, rows):
-                self._download_checked(unit, name, info, (backend, mine, rows))
+                self._download_checked(unit, key, info, (backend, mine, rows))
             fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
             held = self._hold(fd, root / name, linked=False)  # from here on: never evicted before its first use
             os.close(fd)
             if not held:
-                raise _evicted(self.store.name(name))
+                raise _evicted(self.store.name(key))
             try:
                 os.link(unit, root / name)
             except FileExistsError:
@@ -543,14 +558,8 @@ def _mtime(path: Path) -> int:
         return 0
 
 
-def local_version(url: str, *, fetch_all: bool = False) -> Path:
+def local_version(url: str) -> Path:
     """The cache directory (default cache) of the current version of the dataset at ``url``: its
-    manifest, index and label arrays, and with ``fetch_all`` every data file, each checked against
-    the index on the way in (``packer info``/``verify`` on a URL read this local copy)."""
-    remote = Remote(url)
-    pinned = remote.pin()
-    root = Path(pinned.root)
-    if fetch_all:
-        for name in data_files(pinned.manifest):
-            os.close(remote._open_unit(root, name))
-    return root
+    manifest, index and label arrays (``packer info`` on a URL reads this local copy; ``verify``
+    checks the store itself, packer.tools.verify)."""
+    return Path(Remote(url).pin().root)

@@ -8,12 +8,24 @@ import re
 from collections.abc import Callable
 from typing import Any, Optional
 
-from ..errors import ObjectChanged, ObjectNotFound, StoreError, is_url
-from .base import ObjectInfo, Store
+from ..errors import ObjectChanged, ObjectNotFound, PreconditionFailed, StoreError, is_url
+from .base import Listed, ObjectInfo, Store, Upload
 from .http import HttpStore
 from .s3 import S3Store
 
-__all__ = ["STORES", "ObjectChanged", "ObjectInfo", "ObjectNotFound", "Store", "StoreError", "is_url", "open_store"]
+__all__ = [
+    "STORES",
+    "Listed",
+    "ObjectChanged",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "Store",
+    "StoreError",
+    "Upload",
+    "is_url",
+    "open_store",
+]
 
 #: Every store by the URL scheme that names it.
 STORES: dict[str, Callable[..., Store]] = {"s3": S3Store, "http": HttpStore, "https": HttpStore}

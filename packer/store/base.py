@@ -1,5 +1,7 @@
-"""What every object store provides to the read side (:class:`Store`): the size and version of an
-object, a byte range of it, and a whole object streamed into a local file in parallel ranged parts.
+"""What every object store provides (:class:`Store`): to the read side, the size and version of an
+object, a byte range of it, and a whole object streamed into a local file in parallel ranged parts;
+to a publish (where the store is :attr:`~Store.writable`), conditional PUTs, uploads of a file in
+parallel parts, deletes and listings.
 
 The fault handling lives here, once for every store: connect and idle-read timeouts, retries with
 jittered exponential backoff on what a store says is passing (5xx, 429, S3's SlowDown, a reset or
@@ -7,20 +9,27 @@ a body cut short), and a broken transfer resumed from the byte it reached, pinne
 version with ``If-Match`` so that a replaced object is never spliced into the old one. What will not
 pass by retrying (403, 404, a version that changed) is raised at once as :class:`StoreError`, naming
 the object. A store holds no threads or connections across ``fork``: each process opens its own.
+
+Writes retry the same way. A conditional PUT whose attempt broke after it was sent may have landed:
+when the retry is then refused (412, the object is no longer what the condition named), the object is
+read back, and the same bytes there mean the write was ours (:meth:`Store.put`).
 """
 
 from __future__ import annotations
 
 import abc
+import builtins
+import functools
+import hashlib
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, TypeVar
 
-from ..errors import StoreError
+from ..errors import ObjectNotFound, PreconditionFailed, StoreError, URLNotSupported
 
 T = TypeVar("T")
 
@@ -34,6 +43,8 @@ READ_TIMEOUT_S = 30.0  # the longest a response may stay silent (first byte, or 
 #: ranges, and one connection is throughput-capped).
 PART_BYTES = 8 << 20
 PART_THREADS = 8
+#: S3's limit on the parts of one multipart upload (a larger file gets larger parts).
+MAX_PARTS = 10_000
 
 
 class Passing(Exception):
@@ -42,16 +53,45 @@ class Passing(Exception):
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """An object's size and version (its ETag, "" where the store gives none)."""
+    """An object's size and version (its ETag, "" where the store gives none); its user metadata
+    (S3's ``x-amz-meta-*`` headers, names lower-case, without the prefix); when it was last written
+    and the time the server answered, both by the server's clock (0.0 where it gives none): their
+    difference is the object's age with no clock of this machine involved (the lease's expiry)."""
 
     size: int
     etag: str
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    modified: float = 0.0
+    served: float = 0.0
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One object of a listing: its key (relative to the store's URL), size, ETag and last write."""
+
+    key: str
+    size: int
+    etag: str
+    modified: float
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A multipart upload begun and neither completed nor aborted (a publish that died mid-file)."""
+
+    key: str
+    upload_id: str
+    initiated: float
 
 
 class Store(abc.ABC):
     """One location in an object store (``url``: ``s3://bucket/prefix``, ``https://host/path``);
     objects are named relative to it. Subclasses implement :meth:`_head` and :meth:`_stream`, each
     raising :class:`Passing` for what a retry may fix and :class:`StoreError` for what it will not."""
+
+    #: Whether :meth:`put`, :meth:`put_file`, :meth:`delete` and :meth:`list` work here (a plain web
+    #: server is read-only: they raise URLNotSupported).
+    writable = False
 
     def __init__(self, url: str, *, settings: Optional[dict[str, Any]] = None) -> None:
         self.url = url.rstrip("/")
@@ -131,6 +171,176 @@ class Store(abc.ABC):
             for future in [pool.submit(one, n) for n in parts]:
                 future.result()  # the first failure is raised; the other parts finish or fail on their own
 
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        if_match: str = "",
+        if_none_match: bool = False,
+        metadata: Mapping[str, str] = {},
+    ) -> ObjectInfo:
+        """Write ``data`` as the object in one PUT (readers see the old object or this one, whole):
+        only where it is still version ``if_match``, or (``if_none_match``) where none exists yet, else
+        PreconditionFailed. A retry refused after an attempt that broke once sent reads the object
+        back: our own bytes there mean the first attempt landed."""
+        self._check_writable()
+        headers = self._put_headers(metadata)
+        if if_match:
+            headers["If-Match"] = if_match
+        if if_none_match:
+            headers["If-None-Match"] = "*"
+        sent = [False]
+
+        def attempt() -> ObjectInfo:
+            try:
+                etag = self._put(key, data, headers)
+            except Passing:
+                sent[0] = True
+                raise
+            except PreconditionFailed:
+                if not (sent[0] and self._holds(key, data)):
+                    raise
+                return self.head(key)
+            return ObjectInfo(len(data), etag, {k.lower(): v for k, v in metadata.items()})
+
+        return self._retrying(key, attempt)
+
+    def put_file(
+        self,
+        key: str,
+        path: str | os.PathLike,
+        *,
+        metadata: Mapping[str, str] = {},
+    ) -> ObjectInfo:
+        """Upload the local file ``path`` as the object: one PUT up to :data:`PART_BYTES`, else a
+        multipart upload whose parts go up to :data:`PART_THREADS` at a time, each retried on its own;
+        a part that keeps failing aborts the upload (no parts left behind to pay for) and raises."""
+        self._check_writable()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= PART_BYTES:
+                return self.put(key, f.read(), metadata=metadata)
+            step = max(PART_BYTES, -(-size // MAX_PARTS))
+            fd = f.fileno()
+            upload = self._retrying(key, lambda: self._create_upload(key, self._put_headers(metadata)))
+            try:
+
+                def one(n: int) -> str:
+                    data = os.pread(fd, step, n * step)
+                    return self._retrying(key, lambda: self._upload_part(key, upload, n + 1, data))
+
+                parts = -(-size // step)
+                pool = ThreadPoolExecutor(min(PART_THREADS, parts), thread_name_prefix="packer-upload")
+                try:
+                    etags = list(pool.map(one, range(parts)))
+                finally:  # a part that failed for good: the parts not begun are not sent for nothing
+                    pool.shutdown(cancel_futures=True)
+                expected = _multipart_etag(etags)
+                sent = [False]
+
+                def complete() -> str:
+                    try:
+                        return self._complete_upload(key, upload, etags)
+                    except Passing:
+                        sent[0] = True
+                        raise
+                    except ObjectNotFound:  # NoSuchUpload: an attempt that broke did complete it
+                        if sent[0] and expected and self.head(key).etag.strip('"') == expected:
+                            return expected
+                        raise
+
+                etag = self._retrying(key, complete)
+            except BaseException:
+                self._abort_quietly(key, upload)
+                raise
+        return ObjectInfo(size, etag, {k.lower(): v for k, v in metadata.items()})
+
+    def delete(self, key: str, *, if_match: str = "") -> None:
+        """Delete the object (one that is not there is fine); with ``if_match`` only that version of
+        it (PreconditionFailed otherwise, where the store checks: S3 and SeaweedFS do)."""
+        self._check_writable()
+        headers = {"If-Match": if_match} if if_match else {}
+        try:
+            self._retrying(key, lambda: self._delete(key, headers))
+        except ObjectNotFound:  # S3 answers 204 for an absent key; a store that says 404 means the same
+            pass
+
+    def list(self, prefix: str = "") -> Iterator[Listed]:
+        """Every object whose key starts with ``prefix``, in key order, a page at a time."""
+        self._check_writable()
+        token = ""
+        while True:
+            page, token = self._retrying(prefix, functools.partial(self._list, prefix, token))
+            yield from page
+            if not token:
+                return
+
+    def uploads(self, prefix: str = "") -> builtins.list[Upload]:
+        """Multipart uploads begun under ``prefix`` and never completed or aborted."""
+        self._check_writable()
+        return self._retrying(prefix, lambda: self._uploads(prefix))
+
+    def abort(self, upload: Upload) -> None:
+        """Abort a multipart upload, freeing its parts (one already gone is fine)."""
+        self._check_writable()
+        self._retrying(upload.key, lambda: self._abort_upload(upload.key, upload.upload_id))
+
+    def _check_writable(self) -> None:
+        if not self.writable:
+            raise URLNotSupported(
+                f"{self.url}: packer cannot write here (a web server's URL is read-only); "
+                "publish to an s3:// URL (any S3-compatible store) and read it from there or over its https:// address"
+            )
+
+    @staticmethod
+    def _put_headers(metadata: Mapping[str, str]) -> dict[str, str]:
+        return {f"x-amz-meta-{k.lower()}": v for k, v in metadata.items()}
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """Whether the object is there with exactly ``data`` (a PUT that broke after it was sent)."""
+        try:
+            return self.get(key) == data
+        except ObjectNotFound:
+            return False
+
+    def _abort_quietly(self, key: str, upload: str) -> None:
+        """Abort after a failure: the failure is what the caller needs to see, not a second one."""
+        try:
+            self._retrying(key, lambda: self._abort_upload(key, upload))
+        except StoreError:
+            pass  # left for `packer clean URL`, which aborts stale uploads
+
+    # What a writable store implements; each raises Passing for what a retry may fix.
+    def _put(self, key: str, data: bytes, headers: dict[str, str]) -> str:
+        """One PUT of the object; its ETag."""
+        raise NotImplementedError
+
+    def _delete(self, key: str, headers: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def _list(self, prefix: str, token: str) -> tuple[builtins.list[Listed], str]:
+        """One page of the listing from ``token`` ("" first), and the next page's token ("" at the end)."""
+        raise NotImplementedError
+
+    def _create_upload(self, key: str, headers: dict[str, str]) -> str:
+        """A new multipart upload's id."""
+        raise NotImplementedError
+
+    def _upload_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+        """Part ``number`` (from 1) of the upload; its ETag."""
+        raise NotImplementedError
+
+    def _complete_upload(self, key: str, upload: str, etags: builtins.list[str]) -> str:
+        """The upload made the object from its parts, in order; the object's ETag."""
+        raise NotImplementedError
+
+    def _abort_upload(self, key: str, upload: str) -> None:
+        raise NotImplementedError
+
+    def _uploads(self, prefix: str) -> builtins.list[Upload]:
+        raise NotImplementedError
+
     def _retrying(
         self,
         key: str,
@@ -154,6 +364,15 @@ class Store(abc.ABC):
                 if failures == ATTEMPTS:
                     raise StoreError(f"{self.name(key)}: failed {ATTEMPTS} times, last: {e}") from None
                 time.sleep(random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))))
+
+
+def _multipart_etag(etags: list[str]) -> str:
+    """The ETag S3 gives an object made of parts with these ETags: the MD5 of their MD5s, "-N"."""
+    try:
+        md5s = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
+    except ValueError:  # not MD5s (SSE-KMS): nothing to compare with
+        return ""
+    return f"{hashlib.md5(md5s).hexdigest()}-{len(etags)}"
 
 
 class PerProcess(Generic[T]):

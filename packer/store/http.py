@@ -1,6 +1,6 @@
 """Objects over plain HTTP(S) with Range requests (read-only, no credentials): a dataset directory
 served by any web server or a public bucket's https:// address; the transport :mod:`packer.store.s3`
-signs. urllib3: its pools are per process (see :class:`~packer.store.base.PerProcess`) and hold no
+signs (and writes through). urllib3: its pools are per process (see :class:`~packer.store.base.PerProcess`) and hold no
 background threads, so they are safe under fork, spawn and forkserver alike (docs/PERFORMANCE.md,
 "Object storage clients", has the measurement behind the choice)."""
 
@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from email.utils import parsedate_to_datetime
 from typing import Any, Optional
 from urllib.parse import quote
 
 import urllib3
 
-from ..errors import ObjectChanged, ObjectNotFound, StoreError
+from ..errors import ObjectChanged, ObjectNotFound, PreconditionFailed, StoreError
 from .base import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ObjectInfo, Passing, PerProcess, Store
 
 POOL_SIZE = 32  # connections kept per host and process: a download's parts and a batch's requests
 READ_PIECE = 1 << 20  # bytes per piece a response body is read in
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_META = "x-amz-meta-"
 
 
 def _pool() -> urllib3.PoolManager:
@@ -41,32 +43,47 @@ class HttpStore(Store):
     def object_url(self, key: str) -> str:
         return f"{self.url}/{quote(key)}"
 
-    def headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+    def headers(self, method: str, url: str, headers: dict[str, str], body: Optional[bytes] = None) -> dict[str, str]:
         """The request's headers as sent (S3 adds its signature here)."""
         return headers
 
-    def _request(self, method: str, key: str, headers: dict[str, str]) -> urllib3.BaseHTTPResponse:
-        """The response to one request, its body unread; failures classified (see Store)."""
-        url = self.object_url(key)
+    def _request(
+        self, method: str, key: str, headers: dict[str, str], *, query: str = "", body: Optional[bytes] = None
+    ) -> urllib3.BaseHTTPResponse:
+        """The response to one request for object ``key``, its body unread; failures classified (see Store)."""
+        return self._send(method, self.object_url(key) + (f"?{query}" if query else ""), key, headers, body)
+
+    def _send(
+        self, method: str, url: str, key: str, headers: dict[str, str], body: Optional[bytes] = None
+    ) -> urllib3.BaseHTTPResponse:
+        """The response to one request to ``url`` (about object ``key``, for messages), its body unread."""
         try:
             response = self._pools.get().request(
-                method, url, headers=self.headers(method, url, headers), preload_content=False, redirect=False
+                method,
+                url,
+                body=body,
+                headers=self.headers(method, url, headers, body),
+                preload_content=False,
+                redirect=False,
             )
         except urllib3.exceptions.HTTPError as e:  # connect/read timeouts, resets, refused connections
             raise Passing(f"{type(e).__name__}: {e}") from None
         status = response.status
-        if status in (200, 206):
+        if status in (200, 204, 206):
             return response
-        body = self._drain(response)
+        text = self._drain(response)
         if status == 404:
-            raise ObjectNotFound(f"{self.name(key)}: not found (HTTP 404)")
+            raise ObjectNotFound(f"{self.name(key)}: not found (HTTP 404{text})")
         if status in (401, 403):
-            raise StoreError(f"{self.name(key)}: access denied (HTTP {status}{body}); check the credentials")
-        if status == 412:
+            raise StoreError(f"{self.name(key)}: access denied (HTTP {status}{text}); check the credentials")
+        reading = method in ("GET", "HEAD")
+        if status == 412 and reading:
             raise ObjectChanged(f"{self.name(key)}: replaced while it was being read (HTTP 412)")
-        if status == 429 or status >= 500 or "SlowDown" in body:
-            raise Passing(f"HTTP {status}{body}")
-        raise StoreError(f"{self.name(key)}: HTTP {status}{body}")
+        if status == 412 or (status == 409 and "ConditionalRequestConflict" in text):
+            raise PreconditionFailed(f"{self.name(key)}: changed by another writer (HTTP {status}{text})")
+        if status == 429 or status >= 500 or "SlowDown" in text:
+            raise Passing(f"HTTP {status}{text}")
+        raise StoreError(f"{self.name(key)}: HTTP {status}{text}")
 
     @staticmethod
     def _drain(response: urllib3.BaseHTTPResponse) -> str:
@@ -86,7 +103,9 @@ class HttpStore(Store):
         size = response.headers.get("Content-Length")
         if size is None or not size.isdigit():
             raise StoreError(f"{self.name(key)}: the server gives no size (Content-Length)")
-        return ObjectInfo(int(size), response.headers.get("ETag", ""))
+        meta = {k.lower()[len(_META) :]: v for k, v in response.headers.items() if k.lower().startswith(_META)}
+        modified, served = (_http_date(response.headers.get(h, "")) for h in ("Last-Modified", "Date"))
+        return ObjectInfo(int(size), response.headers.get("ETag", ""), meta, modified, served)
 
     def _stream(self, key: str, start: int, end: int, etag: str) -> Iterator[bytes]:
         if end <= start:
@@ -127,3 +146,11 @@ class HttpStore(Store):
         if found is None or int(found.group(1)) != start:
             raise StoreError(f"{self.name(key)}: the server answered a range request with another range")
         return 0
+
+
+def _http_date(text: str) -> float:
+    """An HTTP date header as seconds since the epoch; 0.0 when absent or unreadable."""
+    try:
+        return parsedate_to_datetime(text).timestamp() if text else 0.0
+    except (TypeError, ValueError):
+        return 0.0

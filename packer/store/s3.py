@@ -4,18 +4,30 @@ endpoint come the standard AWS way (``AWS_ACCESS_KEY_ID``/profiles/SSO/instance 
 ``AWS_REGION``, ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` or a profile's ``endpoint_url``),
 and a bucket without credentials (or with ``AWS_NO_SIGN_REQUEST=true``) is read anonymously.
 botocore's own client is not used: its per-request overhead halved the GET rate measured on one
-connection pool (docs/PERFORMANCE.md, "Object storage clients")."""
+connection pool (docs/PERFORMANCE.md, "Object storage clients").
+
+Writes (the publish side, :class:`~packer.store.base.Store`'s put/put_file/delete/list) are the plain
+S3 REST calls. Each PUT body carries its Content-MD5, which the store checks (BadDigest otherwise);
+botocore's signer then signs the body's SHA-256 over http:// and sends UNSIGNED-PAYLOAD over https://,
+where TLS and the MD5 already cover it (its own rule, kept)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
+import xml.etree.ElementTree as ET
+from datetime import datetime
 from typing import Any, Optional
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
-from .base import StoreError
+import urllib3
+
+from .base import Listed, Passing, StoreError, Upload
 from .http import HttpStore
 
 DEFAULT_REGION = "us-east-1"
+LIST_PAGE = 1000  # keys per listing request (S3's most)
 
 
 def _botocore() -> Any:
@@ -32,6 +44,8 @@ def _botocore() -> Any:
 class S3Store(HttpStore):
     """Objects under ``s3://bucket/prefix``: path-style requests to a configured endpoint, virtual-
     hosted ones to AWS; each signed with the credentials current at the time (they may refresh)."""
+
+    writable = True
 
     def __init__(self, url: str, *, settings: Optional[dict[str, Any]] = None) -> None:
         super().__init__(url, settings=settings)
@@ -80,11 +94,118 @@ class S3Store(HttpStore):
         path = f"{self.prefix}/{key}" if self.prefix else key
         return f"{self.base}/{quote(path)}"
 
-    def headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+    def headers(self, method: str, url: str, headers: dict[str, str], body: Optional[bytes] = None) -> dict[str, str]:
+        if body is not None:
+            headers = headers | {"Content-MD5": base64.b64encode(hashlib.md5(body).digest()).decode("ascii")}
         if self._credentials is None:
             return headers
         botocore = _botocore()
-        request = botocore.awsrequest.AWSRequest(method=method, url=url, headers=headers)
+        request = botocore.awsrequest.AWSRequest(method=method, url=url, headers=headers, data=body)
         signer = botocore.auth.S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self.region)
         signer.add_auth(request)
         return dict(request.headers.items())
+
+    def _xml(
+        self,
+        method: str,
+        key: str,
+        *,
+        query: dict[str, str],
+        headers: Optional[dict[str, str]] = None,
+        body: Optional[bytes] = None,
+    ) -> ET.Element:
+        """The parsed XML answer of one request (``key`` "" : the bucket, for listings). A 200 whose body
+        is an <Error> (S3 may answer a CompleteMultipartUpload so, after it began) is passing."""
+        url = self.object_url(key) if key else f"{self.base}/"
+        url += "?" + urlencode(query, quote_via=quote)
+        response = self._send(method, url, key, headers or {}, body)
+        try:
+            text = response.read()
+        except urllib3.exceptions.HTTPError as e:
+            raise Passing(f"{type(e).__name__}: {e}") from None
+        finally:
+            response.release_conn()
+        try:
+            root = ET.fromstring(text)
+        except ET.ParseError:
+            raise Passing(f"an unreadable answer ({len(text)} bytes)") from None
+        for element in root.iter():
+            element.tag = element.tag.rpartition("}")[2]  # S3's namespace off every name
+        if root.tag == "Error":
+            raise Passing(f"HTTP {response.status}: {root.findtext('Code', '')}")
+        return root
+
+    def _put(self, key: str, data: bytes, headers: dict[str, str]) -> str:
+        response = self._request("PUT", key, headers, body=data)
+        response.release_conn()
+        return response.headers.get("ETag", "")
+
+    def _delete(self, key: str, headers: dict[str, str]) -> None:
+        self._request("DELETE", key, headers).release_conn()
+
+    def _list(self, prefix: str, token: str) -> tuple[list[Listed], str]:
+        base = self.prefix
+        query = {"list-type": "2", "max-keys": str(LIST_PAGE), "prefix": (base + "/" if base else "") + prefix}
+        if token:
+            query["continuation-token"] = token
+        root = self._xml("GET", "", query=query)
+        skip = len(base) + 1 if base else 0
+        page = [
+            Listed(
+                e.findtext("Key", "")[skip:],
+                int(e.findtext("Size", "0")),
+                e.findtext("ETag", ""),
+                _iso_time(e.findtext("LastModified", "")),
+            )
+            for e in root.iter("Contents")
+        ]
+        more = root.findtext("IsTruncated", "false") == "true"
+        return page, root.findtext("NextContinuationToken", "") if more else ""
+
+    def _create_upload(self, key: str, headers: dict[str, str]) -> str:
+        upload = self._xml("POST", key, query={"uploads": ""}, headers=headers).findtext("UploadId", "")
+        if not upload:
+            raise Passing("no UploadId in the answer")
+        return upload
+
+    def _upload_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+        query = urlencode({"partNumber": number, "uploadId": upload}, quote_via=quote)
+        response = self._request("PUT", key, {}, query=query, body=data)
+        response.release_conn()
+        return response.headers.get("ETag", "")
+
+    def _complete_upload(self, key: str, upload: str, etags: list[str]) -> str:
+        parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>" for n, e in enumerate(etags, 1))
+        body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
+        root = self._xml("POST", key, query={"uploadId": upload}, body=body)
+        return root.findtext("ETag", "")
+
+    def _abort_upload(self, key: str, upload: str) -> None:
+        query = urlencode({"uploadId": upload}, quote_via=quote)
+        self._request("DELETE", key, {}, query=query).release_conn()
+
+    def _uploads(self, prefix: str) -> list[Upload]:
+        base = self.prefix
+        skip = len(base) + 1 if base else 0
+        query = {"uploads": "", "prefix": (base + "/" if base else "") + prefix}
+        found: list[Upload] = []
+        while True:
+            root = self._xml("GET", "", query=query)
+            found += [
+                Upload(e.findtext("Key", "")[skip:], e.findtext("UploadId", ""), _iso_time(e.findtext("Initiated", "")))
+                for e in root.iter("Upload")
+            ]
+            if root.findtext("IsTruncated", "false") != "true":
+                return found
+            query |= {
+                "key-marker": root.findtext("NextKeyMarker", ""),
+                "upload-id-marker": root.findtext("NextUploadIdMarker", ""),
+            }
+
+
+def _iso_time(text: str) -> float:
+    """S3's ISO 8601 time (``2024-01-01T00:00:00.000Z``) as seconds since the epoch (0.0 if unreadable)."""
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0

@@ -17,11 +17,23 @@ records and labels (``digest``), the index rows (``index_digest``), the source p
 (``manifest_digest``). A format-1 dataset (written before the last two) is verified as far as its
 digests go, and the result's ``notes`` say what could not be checked; in a format-2 manifest they
 must be there.
+
+A URL is verified in the store, without the node cache: the version's metadata is fetched into a
+temporary folder, and each data file's object is checked against ``files.json`` (size, sha256) and
+the manifest, its records against the index (length, CRC-32, the record format's own checks). A
+memmap shard is streamed through once, a record at a time (memory: one piece of the response and one
+record); an LMDB file, whose B-tree cannot be walked as a stream, is fetched into the temporary folder
+one file at a time, checked as a local one, and deleted. Every missing or damaged object is named,
+whatever ``limit`` says.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -31,22 +43,28 @@ import numpy as np
 from ..backends import BACKENDS, data_files
 from ..backends.pin import pin
 from ..backends.walk import by_file, walk
-from ..errors import local_path
+from ..errors import is_url, local_path
 from ..format import (
     INDEX,
     LABELS,
     MANIFEST,
     SOURCES,
+    TARGETS,
     DatasetError,
     Digest,
     Manifest,
     bytes_per_file,
     index_digest,
+    load_index,
+    load_label_arrays,
     logical_digest,
     source_path,
 )
 from ..format.label_arrays import arrays_digest, class_counts
 from ..format.records import FORMATS
+from ..store import ObjectNotFound, open_store
+from ..store.base import ObjectInfo, Store
+from ..store.published import POINTER, FileEntry, read_files, version_id, version_key
 
 
 @dataclass
@@ -66,63 +84,228 @@ class Verification:
     def ok(self) -> bool:
         return self.found == 0
 
-    def add(self, problem: str) -> None:
+    def add(self, problem: str, *, always: bool = False) -> None:
+        """A finding; listed while under the limit, or ``always`` (a missing or damaged object)."""
         self.found += 1
-        if len(self.problems) < self.limit:
+        if always or len(self.problems) < self.limit:
             self.problems.append(problem)
 
 
-def verify(root: str | os.PathLike, limit: int = 10) -> Verification:
-    """Check the dataset at ``root``; raises DatasetError only when it cannot be opened or read safely."""
+def verify(root: str | os.PathLike, limit: int = 10, *, version: str = "") -> Verification:
+    """Check the dataset at ``root`` (a local path, or a URL: checked in the store, see the module;
+    ``version``: that published version's id instead of the current one); raises DatasetError only
+    when it cannot be opened or read safely."""
+    if is_url(root):
+        return _verify_url(os.fsdecode(root), limit, version)
     pinned = pin(str(local_path(root).resolve()))  # manifest and arrays of one version; special files refused
-    manifest, index, sources, multi, targets = (
-        pinned.manifest,
-        pinned.index,
-        pinned.sources,
-        pinned.multi,
-        pinned.targets,
-    )
+    manifest, index = pinned.manifest, pinned.index
     result = Verification(str(root), manifest.count, "", limit=limit)
-    _check_metadata(result, manifest, index, sources, multi, targets)
-    segmented = manifest.format_version >= 3
-    digest = Digest()  # versions 1 and 2 digest the bytes; 3 the index (logical_digest)
-    backend = BACKENDS[manifest.backend]
-    for problem in backend.check_files(Path(root), manifest):
+    checks = _Checks(result, manifest, index, pinned.sources, pinned.multi, pinned.targets)
+    for problem in BACKENDS[manifest.backend].check_files(Path(root), manifest):
         result.add(problem)
-    labels = index["label"].tolist()
-    unused: list[tuple[str, int, int]] = []  # LMDB: (file, records, bytes) no row names
-
-    def extra_keys(name: str, n: int, nbytes: int) -> None:
-        if segmented:  # records a refresh replaced or deleted: their bytes are the manifest's dead_bytes
-            unused.append((name, n, nbytes))
-        else:
-            result.add(f"{name} holds {n} records the index does not name")
-
     try:
-        for i, data, crc in walk(root, manifest, index, extra_keys):
-            why = _record_problem(manifest, index[i], data, crc)
-            if why:
-                result.bad_records += 1
-                result.add(f"record {i} ({source_path(sources, index[i])}): {why}")
-            if not segmented:
-                digest.update(labels[i], data if data is not None else b"")
+        for i, data, crc in walk(root, manifest, index, checks.extra_keys):
+            checks.record(i, data, crc)
     except OSError as e:
         raise DatasetError(f"{root}: read failed ({e})") from None
-    labels_digest = arrays_digest(multi, targets)
-    result.digest = logical_digest(index, labels_digest) if segmented else digest.hexdigest(labels_digest)
-    if result.digest != manifest.digest:
-        result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
-    if segmented and backend.keyed:
-        found = {name: (n, nbytes) for name, n, nbytes in unused}
-        for s in manifest.shards:
-            n, nbytes = found.get(str(s["file"]), (0, 0))
-            if nbytes != int(s.get("dead", 0)):
-                result.add(
-                    f"{s['file']} holds {n} records the index does not name ({nbytes} bytes), "
-                    f"the manifest says {int(s.get('dead', 0))} dead bytes"
-                )
-    _check_digests(result, manifest, index, sources)  # last: the problems found above say more
+    checks.finish()
     return result
+
+
+class _Checks:
+    """The checks of a dataset's metadata (at once), of each record as it is handed over (in storage
+    order: a local walk, or a stream from the store), and of the totals (:meth:`finish`)."""
+
+    def __init__(
+        self,
+        result: Verification,
+        manifest: Manifest,
+        index: np.ndarray,
+        sources: np.ndarray,
+        multi: Optional[np.ndarray],
+        targets: Optional[np.ndarray],
+    ) -> None:
+        self.result, self.manifest, self.index, self.sources = result, manifest, index, sources
+        self.labels_digest = arrays_digest(multi, targets)
+        _check_metadata(result, manifest, index, sources, multi, targets)
+        self.segmented = manifest.format_version >= 3
+        self.digest = Digest()  # versions 1 and 2 digest the bytes; 3 the index (logical_digest)
+        self.labels = index["label"].tolist()
+        self.unused: list[tuple[str, int, int]] = []  # LMDB: (file, records, bytes) no row names
+
+    def extra_keys(self, name: str, n: int, nbytes: int) -> None:
+        if self.segmented:  # records a refresh replaced or deleted: their bytes are the manifest's dead_bytes
+            self.unused.append((name, n, nbytes))
+        else:
+            self.result.add(f"{name} holds {n} records the index does not name")
+
+    def record(self, i: int, data: Optional[bytes], crc: int) -> None:
+        why = _record_problem(self.manifest, self.index[i], data, crc)
+        if why:
+            self.result.bad_records += 1
+            self.result.add(f"record {i} ({source_path(self.sources, self.index[i])}): {why}")
+        if not self.segmented:
+            self.digest.update(self.labels[i], data if data is not None else b"")
+
+    def finish(self) -> None:
+        result, manifest = self.result, self.manifest
+        segmented = self.segmented
+        result.digest = (
+            logical_digest(self.index, self.labels_digest) if segmented else self.digest.hexdigest(self.labels_digest)
+        )
+        if result.digest != manifest.digest:
+            result.add(f"dataset digest {result.digest} differs from the manifest's {manifest.digest}")
+        if segmented and BACKENDS[manifest.backend].keyed:
+            found = {name: (n, nbytes) for name, n, nbytes in self.unused}
+            for s in manifest.shards:
+                n, nbytes = found.get(str(s["file"]), (0, 0))
+                if nbytes != int(s.get("dead", 0)):
+                    result.add(
+                        f"{s['file']} holds {n} records the index does not name ({nbytes} bytes), "
+                        f"the manifest says {int(s.get('dead', 0))} dead bytes"
+                    )
+        _check_digests(result, manifest, self.index, self.sources)  # last: the problems found above say more
+
+
+def _verify_url(url: str, limit: int, version: str) -> Verification:
+    """:func:`verify` of the dataset at ``url``, in the store (see the module)."""
+    store = open_store(url)
+    try:
+        text = store.get(version_key(version, MANIFEST) if version else POINTER)
+    except ObjectNotFound:
+        raise DatasetError(f"{url}: no {'version ' + version if version else 'dataset'} there") from None
+    pinned, version = version, version or version_id(text)
+    listed = read_files(store, version)  # None: a copy synced as it is, everything at U/NAME
+    if pinned and listed is None:
+        raise DatasetError(f"{url}: version {version} has no files.json (a publish that did not finish)")
+    with tempfile.TemporaryDirectory(prefix="packer-verify-") as tmp:
+        root = Path(tmp)
+        (root / MANIFEST).write_bytes(text)
+        manifest = Manifest.load(root)
+        names = [INDEX, SOURCES] + [LABELS] * (manifest.label_kind == "multi") + [TARGETS] * bool(manifest.targets)
+        for name in names:  # fetched into files: the index of a large dataset need not fit in memory twice
+            key = version_key(version, name) if listed is not None else name
+            try:
+                _fetch(store, key, root / name)
+            except ObjectNotFound:
+                raise DatasetError(f"{store.name(key)}: missing (the manifest needs it)") from None
+        index, sources = load_index(root, manifest)
+        multi, targets = load_label_arrays(root, manifest)
+        result = Verification(url if listed is None else f"{url} (version {version})", manifest.count, "", limit=limit)
+        checks = _Checks(result, manifest, index, sources, multi, targets)
+        if listed is not None and not pinned:  # the version's own copy of the manifest the pointer holds
+            key = version_key(version, MANIFEST)
+            try:
+                if store.get(key) != text:
+                    result.add(
+                        f"{store.name(key)}: differs from {store.name(POINTER)} (damaged or replaced)", always=True
+                    )
+            except ObjectNotFound:
+                result.add(f"{store.name(key)}: missing", always=True)
+        _check_objects(store, root, manifest, index, listed, checks)
+        checks.finish()
+    return result
+
+
+def _fetch(store: Store, key: str, path: Path, info: Optional[ObjectInfo] = None) -> None:
+    """The object into a new local file, in parallel ranged parts."""
+    info = info or store.head(key)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, info.size)
+        store.download(key, fd, info)
+    finally:
+        os.close(fd)
+
+
+def _check_objects(
+    store: Store,
+    tmp: Path,
+    manifest: Manifest,
+    index: np.ndarray,
+    listed: Optional[dict[str, FileEntry]],
+    checks: _Checks,
+) -> None:
+    """Each data file's object against files.json and the manifest, and its records (see the module)."""
+    backend, places, result = BACKENDS[manifest.backend], by_file(manifest, index), checks.result
+    sizes = [int(s["bytes"]) for s in manifest.shards] if backend.lists_files(manifest) else None
+    for k, name in enumerate(data_files(manifest)):
+        rows = places.rows(k)
+        entry = listed.get(name) if listed is not None else FileEntry(name, -1)
+        if entry is None:
+            result.add(f"{name}: files.json does not list it ({len(rows)} records)", always=True)
+            info = None
+        else:
+            try:
+                info = store.head(entry.key)
+            except ObjectNotFound:
+                result.add(f"{store.name(entry.key)}: missing ({name}, {len(rows)} records)", always=True)
+                info = None
+        if info is None or entry is None:
+            for i in rows.tolist():
+                checks.record(i, None, 0)
+            continue
+        what = store.name(entry.key)
+        for says, size in (("files.json", entry.size), ("the manifest", sizes[k] if sizes else -1)):
+            if size >= 0 and info.size != size:
+                result.add(f"{what}: {info.size} bytes, {says} says {size} (truncated or replaced)", always=True)
+        digest = hashlib.sha256()
+        positions, lengths = places.position[rows], index["length"][rows]
+        if backend.keyed:  # an LMDB file: walked as a local one, then deleted
+            path = tmp / name
+            _fetch(store, entry.key, path, info)
+            with open(path, "rb") as f:
+                while piece := f.read(1 << 20):
+                    digest.update(piece)
+            try:
+                backend.check_walkable(path)
+                for i, data in backend.walk_file(path, rows, positions, lengths, checks.extra_keys):
+                    checks.record(i, None if data is None else bytes(data), zlib.crc32(data) if data is not None else 0)
+            except DatasetError as e:
+                result.add(f"{what}: {str(e).removeprefix(f'{path}: ')}", always=True)
+            path.unlink()
+        else:
+            _stream_records(store, entry.key, info, rows, positions, lengths, digest.update, checks)
+        if entry.sha256 and digest.hexdigest() != entry.sha256:
+            result.add(f"{what}: sha256 differs from files.json's (damaged or replaced bytes)", always=True)
+    for i in places.order[places.bounds[-1] :].tolist():  # rows naming a data file that is not listed
+        checks.record(i, None, 0)
+
+
+def _stream_records(
+    store: Store,
+    key: str,
+    info: ObjectInfo,
+    rows: np.ndarray,
+    positions: np.ndarray,
+    lengths: np.ndarray,
+    hashed: Callable[[bytes], object],
+    checks: _Checks,
+) -> None:
+    """The object read once, front to back: every piece to ``hashed``, each record (``rows`` at
+    byte ``positions``, sorted, ``lengths`` long) handed to ``checks`` as its last byte arrives."""
+    state = {"at": 0, "j": 0}
+    record = bytearray()
+    starts, ends = positions.tolist(), (positions + lengths.astype(np.int64)).tolist()
+    numbers = rows.tolist()
+
+    def sink(piece: bytes) -> None:
+        hashed(piece)
+        start, end = state["at"], state["at"] + len(piece)
+        state["at"] = end
+        j = state["j"]
+        while j < len(numbers) and starts[j] < end:
+            record.extend(piece[max(starts[j], start) - start : min(ends[j], end) - start])
+            if ends[j] > end:
+                break
+            checks.record(numbers[j], bytes(record), zlib.crc32(record))
+            record.clear()
+            j += 1
+        state["j"] = j
+
+    store.fetch(key, 0, info.size, info.etag, sink)
+    for i in numbers[state["j"] :]:  # past the object's end: missing
+        checks.record(i, None, 0)
 
 
 def _check_digests(result: Verification, manifest: Manifest, index: np.ndarray, sources: np.ndarray) -> None:

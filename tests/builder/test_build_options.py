@@ -26,9 +26,9 @@ from packer.tools.verify import verify
 from .test_labels import v1_pixels
 
 V2 = Path(__file__).resolve().parents[1] / "data" / "v2-memmap"
-# packer build's parameters that are not BuildOptions fields: the call's own, and the four flags
-# that make BuildOptions.labelling (Labelling's fields)
-NOT_FIELDS = {"raw_dir", "out", "quiet", "dask_address"} | {f.name for f in dataclasses.fields(Labelling)}
+# packer build's parameters that are not BuildOptions fields: the call's own (--staging: where a URL OUT
+# is staged), and the four flags that make BuildOptions.labelling (Labelling's fields)
+NOT_FIELDS = {"raw_dir", "out", "quiet", "dask_address", "staging"} | {f.name for f in dataclasses.fields(Labelling)}
 
 
 def test_every_build_option_is_a_field_with_its_default_and_help() -> None:

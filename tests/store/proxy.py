@@ -1,8 +1,9 @@
 """A fault-injecting HTTP proxy on 127.0.0.1 for the store tests: it forwards each request to the
 real server unchanged (Host included, so S3 signatures still hold), and on the way back injects
 what :class:`Faults` says for objects whose key contains a given text: 503s, connection resets
-mid-body, bodies cut short, flipped bytes, a first-byte delay and a bandwidth cap. It counts
-requests and body bytes per object, and keeps each GET's Range header."""
+mid-body, bodies cut short, flipped bytes, a first-byte delay and a bandwidth cap. Uploads (PUT, POST,
+DELETE) pass through too, with their own faults (see :class:`Faults`). It counts requests and body
+bytes per object, and keeps each GET's Range header."""
 
 from __future__ import annotations
 
@@ -26,9 +27,15 @@ class Faults:
     ``fail`` get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
     next ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte
     flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte, ``rate``
-    bytes/s at most (all its responses together)."""
+    bytes/s at most (all its responses together).
+
+    A rule whose ``method`` is PUT, POST or DELETE applies to those requests instead: the first
+    ``fail`` get a 503 SlowDown and are not forwarded, the next ``reset`` are forwarded (the write
+    lands) and then reset before any answer (the writer cannot tell), the next ``truncate`` are cut
+    off halfway through the request body (nothing forwarded)."""
 
     match: str = ""
+    method: str = "GET"
     stall: int = 0
     stall_s: float = 5.0
     fail: int = 0
@@ -48,6 +55,7 @@ class Proxy:
     faults: list[Faults] = field(default_factory=list)
     requests: Counter = field(default_factory=Counter)  # (method, object name) -> requests
     sent: Counter = field(default_factory=Counter)  # object name -> body bytes sent
+    received: Counter = field(default_factory=Counter)  # object name -> request body bytes received whole
     ranges: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> GET Range headers
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: int = 0  # requests being answered
@@ -63,11 +71,16 @@ class Proxy:
             self.faults.clear()
             self.requests.clear()
             self.sent.clear()
+            self.received.clear()
             self.ranges.clear()
 
     def fetched(self, name: str) -> int:
         """Body bytes sent for objects whose key ends with ``name``."""
         return sum(n for key, n in self.sent.items() if key.endswith("/" + name))
+
+    def uploaded(self, name: str) -> int:
+        """Request body bytes received whole for objects whose key ends with ``name``."""
+        return sum(n for key, n in self.received.items() if key.endswith("/" + name))
 
     def gets(self, name: str) -> int:
         return sum(n for (method, key), n in self.requests.items() if method == "GET" and key.endswith("/" + name))
@@ -96,6 +109,15 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
         def do_GET(self) -> None:
             self._counted()
 
+        def do_PUT(self) -> None:
+            self._counted()
+
+        def do_POST(self) -> None:
+            self._counted()
+
+        def do_DELETE(self) -> None:
+            self._counted()
+
         def _counted(self) -> None:
             with proxy.lock:
                 proxy.active += 1
@@ -107,14 +129,20 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
 
         def _forward(self) -> None:
             key = unquote(urlsplit(self.path).path)
+            writing = self.command in ("PUT", "POST", "DELETE")
             with proxy.lock:
                 proxy.requests[self.command, key] += 1
                 if self.command == "GET":
                     proxy.ranges[key].append(self.headers.get("Range", ""))
-                rule = next((f for f in proxy.faults if f.match in key), None) if self.command == "GET" else None
+                applies = self.command if writing else "GET"
+                rule = next((f for f in proxy.faults if f.match in key and f.method == applies), None)
+                rule = rule if self.command != "HEAD" else None
                 n = -1
                 if rule is not None:
                     n, rule.seen = rule.seen, rule.seen + 1
+            if writing:
+                self._write(key, rule, n)
+                return
             conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=60)
             conn.request(self.command, self.path, headers=dict(self.headers.items()))
             response = conn.getresponse()
@@ -149,6 +177,35 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                     mid = len(body) // 2
                     body = body[:mid] + bytes([body[mid] ^ 0xFF]) + body[mid + 1 :]
             self._reply(response.status, body, headers, rule=rule)
+
+        def _write(self, key: str, rule: Faults | None, n: int) -> None:
+            """An upload request forwarded, or failed as ``rule`` says (see Faults)."""
+            length = int(self.headers.get("Content-Length", 0))
+            if rule is not None and rule.fail + rule.reset <= n < rule.fail + rule.reset + rule.truncate:
+                self.rfile.read(length // 2)  # cut off mid-body: the server sees nothing
+                self._hang_up()
+                return
+            body = self.rfile.read(length)
+            with proxy.lock:
+                proxy.received[key] += len(body)
+            if rule is not None and n < rule.fail:
+                self._reply(503, b"<Error><Code>SlowDown</Code></Error>", {})
+                return
+            conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=60)
+            conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+            response = conn.getresponse()
+            answer = response.read()
+            conn.close()
+            if rule is not None and n < rule.fail + rule.reset:  # landed, and the writer never hears it
+                self._hang_up()
+                return
+            headers = {k: v for k, v in response.getheaders() if k.lower() not in ("connection", "transfer-encoding")}
+            self._reply(response.status, answer, headers)
+
+        def _hang_up(self) -> None:
+            """Reset the connection (RST): the client sees it broken, with no answer."""
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
 
         def _reply(
             self,

@@ -1,0 +1,344 @@
+"""A dataset published to an object store at URL ``U`` (docs/OBJECT-STORAGE.md, "Layout"):
+``U/manifest.json``, the pointer, holds the current version's manifest and is written last, in one
+PUT conditional on the previous pointer; each version's metadata lives, immutable, under
+``U/versions/<id>/``, whose ``files.json`` (written last inside it) says where each data file's
+bytes are. No object is ever overwritten but the pointer, so a reader pinned to an older version
+keeps reading it until gc deletes what no kept version names.
+
+This module holds the names and the ``files.json`` format, read and written the same way by the
+publish, the read side, gc and verify, and the one-writer :class:`Lease`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from types import TracebackType
+from typing import Any, Optional
+
+from ..errors import BuildError, DatasetError, ObjectChanged, ObjectNotFound, PreconditionFailed, StoreError, say
+from ..format import MANIFEST
+from .base import ObjectInfo, Store
+
+__all__ = [
+    "FILES",
+    "LEASE",
+    "POINTER",
+    "VERSIONS",
+    "FileEntry",
+    "Lease",
+    "VersionFiles",
+    "files_json",
+    "parse_files",
+    "published_versions",
+    "read_files",
+    "read_version",
+    "version_id",
+    "version_key",
+]
+
+POINTER = MANIFEST  # the current version's manifest: a synced copy (aws s3 sync) opens the same way
+VERSIONS = "versions"
+FILES = "files.json"
+LEASE = ".packer-lease"
+FILES_FORMAT = 1
+#: A lease not renewed for this long is its dead holder's, and the next writer takes it over.
+LEASE_TTL_S = 120.0
+DATE_RESOLUTION_S = 1.0  # of Last-Modified and Date
+#: How long ``wait=True`` waits for another writer at most before it gives up.
+WAIT_TIMEOUT_S = 6 * 3600.0
+
+_ID = re.compile(r"[0-9a-f]{32}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """Where data file NAME's bytes live (``key``, relative to U), their size and sha256 ("" where
+    not recorded)."""
+
+    key: str
+    size: int
+    sha256: str = ""
+
+
+def version_id(manifest_bytes: bytes) -> str:
+    """A version's id: the first 32 hex digits of its manifest's sha256, as the read cache keys it."""
+    return hashlib.sha256(manifest_bytes).hexdigest()[:32]
+
+
+def version_key(version: str, name: str) -> str:
+    """``versions/<id>/<name>``: an object of that version's folder."""
+    return f"{VERSIONS}/{version}/{name}"
+
+
+@dataclass(frozen=True)
+class VersionFiles:
+    """A version's ``files.json``: its data files, and the version it was published over
+    (``parent``: "" for a first publish, None where the file does not say), which orders the
+    versions for gc without comparing clocks."""
+
+    files: dict[str, FileEntry]
+    parent: Optional[str]
+
+
+def files_json(entries: Mapping[str, FileEntry], *, parent: Optional[str] = None) -> bytes:
+    """The bytes of a version's ``files.json`` (sorted, so one set of entries has one form);
+    ``parent``: the current version this one is published over ("" for none)."""
+    files = {
+        name: {"key": e.key, "size": e.size, **({"sha256": e.sha256} if e.sha256 else {})}
+        for name, e in sorted(entries.items())
+    }
+    doc: dict[str, Any] = {"format": FILES_FORMAT, "files": files}
+    if parent is not None:
+        doc["parent"] = parent
+    return json.dumps(doc, indent=1, sort_keys=True).encode("utf-8")
+
+
+def parse_files(data: bytes, *, where: str) -> dict[str, FileEntry]:
+    """``files.json``'s entries; DatasetError (naming ``where``) for one packer did not write: a key
+    outside U (absolute, or with ``..``) would point a reader anywhere in the bucket."""
+    return _parse(data, where).files
+
+
+def _parse(data: bytes, where: str) -> VersionFiles:
+    try:
+        doc = json.loads(data)
+        if doc.get("format") != FILES_FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}, this packer reads {FILES_FORMAT}")
+        parent = doc.get("parent")
+        if parent is not None and not (isinstance(parent, str) and (parent == "" or _ID.fullmatch(parent))):
+            raise ValueError(f"parent {parent!r}")
+        found: dict[str, FileEntry] = {}
+        for name, e in doc["files"].items():
+            key, size, sha = e["key"], e["size"], e.get("sha256", "")
+            if not isinstance(key, str) or not key or key.startswith("/") or ".." in key.split("/"):
+                raise ValueError(f"{name}: key {key!r} is not inside the dataset")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(f"{name}: size {size!r}")
+            if sha and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+                raise ValueError(f"{name}: sha256 {sha!r}")
+            found[name] = FileEntry(key, size, sha)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DatasetError(f"{where}: not a files.json packer wrote ({e})") from None
+    return VersionFiles(found, parent)
+
+
+def read_files(store: Store, version: str) -> Optional[dict[str, FileEntry]]:
+    """Version ``version``'s data files as its ``files.json`` lists them; None where it has none (a
+    dataset copied as it is, whose data files sit at U/NAME)."""
+    found = read_version(store, version)
+    return found.files if found is not None else None
+
+
+def published_versions(store: Store) -> list[str]:
+    """The ids of the versions whose folder has its files.json (published whole), in key order;
+    empty for a dataset synced as it is."""
+    suffix = "/" + FILES
+    return [o.key.split("/")[1] for o in store.list(f"{VERSIONS}/") if o.key.endswith(suffix) and o.key.count("/") == 2]
+
+
+def read_version(store: Store, version: str) -> Optional[VersionFiles]:
+    """Version ``version``'s ``files.json``; None where it has none."""
+    if not _ID.fullmatch(version):
+        raise DatasetError(f"{store.url}: {version!r} is not a version id")
+    key = version_key(version, FILES)
+    try:
+        data = store.get(key)
+    except ObjectNotFound:
+        return None
+    return _parse(data, store.name(key))
+
+
+def utc(t: float) -> str:
+    """A time for messages: ``2026-12-01 03:00:02 UTC``."""
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class Lease:
+    """The one-writer lease of the dataset at the store's URL, held for a ``with`` block: the object
+    ``U/.packer-lease`` names its holder, and only the holder publishes, compacts or collects garbage.
+
+    Taken with ``PUT If-None-Match: *`` (only one writer can create it), renewed every ``ttl_s / 3``
+    by a thread with ``PUT If-Match`` on the ETag it last wrote, deleted (``If-Match`` again) at
+    the end. A holder that died (kill -9, a lost machine) stops renewing: once the lease's age by the
+    store's own clock (its Date minus the lease's Last-Modified, so no two machines' clocks are
+    compared) passes the holder's ``ttl_s``, the next writer takes it over with ``If-Match`` on the
+    ETag it saw. Another live holder: BuildError "U is being built by HOST pid N since ...", the
+    local build lock's wording, or with ``wait`` a wait for it (``wait_timeout_s`` at most).
+
+    What the store must support: conditional PUTs (AWS S3 does since 2024; SeaweedFS does, see
+    docs/OBJECT-STORAGE.md). A store that ignores them would let two writers both "win"; the lease
+    probes for that once (a second If-None-Match PUT of its own bytes must be refused) and then
+    refuses to go on, unless ``unguarded``: the user's word that no second writer runs. SeaweedFS
+    checks If-Match without a lock (two racing takeovers can both succeed), so the lease reads itself
+    back after a takeover, a renewal that is refused marks it lost, and :meth:`check` (called by the
+    publish right before its commit, the pointer PUT) raises once it is lost.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        holder: str = "",
+        wait: bool = False,
+        ttl_s: float = LEASE_TTL_S,
+        wait_timeout_s: float = WAIT_TIMEOUT_S,
+        unguarded: bool = False,
+        quiet: bool = False,
+    ) -> None:
+        self.store, self.wait, self.ttl_s, self.wait_timeout_s = store, wait, ttl_s, wait_timeout_s
+        self.holder = holder or f"{socket.gethostname()} pid {os.getpid()}"
+        self.unguarded, self.quiet = unguarded, quiet
+        self.token = uuid.uuid4().hex
+        self.etag = ""
+        self.lost = ""  # why the lease is no longer this holder's ("" while it is)
+        self._since = 0.0
+        self._renewals = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def name(self) -> str:
+        return self.store.name(LEASE)
+
+    def _body(self) -> bytes:
+        doc = {"holder": self.holder, "token": self.token, "since": self._since, "ttl_s": self.ttl_s}
+        return json.dumps(doc | {"renewal": self._renewals}).encode("utf-8")
+
+    def __enter__(self) -> Lease:
+        self._since = time.time()
+        self._take()
+        self._thread = threading.Thread(target=self._renew, name="packer-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, kind: Optional[type[BaseException]], error: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.lost:
+            return
+        try:
+            self.store.delete(LEASE, if_match=self.etag)
+        except PreconditionFailed:
+            pass  # taken over meanwhile: the lease is someone else's now
+        except StoreError as e:
+            say(f"warning: {self.name} not removed ({e}); it expires {self.ttl_s:.0f} s after its last renewal")
+
+    def check(self) -> None:
+        """BuildError when the lease is no longer this holder's (a commit now could race another writer)."""
+        if self.lost:
+            raise BuildError(
+                f"{self.store.url}: this publish lost its lease ({self.lost}); nothing was committed, run it again"
+            )
+
+    def _read(self) -> Optional[tuple[ObjectInfo, dict[str, Any]]]:
+        """The lease as it is (its HEAD and its document), None when there is none."""
+        try:
+            info = self.store.head(LEASE)
+            doc = json.loads(self.store.get(LEASE, 0, info.size, etag=info.etag))
+        except (ObjectNotFound, ObjectChanged):
+            return None
+        except ValueError:  # not a lease packer wrote: treated as one held for the default time
+            return info, {}
+        return info, doc if isinstance(doc, dict) else {}
+
+    def _take(self) -> None:
+        """Create the lease, or take over an expired one, or raise/wait while another holds it."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        first_seen: dict[str, float] = {}  # ETag -> when this process first saw it (a store giving no dates)
+        announced = False
+        while True:
+            try:
+                self.etag = self.store.put(LEASE, self._body(), if_none_match=True).etag
+                self._probe()
+                return
+            except PreconditionFailed:
+                pass
+            current = self._read()
+            if current is None:
+                continue  # released meanwhile: try to create it again
+            info, doc = current
+            ttl = float(doc.get("ttl_s", LEASE_TTL_S))
+            seen = time.monotonic() - first_seen.setdefault(info.etag, time.monotonic())
+            age = info.served - info.modified if info.modified and info.served else seen
+            # HTTP dates are whole seconds: the age by them may be a second too long
+            if max(age - DATE_RESOLUTION_S, seen) >= ttl and self._take_over(info, doc):
+                return
+            holder = str(doc.get("holder", "another writer"))
+            since = f" since {utc(float(doc['since']))}" if isinstance(doc.get("since"), (int, float)) else ""
+            if not self.wait:
+                raise BuildError(
+                    f"{self.store.url} is being built by {holder}{since} (lease renewed {max(0.0, age):.0f} s ago, "
+                    f"taken over {ttl:.0f} s after its last renewal if its holder died; wait for it with --wait)"
+                )
+            if time.monotonic() > deadline:
+                raise BuildError(
+                    f"{self.store.url} is being built by {holder}{since}; gave up waiting after "
+                    f"{self.wait_timeout_s:.0f} s"
+                )
+            if not announced:
+                say(f"waiting for {holder}, which is building {self.store.url}", self.quiet)
+                announced = True
+            time.sleep(min(5.0, ttl / 4))
+
+    def _take_over(self, info: ObjectInfo, doc: dict[str, Any]) -> bool:
+        """Replace the expired lease ``info`` with ours; False when another writer got there first."""
+        try:
+            self.etag = self.store.put(LEASE, self._body(), if_match=info.etag).etag
+        except PreconditionFailed:
+            return False
+        mine = self._read()  # a store that checks If-Match without a lock may let two takers both win
+        if mine is None or mine[1].get("token") != self.token:
+            return False
+        say(f"took over the lease of {doc.get('holder', 'another writer')} on {self.store.url} (expired)", self.quiet)
+        return True
+
+    def _probe(self) -> None:
+        """Refuse a store that ignores If-None-Match (it would let a second writer in) unless unguarded."""
+        probe = json.dumps(json.loads(self._body()) | {"probe": True}).encode("utf-8")  # still our lease
+        try:  # other bytes than the lease's, so that a retry's read-back (Store.put) cannot take them for ours
+            self.etag = self.store.put(LEASE, probe, if_none_match=True).etag
+        except PreconditionFailed:
+            return
+        if self.unguarded:
+            say(
+                f"warning: {self.store.url}: the store ignores conditional writes; nothing keeps a second writer out",
+                self.quiet,
+            )
+            return
+        self.store.delete(LEASE)
+        raise BuildError(
+            f"{self.store.url}: the store ignores conditional writes (If-None-Match), so packer cannot keep two "
+            "writers of the dataset apart; make sure only one runs and publish unguarded"
+        )
+
+    def _renew(self) -> None:
+        """Renew every ttl/3 until stopped; a refused renewal, or none for ttl_s, marks the lease lost."""
+        last_ok = time.monotonic()
+        while not self._stop.wait(self.ttl_s / 3):
+            self._renewals += 1
+            try:
+                self.etag = self.store.put(LEASE, self._body(), if_match=self.etag).etag
+                last_ok = time.monotonic()
+            except PreconditionFailed:
+                current = self._read()
+                who = current[1].get("holder", "another writer") if current else "nobody"
+                self.lost = f"{self.name} is now held by {who}"
+                return
+            except StoreError as e:
+                if time.monotonic() - last_ok >= self.ttl_s:
+                    self.lost = f"not renewed for {self.ttl_s:.0f} s: {e}"
+                    return

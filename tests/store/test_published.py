@@ -1,0 +1,51 @@
+"""The published layout's names and files.json, read back from the real S3 server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from packer.errors import DatasetError
+from packer.store import open_store
+from packer.store.published import FileEntry, files_json, parse_files, read_files, version_id, version_key
+
+from .seaweed import S3Server
+
+
+def test_names() -> None:
+    manifest = b'{"count": 3}'
+    assert version_id(manifest) == hashlib.sha256(manifest).hexdigest()[:32]
+    assert version_key("ab" * 16, "index.npy") == f"versions/{'ab' * 16}/index.npy"
+
+
+def test_files_json_round_trip(s3_server: S3Server) -> None:
+    store = open_store(f"s3://{s3_server.bucket}/published/files")
+    version = version_id(b"v1")
+    entries = {
+        "shard-00001.bin": FileEntry(version_key(version, "shard-00001.bin"), 10, "0" * 64),
+        "shard-00000.bin": FileEntry("versions/" + "c" * 32 + "/shard-00000.bin", 7),
+    }
+    assert read_files(store, version) is None  # a synced copy: no files.json
+    store.put(version_key(version, "files.json"), files_json(entries))
+    assert read_files(store, version) == entries
+    assert list(json.loads(files_json(entries))["files"]) == ["shard-00000.bin", "shard-00001.bin"]
+    with pytest.raises(DatasetError, match="not a version id"):
+        read_files(store, "../x")
+
+
+@pytest.mark.parametrize(
+    ("doc", "why"),
+    [
+        ({"format": 2, "files": {}}, "format 2"),
+        ({"format": 1, "files": {"a": {"key": "/etc/passwd", "size": 1}}}, "not inside"),
+        ({"format": 1, "files": {"a": {"key": "../other/a", "size": 1}}}, "not inside"),
+        ({"format": 1, "files": {"a": {"key": "a", "size": -1}}}, "size"),
+        ({"format": 1, "files": {"a": {"key": "a", "size": 1, "sha256": "xyz"}}}, "sha256"),
+        ({"format": 1}, "files"),
+    ],
+)
+def test_files_json_refused(doc: dict, why: str) -> None:
+    with pytest.raises(DatasetError, match=f"U/files.json: not a files.json packer wrote .*{why}"):
+        parse_files(json.dumps(doc).encode(), where="U/files.json")
