@@ -56,4 +56,6 @@ def test_truncated_jpegs_raise_in_every_thread(decoder: str, monkeypatch) -> Non
             outcomes = list(pool.map(work, range(1200)))
     assert warnings.filters == filters
     assert {o: outcomes.count(o) for o in set(outcomes)} == {"refused": 400, "decoded": 400, "warned": 400}
+    # a socket an earlier test left open may be collected in any thread meanwhile: its ResourceWarning is not ours
+    caught = [w for w in caught if not issubclass(w.category, ResourceWarning)]
     assert len(caught) == 400 and all(str(w.message) == "another thread's warning" for w in caught)

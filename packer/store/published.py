@@ -173,8 +173,9 @@ class Lease:
     the end. A holder that died (kill -9, a lost machine) stops renewing: once the lease's age by the
     store's own clock (its Date minus the lease's Last-Modified, so no two machines' clocks are
     compared) passes the holder's ``ttl_s``, the next writer takes it over with ``If-Match`` on the
-    ETag it saw. Another live holder: BuildError "U is being built by HOST pid N since ...", the
-    local build lock's wording, or with ``wait`` a wait for it (``wait_timeout_s`` at most).
+    ETag it saw; one of this machine (the same kernel and pid namespace) whose process is gone, at
+    once. Another live holder: BuildError "U is being built by HOST pid N since ...", the local
+    build lock's wording, or with ``wait`` a wait for it (``wait_timeout_s`` at most).
 
     What the store must support: conditional PUTs (AWS S3 does since 2024; SeaweedFS does, see
     docs/OBJECT-STORAGE.md). A store that ignores them would let two writers both "win"; the lease
@@ -213,6 +214,7 @@ class Lease:
 
     def _body(self) -> bytes:
         doc = {"holder": self.holder, "token": self.token, "since": self._since, "ttl_s": self.ttl_s}
+        doc |= {"machine": _machine(), "pid": os.getpid()}
         return json.dumps(doc | {"renewal": self._renewals}).encode("utf-8")
 
     def __enter__(self) -> Lease:
@@ -275,7 +277,8 @@ class Lease:
             seen = time.monotonic() - first_seen.setdefault(info.etag, time.monotonic())
             age = info.served - info.modified if info.modified and info.served else seen
             # HTTP dates are whole seconds: the age by them may be a second too long
-            if max(age - DATE_RESOLUTION_S, seen) >= ttl and self._take_over(info, doc):
+            expired = max(age - DATE_RESOLUTION_S, seen) >= ttl or _died_here(doc)
+            if expired and self._take_over(info, doc):
                 return
             holder = str(doc.get("holder", "another writer"))
             since = f" since {utc(float(doc['since']))}" if isinstance(doc.get("since"), (int, float)) else ""
@@ -303,7 +306,8 @@ class Lease:
         mine = self._read()  # a store that checks If-Match without a lock may let two takers both win
         if mine is None or mine[1].get("token") != self.token:
             return False
-        say(f"took over the lease of {doc.get('holder', 'another writer')} on {self.store.url} (expired)", self.quiet)
+        why = "its process is gone" if _died_here(doc) else "expired"
+        say(f"took over the lease of {doc.get('holder', 'another writer')} on {self.store.url} ({why})", self.quiet)
         return True
 
     def _probe(self) -> None:
@@ -342,3 +346,30 @@ class Lease:
                 if time.monotonic() - last_ok >= self.ttl_s:
                     self.lost = f"not renewed for {self.ttl_s:.0f} s: {e}"
                     return
+
+
+def _machine() -> str:
+    """This kernel's boot and process-id namespace ("" where unknown): two lease holders with the
+    same value see the same processes, so one can tell whether the other's pid still runs (a host
+    name alone would not do: containers and cloned machines share them)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def _died_here(doc: dict[str, Any]) -> bool:
+    """The lease ``doc`` is held by a process of this machine that no longer runs (kill -9, a crash):
+    taken over at once instead of after its ttl. A pid since reused by another process only delays it."""
+    pid, machine = doc.get("pid"), _machine()
+    if not machine or doc.get("machine") != machine or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False

@@ -94,6 +94,23 @@ def test_killed_holder_is_taken_over_after_expiry(s3_server: S3Server, tmp_path:
     assert list(store.list()) == []
 
 
+def test_dead_holder_on_this_machine_is_taken_over_at_once(s3_server: S3Server, tmp_path: Path) -> None:
+    """A holder of this machine killed with kill -9 is taken over without waiting out its ttl (here 10
+    minutes): its pid no longer runs in this kernel's pid namespace."""
+    url, start = _url(s3_server, "dead-here"), tmp_path / "start"
+    start.touch()
+    holder = _writer(url, start, ttl=600.0)
+    assert holder.stdout.readline().strip() == "won"  # type: ignore[union-attr]
+    store = open_store(url)
+    with pytest.raises(BuildError, match=rf"pid {holder.pid} since "):
+        Lease(store, quiet=True).__enter__()  # alive: refused
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    with Lease(store, quiet=True) as lease:  # no wait=True: taken over at once
+        lease.check()
+    assert list(store.list()) == []
+
+
 def test_lease_taken_from_under_its_holder_is_noticed(s3_server: S3Server) -> None:
     store = open_store(_url(s3_server, "lost"))
     with Lease(store, ttl_s=TTL, quiet=True) as lease:
