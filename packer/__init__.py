@@ -44,6 +44,7 @@ __all__ = [
     "URLNotSupported",
     "__version__",
     "build",
+    "publish",
 ]
 
 
@@ -52,6 +53,10 @@ def __getattr__(name: str) -> Any:
         from .builder import pipeline as _pipeline
 
         return getattr(_pipeline, name)
+    if name == "publish":  # build to a URL: stage locally, then upload (packer.tools.publish)
+        from .tools.publish import publish_build
+
+        return publish_build
     if name == "Labelling":
         from .builder.labels import Labelling
 

@@ -85,8 +85,8 @@ def local_path(path: str | os.PathLike) -> Path:
     text = os.fsdecode(path)
     if is_url(text):
         raise URLNotSupported(
-            f"{text}: URLs are not supported yet here; give a local path (packer reads datasets from object "
-            "storage, and `packer build RAW s3://...` and `packer compact s3://...` publish to it)"
+            f"{text}: URLs are not supported here; give a local path (packer reads datasets from object storage; "
+            "`packer build RAW s3://...`, `packer compact s3://...` and packer.publish(RAW, URL) publish to it)"
         )
     return Path(text)
 

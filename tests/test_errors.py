@@ -106,7 +106,7 @@ def test_every_command_refuses_a_url_in_one_line_and_writes_nothing(
         ), (args, result.output)
         assert result.output.count("\n") == 1, (args, result.output)
         if args in URL_COMMANDS:
-            assert "URLs are not supported yet here" in result.output, args
+            assert "URLs are not supported here" in result.output, args
         assert list(tmp_path.iterdir()) == [], args
 
 
@@ -122,7 +122,7 @@ def test_the_api_refuses_urls_too(raw_photos: Path, tmp_path: Path, monkeypatch:
         lambda: clean("s3://bucket/x"),
     ]
     for call in calls:
-        with pytest.raises(URLNotSupported, match="URLs are not supported yet"):
+        with pytest.raises(URLNotSupported, match="URLs are not supported here"):
             call()
     assert list(tmp_path.iterdir()) == []
     # a local path that merely contains "://" further on, and a Windows-style drive, are paths

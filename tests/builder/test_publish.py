@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+import packer
 from packer import BuildError, ShardDataset, URLNotSupported
 from packer.store import open_store
 from packer.store.base import Store
@@ -155,6 +156,9 @@ def test_refused_clearly(raw: Path, s3_server: S3Server, tmp_path: Path) -> None
         _publish(raw, url)
     with pytest.raises(URLNotSupported, match="read-only"):
         _publish(raw, "https://127.0.0.1:9/x")
+    with pytest.raises(URLNotSupported, match=r"packer\.publish\(RAW, URL\) publish"):
+        packer.build(raw, url)  # the local build names the call that publishes
+    assert packer.publish is publish_build
 
 
 def _cli(raw: Path, url: str, *flags: str, env: dict[str, str]) -> subprocess.Popen:
