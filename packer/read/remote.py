@@ -22,22 +22,40 @@ dataset; nothing of the store reaches them.
 - **One fetch per node**: every process of the node (ranks, DataLoader workers) takes the file
   lock of a unit (flock: released by the kernel when its holder dies) before fetching it, and finds
   it fetched once the lock is theirs. Nothing is kept in shared memory.
-- **cache_limit**: units no reader holds (each reader holds a shared flock on the units it opened)
-  are evicted, least recently opened first, before a download would take the cache (every dataset
-  under ``cache_dir``) past the limit; a download reserves its whole size first, so concurrent
-  fetches never overshoot. When the readers hold too much to make room, the open fails clearly.
+- **cache_limit**: units no reader holds are evicted before a download would take the cache (every
+  dataset under ``cache_dir``) past the limit; a download reserves its whole size first, so
+  concurrent fetches never overshoot. Eviction takes first the units this process knows no next use
+  of (other datasets, blocks already read), least recently opened first, then those the sampler's
+  next blocks (a Draw's ``ahead``) need, the one needed furthest in the future first (Belady);
+  units whose records this process has not all read this epoch come after the announced ones. A
+  background prefetch takes free room or evicts units of no known next use only, else it leaves
+  the unit to the batch that needs it. A limit below one unit is refused at once; a batch that cannot make room lets go
+  of its own units (they are opened again, fetched again if evicted meanwhile) and waits up to
+  :data:`ROOM_WAIT` seconds for other readers to let go, then fails clearly.
+- **Holding and letting go**: a process holds a unit (a shared flock on its own descriptor: no
+  process evicts it; the kernel drops it if the holder dies) from the moment it fetches or opens it.
+  Without a limit it holds every unit it opened until the dataset goes. With a limit, a memmap
+  reader lets go after each batch (:meth:`Remote.release`): the shard's mapping is dropped first,
+  then the flock, and the next batch that needs it opens (or fetches) it again. Eviction unlinks a
+  unit only under an exclusive flock, so never one that a reader holds or is reading; a buffer of a
+  released unit that a caller still keeps stays valid (an unlinked file stays readable through its
+  mapping on Linux; its disk space is freed with the last mapping). LMDB readers keep their
+  environments open, so they hold every segment they opened until the dataset goes.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import re
 import shutil
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Iterator
@@ -47,7 +65,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..backends import BACKENDS, Backend, data_files, record_places
-from ..backends.base import FileKey, Pinned
+from ..backends.base import FileKey, OnFirstUse, Pinned
 from ..backends.pin import pin
 from ..format import (
     INDEX,
@@ -71,6 +89,8 @@ PREFETCH_UNITS = 4
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
+#: Seconds a batch's download waits for other readers to let go of units when the cache is full.
+ROOM_WAIT = 60.0
 _UNITS, _PARTIAL, _VERSIONS, _LOCKS = "units", "partial", "versions", "locks"
 _SIDECAR = ".rows.npy"  # per unit: (position, length, crc32) of the records it was checked for
 _ROWS_DTYPE = np.dtype([("position", "<i8"), ("length", "<u8"), ("crc32", "<u4")])
@@ -174,6 +194,17 @@ class Remote:
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
+        # per data file number: [announcement, records of it still to read] of the sampler's next
+        # blocks announced so far, oldest first; the announcements counted; this epoch's unread records
+        self._soon: dict[int, collections.deque[list[int]]] = {}
+        self._announced = 0
+        self._first: Optional[np.ndarray] = None  # the data files of the epoch's first batch
+        self._unread = 0  # records of this epoch not read yet
+        self._plan: Optional[tuple[int, list[np.ndarray]]] = None  # (epoch, per data file: its draws' places)
+        self._at = 0  # draws of the planned epoch read so far
+        self._left: tuple[Optional[int], np.ndarray] = (None, np.zeros(0, np.int64))
+        self._numbers: dict[str, int] = {}  # data file name -> its number
+        self._pinned: Optional[weakref.ReferenceType[Pinned]] = None  # the reader's, to drop its mappings
 
     @property
     def store(self) -> Store:
@@ -195,29 +226,132 @@ class Remote:
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
         pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
         self._layout = (pinned.manifest, pinned.index, data_files(pinned.manifest))
+        self._pinned = weakref.ref(pinned)
+        self._numbers = {name: k for k, name in enumerate(self._layout[2])}
+        backend = BACKENDS[pinned.manifest.backend]
+        if self.limit is not None and backend.lists_files(pinned.manifest):
+            largest = max(pinned.manifest.shards, key=lambda s: int(s["bytes"]), default=None)
+            if largest is not None and int(largest["bytes"]) > self.limit:
+                raise _too_small(self.limit, self.store.name(str(largest["file"])), int(largest["bytes"]))
         return pinned
 
-    def prefetch(self, records: np.ndarray, *, wait: bool = False) -> None:
+    def release(self) -> None:
+        """Let go of the units this process holds, with a cache limit and a memmap reader (see the
+        module docstring): called after each batch, so that a cache of a few units serves an epoch."""
+        pinned = self._pinned() if self._pinned is not None else None
+        if self.limit is None or pinned is None or not isinstance(pinned.shards, OnFirstUse):
+            return
+        with self._lock.get():
+            held = dict(self._held)
+            self._held.clear()
+        for k in list(pinned.shards.opened):
+            pinned.shards.opened.pop(k, None)  # the mapping goes with its last buffer
+        for fd in held.values():
+            os.close(fd)
+
+    def prefetch(self, records: np.ndarray, *, wait: bool = False, epoch: Optional[int] = None) -> None:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
-        the first failure; a failed fetch is forgotten once raised, so a later batch tries again)."""
+        the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
+        A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
+        every record of this epoch is not needed again in it."""
         assert self._layout is not None, "pin() first"
         manifest, index, names = self._layout
         root = self.home / _VERSIONS / self.version
         pending = self._pending.get()
         futures = {}
-        for k in np.unique(record_places(manifest, index, records)[0]).tolist():
-            name = names[k]
+        files = record_places(manifest, index, records)[0]
+        _, first = np.unique(files, return_index=True)
+        wanted = [names[k] for k in files[np.sort(first)].tolist()]  # in the order the records need them
+        self._count(files, wait, epoch)
+        for name in wanted:
+            if wait and self.limit is not None and name not in pending:
+                self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
-                pending[name] = _prefetcher.get().submit(self._fetch_unit, root, name)
+                pending[name] = _prefetcher.get().submit(self._fetch_unit, root, name, demand=wait)
+                if not wait:  # forgotten once done (a batch's fetch is, once waited for)
+                    pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
                 futures[name] = pending[name]
         for name, future in futures.items() if wait else ():
             failure = future.exception()
+            pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
             if failure is not None:
-                pending.pop(name, None)
                 raise failure
+
+    def plan(self, epoch: int, records: np.ndarray) -> None:
+        """The records this process will read in ``epoch``, in order (ShardSampler's, told when it
+        is iterated in this process): eviction ranks units by their next use in it."""
+        assert self._layout is not None, "pin() first"
+        manifest, index, names = self._layout
+        files = record_places(manifest, index, np.asarray(records, dtype=np.int64))[0]
+        order = np.argsort(files, kind="stable")
+        bounds = np.searchsorted(files[order], np.arange(len(names) + 1))
+        self._plan = (epoch, [order[bounds[k] : bounds[k + 1]] for k in range(len(names))])
+        self._at = 0
+
+    def _count(self, files: np.ndarray, read: bool, epoch: Optional[int]) -> None:
+        """Keep this process's view of the future: records of data files ``files`` announced by the
+        sampler (``read`` False), or read by a batch of ``epoch`` (None: not a ShardSampler's)."""
+        assert self._layout is not None
+        manifest, index, names = self._layout
+        if not read:
+            counts = np.bincount(files, minlength=len(names))
+            if self._first is not None:  # the epoch's first announcement names its first batch, read already
+                counts = np.maximum(counts - np.bincount(self._first, minlength=len(names)), 0)
+                self._first = None
+            self._announced += 1
+            for k in np.flatnonzero(counts).tolist():
+                self._soon.setdefault(k, collections.deque()).append([self._announced, int(counts[k])])
+            return
+        numbers, counts = np.unique(files, return_counts=True)
+        if epoch is not None and epoch != self._left[0]:
+            self._left = (epoch, np.bincount(record_places(manifest, index)[0], minlength=len(names)))
+            self._soon, self._first = {}, files
+        if epoch is not None and self._plan is not None and epoch == self._plan[0]:
+            self._at += len(files)
+        if epoch is not None:
+            np.subtract.at(self._left[1], files, 1)
+            self._unread = int(np.clip(self._left[1], 0, None).sum())
+        for k, n in zip(numbers.tolist(), counts.tolist()):
+            queue = self._soon.get(k)
+            while queue and n:
+                taken = min(n, queue[0][1])
+                queue[0][1] -= taken
+                n -= taken
+                if not queue[0][1]:
+                    queue.popleft()
+            if queue is not None and not queue:
+                del self._soon[k]
+
+    def _rank(self, k: int) -> Optional[int]:
+        """When data file ``k`` is next needed, as far as this process knows: the announcement of
+        its next records; after all of them when records of it are still unread this epoch, the
+        later the fewer (in an order not yet known, the first of m of R unread records comes after
+        R / (m + 1) on average); None when it is not known to be needed."""
+        epoch, left = self._left
+        if self._plan is not None and epoch == self._plan[0]:
+            uses = self._plan[1][k] if k < len(self._plan[1]) else np.zeros(0, np.int64)
+            j = int(np.searchsorted(uses, self._at))
+            return int(uses[j]) if j < len(uses) else None
+        queue = self._soon.get(k)
+        if queue:
+            return queue[0][0]
+        if epoch is None or k >= len(left) or left[k] <= 0:
+            return None
+        return self._announced + 1 + self._unread // (int(left[k]) + 1)
+
+    def _hold_cached(self, path: Path) -> None:
+        """Hold the unit at ``path`` if the version has it."""
+        try:
+            fd = open_regular(path)
+        except FileNotFoundError:
+            return
+        try:
+            self._hold(fd, path)
+        finally:
+            os.close(fd)
 
     def _fetch_version(self) -> str:
         """The current version's key, its manifest and index fetched and checked into the cache first.
@@ -317,8 +451,11 @@ class Remote:
             os.close(old)
         return True
 
-    def _fetch_unit(self, root: Path, name: str) -> None:
-        """Data file ``name`` of the version at ``root`` in the cache, checked, linked into ``root``."""
+    def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> None:
+        """Data file ``name`` of the version at ``root`` in the cache, checked, linked into ``root``:
+        held until its first use when a reader needs it now (``demand``), else (a prefetch of the
+        sampler's next blocks) left to eviction by next use, and skipped when there is no room for it
+        without evicting what is needed sooner."""
         manifest = Manifest.load(root)
         fd = open_regular(root / INDEX)
         try:
@@ -348,7 +485,14 @@ class Remote:
                 )
             unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
             if not _checked_for(unit, rows):
-                self._download_checked(unit, name, info, (backend, mine, rows))
+                try:
+                    self._download_checked(unit, name, info, (backend, mine, rows), demand=demand)
+                except _NoRoom:
+                    return  # the batch that needs it fetches it
+            if not demand and self.limit is not None:
+                with contextlib.suppress(FileExistsError):
+                    os.link(unit, root / name)
+                return
             fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
             held = self._hold(fd, root / name, linked=False)  # from here on: never evicted before its first use
             os.close(fd)
@@ -360,13 +504,15 @@ class Remote:
                 pass
             os.utime(unit)
 
-    def _download_checked(self, unit: Path, name: str, info: ObjectInfo, expected: _Expected) -> None:
+    def _download_checked(
+        self, unit: Path, name: str, info: ObjectInfo, expected: _Expected, *, demand: bool = True
+    ) -> None:
         """Object ``name`` downloaded into ``unit`` once its bytes match what ``expected`` says."""
         part = self.home / _PARTIAL / unit.name
         rows = expected[2]
         problem = ""
         for _ in range(VERIFY_ATTEMPTS):
-            self._download(part, name, info)
+            self._download(part, name, info, demand=demand)
             problem = _unit_problem(part, expected)
             if not problem:
                 np.save(part.with_name(part.name + _SIDECAR), rows)
@@ -378,7 +524,7 @@ class Remote:
             _remove(part, part.with_name(part.name + ".parts"))
         raise DatasetError(f"{self.store.name(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
-    def _download(self, part: Path, name: str, info: ObjectInfo) -> None:
+    def _download(self, part: Path, name: str, info: ObjectInfo, *, demand: bool = True) -> None:
         """Object ``name`` (``info``) downloaded into ``part``, resuming the parts a previous attempt
         (of any process) finished: ``part``'s ``.parts`` file lists them, one number a line."""
         done_file = part.with_name(part.name + ".parts")
@@ -387,7 +533,7 @@ class Remote:
             done = frozenset(int(n) for n in done_file.read_text().split() if n.isdigit())
         else:
             _remove(part, done_file)
-            self._make_room(info.size, part)
+            self._make_room(info.size, part, name, demand=demand)
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
@@ -405,33 +551,69 @@ class Remote:
             os.close(fd)
             os.close(log)
 
-    def _make_room(self, need: int, part: Path) -> None:
-        """Evict units no reader holds, least recently opened first, until ``need`` more bytes fit
-        under the cache limit, and reserve them: the download's file ``part`` is made that size
-        before the lock goes, so it counts for the next one (the cache never exceeds the limit)."""
+    def _make_room(self, need: int, part: Path, name: str, *, demand: bool) -> None:
+        """Evict units no reader holds (see the module docstring for the order) until ``need`` more
+        bytes fit under the cache limit, and reserve them: the download's file ``part`` is made that
+        size before the lock goes, so it counts for the next one (the cache never exceeds the limit).
+        A batch's download (``demand``) waits for readers to let go; a prefetch evicts only units
+        of no known next use (it would otherwise push out what the next batches need before it, and
+        its reservation would keep their downloads from the room) and else raises _NoRoom."""
         if self.limit is None:
             return
+        if need > self.limit:
+            raise _too_small(self.limit, self.store.name(name), need)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(self.cache_dir / ".evict.lock"):
-            units = [p for p in self.cache_dir.glob(f"*/{_UNITS}/*") if not p.name.endswith(_SIDECAR)]
-            partial = [p for p in self.cache_dir.glob(f"*/{_PARTIAL}/*") if not p.name.endswith(".parts")]
-            sizes = {p: _size(p) for p in units + partial}
-            used = sum(sizes.values())
-            for unit in sorted(units, key=lambda p: _mtime(p)):
-                if used + need <= self.limit:
-                    break
-                if _evict(unit):
-                    used -= sizes[unit]
-            if used + need > self.limit:
+        deadline = time.monotonic() + ROOM_WAIT
+        while True:
+            with _locked(self.cache_dir / ".evict.lock"):
+                units = [p for p in self.cache_dir.glob(f"*/{_UNITS}/*") if not p.name.endswith(_SIDECAR)]
+                partial = [p for p in self.cache_dir.glob(f"*/{_PARTIAL}/*") if not p.name.endswith(".parts")]
+                sizes = {p: _size(p) for p in units + partial}
+                used = sum(sizes.values())
+                for unit, rank in sorted(((u, self._next_use(u)) for u in units), key=_eviction_order):
+                    if used + need <= self.limit or (rank is not None and not demand):
+                        break
+                    if _evict(unit):
+                        used -= sizes[unit]
+                if used + need * (1 if demand else 2) <= self.limit:  # a prefetch leaves a unit's room
+                    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                    try:
+                        os.ftruncate(fd, need)
+                    finally:
+                        os.close(fd)
+                    return
+            if not demand:
+                raise _NoRoom()
+            self.release()  # this batch's other units too: two batches that each hold some never wait on each other
+            if time.monotonic() > deadline:
                 raise DatasetError(
                     f"{self.url}: cache_limit {self.limit} bytes is too small: {used} bytes of the cache "
                     f"{self.cache_dir} are held by open readers or downloads, and {need} more are needed"
                 )
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                os.ftruncate(fd, need)
-            finally:
-                os.close(fd)
+            time.sleep(0.05)
+
+    def _next_use(self, unit: Path) -> Optional[int]:
+        """When cached ``unit`` is next needed (:meth:`_rank`; None: another dataset's)."""
+        k = self._numbers.get(unit.name.rsplit(".", 2)[0]) if unit.parent.parent == self.home else None
+        return None if k is None else self._rank(k)
+
+
+class _NoRoom(Exception):
+    """A prefetch found no room without evicting what is needed sooner: the batch fetches it."""
+
+
+def _eviction_order(entry: tuple[Path, Optional[int]]) -> tuple[int, int, int]:
+    """Units of no known next use first, then furthest next use first; least recently opened first."""
+    unit, rank = entry
+    return (0, 0, _mtime(unit)) if rank is None else (1, -rank, _mtime(unit))
+
+
+def _forget(pending: dict[str, concurrent.futures.Future], name: str, _: concurrent.futures.Future) -> None:
+    pending.pop(name, None)
+
+
+def _too_small(limit: int, name: str, size: int) -> DatasetError:
+    return DatasetError(f"cache_limit {limit} bytes is too small: {name} alone is {size} bytes")
 
 
 _prefetcher = PerProcess(

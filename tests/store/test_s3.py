@@ -3,6 +3,7 @@ the same samples as the local dataset, each data file fetched once per node and 
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader
 from packer import ShardDataset, ShardSampler, build
 from packer.backends import data_files
 from packer.format import DatasetError, Manifest
+from packer.read import remote
 from packer.store import StoreError
 
 from .proxy import Faults, Proxy, serve_folder
@@ -156,24 +159,146 @@ def test_refresh_reuses_segments_and_pins_version(raw_photos: Path, s3_server: S
         assert torch.equal(old[i][0], image) and old[i][1] == label
 
 
-def test_cache_limit_evicts_unheld_and_refuses_too_small(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
-    local = built("memmap", "jpeg")
+def test_cache_limit_waits_for_holders_then_refuses(
+    built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
+):
+    """LMDB readers hold the segments they opened until they go: a download that finds no room waits
+    for them (remote.ROOM_WAIT) and then fails clearly; once they go, their units are evicted."""
+    monkeypatch.setattr(remote, "ROOM_WAIT", 0.5)
+    local = built("lmdb", "jpeg")
     sizes = _files(local)
-    url = s3_server.upload(local, "limit/memmap")
+    url = s3_server.upload(local, "limit/lmdb")
     cache = tmp_path / "cache"
     limit = sum(sizes.values()) + min(sizes.values()) - 1  # one dataset fits, not a unit more
     first = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
     _same(first, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    other = s3_server.upload(local, "limit/memmap-copy")
-    with pytest.raises(DatasetError, match=r"cache_limit .* too small"):
+    other = s3_server.upload(local, "limit/lmdb-copy")
+    with pytest.raises(DatasetError, match=r"cache_limit .* too small: .* held by open readers"):
         ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
     del first
     gc.collect()  # its reader lets go of its units: they may be evicted now
     second = ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
     _same(second, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    used = sum(p.stat().st_size for p in cache.glob("*/units/*") if not p.name.endswith(".rows.npy"))
-    assert used <= limit
+    assert _cached(cache) <= limit
     assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
+
+
+def test_cache_limit_below_one_unit_refused_at_once(built, s3_server: S3Server, tmp_path: Path) -> None:
+    local = built("memmap", "jpeg")
+    url = s3_server.upload(local, "limit/tiny")
+    largest = max(_files(local).items(), key=lambda item: item[1])
+    with pytest.raises(DatasetError, match=rf"cache_limit {largest[1] - 1} bytes is too small: .*{largest[0]} alone"):
+        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=largest[1] - 1)
+
+
+@pytest.fixture(scope="module")
+def small_shards(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A memmap dataset of eighteen shards of four records (the photos four times over)."""
+    root = tmp_path_factory.mktemp("small")
+    for copy in range(4):
+        shutil.copytree(raw_photos, root / "photos" / f"copy{copy}")
+    out = root / "jpeg-memmap"
+    build(root / "photos", out, backend="memmap", format="jpeg", workers=1, quiet=True, shard_size=4)
+    return out
+
+
+def _cached(cache: Path) -> int:
+    """Bytes the cache's units and downloads take."""
+    found = [*cache.glob("*/units/*"), *cache.glob("*/partial/*")]
+    return sum(_size(p) for p in found if not p.name.endswith((".rows.npy", ".parts")))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # evicted meanwhile
+        return 0
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_epoch_in_a_cache_of_three_units(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context
+):
+    """Two workers read two epochs through a cache of three shards of nine: the batches equal a local
+    run's, and the cache, polled throughout, never exceeds the limit."""
+    sizes = _files(small_shards)
+    limit = 3 * max(sizes.values())
+    url = s3_server.upload(small_shards, f"evict/{context}")
+    cache = tmp_path / "cache"
+    remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
+    local = ShardDataset(small_shards, crop_size=16, seed=5)
+    highest = [0]
+    done = threading.Event()
+
+    def poll() -> None:  # under the lock that eviction and reservation take: one consistent view
+        while not done.is_set():
+            if cache.exists():
+                with open(cache / ".evict.lock", "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    highest[0] = max(highest[0], _cached(cache))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        sampler = ShardSampler(remote, order="block", block_size=2, window=2, seed=7)
+        loader = DataLoader(remote, batch_size=3, sampler=sampler, num_workers=2, multiprocessing_context=context)
+        want_sampler = ShardSampler(local, order="block", block_size=2, window=2, seed=7)
+        want_loader = DataLoader(local, batch_size=3, sampler=want_sampler)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want_sampler.set_epoch(epoch)
+            got, want = list(loader), list(want_loader)
+            assert len(got) == len(want) == 24
+            for g, w in zip(got, want):
+                assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    finally:
+        done.set()
+        watcher.join()
+    assert 0 < highest[0] <= limit
+    assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it had to evict and fetch again
+
+
+def furthest_future_bytes(uses: list[list[str]], sizes: dict[str, int], limit: int) -> int:
+    """Bytes an offline cache of ``limit`` bytes fetches for ``uses`` (each batch's units, in order)
+    when it evicts the unit needed furthest in the future (Belady), every batch's units held while
+    it is read."""
+    cached: set[str] = set()
+    fetched = 0
+    for t, batch in enumerate(uses):
+        for name in batch:
+            if name in cached:
+                continue
+            while sum(sizes[c] for c in cached) + sizes[name] > limit:
+                later = {c: next((u for u in range(t, len(uses)) if c in uses[u]), len(uses)) for c in cached}
+                cached.remove(max((c for c in cached if c not in batch), key=later.__getitem__))
+            cached.add(name)
+            fetched += sizes[name]
+    return fetched
+
+
+@pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])
+def test_half_dataset_cache_fetches_near_furthest_future(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, block_size: int, window: int, prefetch: int
+):
+    """With a cache of half the dataset, an epoch in ShardSampler's block order (blocks smaller than
+    a shard: each shard is read at several times) fetches within 1.05x the bytes of the offline
+    furthest-future policy for the same batches."""
+    sizes = _files(small_shards)
+    limit = sum(sizes.values()) // 2
+    url = s3_server.upload(small_shards, f"evict/half-{block_size}-{window}-{prefetch}")
+    ds = ShardDataset(url, crop_size=16, seed=5, cache_dir=tmp_path / "cache", cache_limit=limit)
+    sampler = ShardSampler(ds, order="block", block_size=block_size, window=window, prefetch=prefetch, seed=3)
+    names = data_files(ds.manifest)
+    uses = []
+    draws = list(sampler)
+    for batch in (draws[b : b + 3] for b in range(0, len(draws), 3)):
+        ds.__getitems__(batch)
+        uses.append(sorted({names[int(ds.index["shard"][int(d)])] for d in batch}))
+    fetched = sum(proxy.fetched(name) for name in sizes)
+    best = furthest_future_bytes(uses, sizes, limit)
+    assert sum(sizes.values()) <= best and fetched <= 1.05 * best, (fetched, best)
+    assert _cached(tmp_path / "cache") <= limit
 
 
 def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
