@@ -1,15 +1,22 @@
-"""Shared fixtures: the real photos in tests/data laid out as an ImageFolder, and datasets built from them."""
+"""Shared fixtures: the real photos in tests/data laid out as an ImageFolder, datasets built from them,
+and a real S3 server (SeaweedFS on 127.0.0.1, tests/store/seaweed.py) started once per test session when
+a test first asks for it, with the fault proxy in front of it (tests/store/proxy.py)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from packer.backends import BACKENDS
 from packer.format.records import FORMATS
+
+from .store.proxy import Proxy, start
+from .store.seaweed import S3Server, seaweed
 
 # 18 real photos covering every EXIF orientation flag, downscaled, with their licence (see its README.md).
 PHOTOS = Path(__file__).resolve().parent / "data" / "exif-orientation"
@@ -51,3 +58,35 @@ BACKEND_NAMES, FORMAT_NAMES = tuple(BACKENDS), tuple(FORMATS)
 COMBOS = list(itertools.product(BACKEND_NAMES, FORMAT_NAMES))
 _PAIRS = max(len(BACKEND_NAMES), len(FORMAT_NAMES))
 ONE_EACH = [(BACKEND_NAMES[i % len(BACKEND_NAMES)], FORMAT_NAMES[i % len(FORMAT_NAMES)]) for i in range(_PAIRS)]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """The server, with AWS_* set in this process's environment (DataLoader workers inherit it)."""
+    with seaweed(tmp_path_factory.mktemp("seaweedfs")) as server:
+        saved = {k: os.environ.get(k) for k in server.env()}
+        os.environ.update(server.env())
+        try:
+            yield server
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def _proxy_server(s3_server: S3Server) -> Iterator[Proxy]:
+    proxy, server = start(s3_server.endpoint)
+    yield proxy
+    server.shutdown()
+
+
+@pytest.fixture
+def proxy(_proxy_server: Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Proxy]:
+    """The fault proxy in front of the server, as this test's (and its workers') S3 endpoint."""
+    _proxy_server.clear()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", _proxy_server.url)
+    yield _proxy_server
+    _proxy_server.clear()
