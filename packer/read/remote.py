@@ -29,18 +29,26 @@ dataset; nothing of the store reaches them.
   next blocks (a Draw's ``ahead``) need, the one needed furthest in the future first (Belady);
   units whose records this process has not all read this epoch come after the announced ones. A
   background prefetch takes free room or evicts units of no known next use only, else it leaves
-  the unit to the batch that needs it. A limit below one unit is refused at once; a batch that cannot make room lets go
-  of its own units (they are opened again, fetched again if evicted meanwhile) and waits up to
-  :data:`ROOM_WAIT` seconds for other readers to let go, then fails clearly.
+  the unit to the batch that needs it. The room a failed or killed download reserved goes first
+  (no process holds its unit's lock). A limit below one unit is refused at once; a batch that
+  cannot make room lets go of its own units (they are opened again, fetched again if evicted
+  meanwhile), so two batches never wait on each other, and waits up to :data:`ROOM_WAIT` seconds
+  for other readers to let go, then fails clearly. Every count of the cache and every change to
+  it (a reservation, an eviction, a download renamed into ``units/``) is under one lock.
 - **Holding and letting go**: a process holds a unit (a shared flock on its own descriptor: no
-  process evicts it; the kernel drops it if the holder dies) from the moment it fetches or opens it.
+  process evicts it; the kernel drops it if the holder dies) from before its download is renamed
+  into ``units/`` (so none evicts it between its arrival and its first use), or from when it
+  opens it; a forked child closes the holds it inherited (it holds only what it opens itself).
   Without a limit it holds every unit it opened until the dataset goes. With a limit, a memmap
   reader lets go after each batch (:meth:`Remote.release`): the shard's mapping is dropped first,
   then the flock, and the next batch that needs it opens (or fetches) it again. Eviction unlinks a
   unit only under an exclusive flock, so never one that a reader holds or is reading; a buffer of a
   released unit that a caller still keeps stays valid (an unlinked file stays readable through its
   mapping on Linux; its disk space is freed with the last mapping). LMDB readers keep their
-  environments open, so they hold every segment they opened until the dataset goes.
+  environments open, so they hold every segment they opened until the dataset goes: each thread
+  keeps a long-lived read transaction per environment whose buffers are zero-copy views of the
+  map, and an environment closed while another thread's transaction or a caller's view is alive
+  is a use-after-unmap, so no batch boundary of one thread is a safe point to close it.
 """
 
 from __future__ import annotations
@@ -129,7 +137,7 @@ _LOCKING: set[int] = set()  # descriptors of the flocks this process holds in _l
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive flock on ``path`` for the block: the kernel releases it if the holder dies. A
-    child forked meanwhile closes its copy at once (see _forget_locks): the lock is its parent's."""
+    child forked meanwhile closes its copy at once (see _after_fork): the lock is its parent's."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     _LOCKING.add(fd)
     try:
@@ -140,16 +148,30 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _forget_locks() -> None:
+class _Held(dict[str, int]):
+    """A Remote's held units: unit path -> descriptor with its shared flock (kept in a WeakSet:
+    equal and hashed by identity)."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+
+_HOLDERS: weakref.WeakSet[_Held] = weakref.WeakSet()  # every Remote's, to let go of in a forked child
+
+
+def _after_fork() -> None:
     """In a forked child: close the inherited descriptors of the parent's flocks, which would
-    otherwise keep them held after the parent's block ends (flock belongs to the open file)."""
+    otherwise keep them held after the parent's block ends or it lets go of its units (a flock
+    belongs to the open file): the child holds only what it opens itself."""
     for fd in list(_LOCKING):
         with contextlib.suppress(OSError):
             os.close(fd)
     _LOCKING.clear()
+    for held in list(_HOLDERS):
+        _close_held(held)
 
 
-os.register_at_fork(after_in_child=_forget_locks)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _digest(text: str) -> str:
@@ -190,7 +212,8 @@ class Remote:
     def _hold_units(self) -> None:
         """Start holding no units: ``_held`` maps a unit's path to a descriptor with its shared flock
         (no process evicts it), all closed when this object goes (its readers went before it)."""
-        self._held: dict[str, int] = {}
+        self._held = _Held()
+        _HOLDERS.add(self._held)
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
@@ -269,7 +292,7 @@ class Remote:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
-                pending[name] = _prefetcher.get().submit(self._fetch_unit, root, name, demand=wait)
+                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait)
                 if not wait:  # forgotten once done (a batch's fetch is, once waited for)
                     pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
@@ -279,6 +302,12 @@ class Remote:
             pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
             if failure is not None:
                 raise failure
+
+    def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
+        """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a prefetch)."""
+        fd = self._fetch_unit(root, name, demand=demand)
+        if fd is not None:
+            os.close(fd)
 
     def plan(self, epoch: int, records: np.ndarray) -> None:
         """The records this process will read in ``epoch``, in order (ShardSampler's, told when it
@@ -424,38 +453,43 @@ class Remote:
     def _open_unit(self, root: Path, name: str) -> int:
         """A descriptor of data file ``name`` of the version at ``root``: fetched and checked first
         unless the version already has it; held (shared flock) so that no process evicts it."""
-        for _ in range(3):
-            try:
-                fd = open_regular(root / name)
-            except FileNotFoundError:
-                self._fetch_unit(root, name)
-                continue
-            if self._hold(fd, root / name):
-                os.utime(fd)  # last opened: eviction takes the least recently opened first
-                return fd
+        try:
+            fd = open_regular(root / name)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0 and self._hold(fd, root / name):
+            os.utime(fd)  # last opened: eviction takes the least recently opened first
+            return fd
+        if fd >= 0:
             os.close(fd)  # evicted between the open and the lock: fetch it again
-        raise _evicted(self.store.name(name))
+        fetched = self._fetch_unit(root, name)
+        assert fetched is not None, "a reader's fetch returns the unit"
+        return fetched
 
-    def _hold(self, fd: int, path: Path, *, linked: bool = True) -> bool:
+    def _hold(self, fd: int, path: Path) -> bool:
         """Take the shared flock that keeps the unit open at ``fd`` (``path``) from eviction; False
         when it was evicted (unlinked) before the lock was taken."""
         hold = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(hold, fcntl.LOCK_SH)
-        if os.fstat(hold).st_nlink < (2 if linked else 1):  # its names are gone: evicted
+        if os.fstat(hold).st_nlink < 2:  # its names are gone: evicted
             os.close(hold)
             return False
+        self._keep(hold, path)
+        return True
+
+    def _keep(self, hold: int, path: Path) -> None:
+        """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release`."""
         with self._lock.get():
             old = self._held.pop(str(path), None)
             self._held[str(path)] = hold
         if old is not None:
             os.close(old)
-        return True
 
-    def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> None:
-        """Data file ``name`` of the version at ``root`` in the cache, checked, linked into ``root``:
-        held until its first use when a reader needs it now (``demand``), else (a prefetch of the
-        sampler's next blocks) left to eviction by next use, and skipped when there is no room for it
-        without evicting what is needed sooner."""
+    def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
+        """Data file ``name`` of the version at ``root`` in the cache, checked, linked into ``root``.
+        A reader's fetch (``demand``) returns a descriptor of it, held; a prefetch of the sampler's
+        next blocks returns None and leaves it to eviction by next use, or skips it when there is no
+        room for it without evicting what is needed sooner."""
         manifest = Manifest.load(root)
         fd = open_regular(root / INDEX)
         try:
@@ -471,43 +505,75 @@ class Remote:
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
         with _locked(self.home / _LOCKS / f"unit-{name}"):
-            if (root / name).exists():
-                return
-            try:
-                info = self.store.head(name)
-            except ObjectNotFound:
-                raise DatasetError(f"{self.store.name(name)}: missing (the manifest names it)") from None
-            listed = int(manifest.shards[k]["bytes"]) if backend.lists_files(manifest) else None
-            if listed is not None and info.size != listed:
-                raise DatasetError(
-                    f"{self.store.name(name)}: {info.size} bytes, the manifest says {listed} (the dataset was "
-                    f"replaced since this version was opened: open it again)"
-                )
-            unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
-            if not _checked_for(unit, rows):
+            for _ in range(VERIFY_ATTEMPTS):
                 try:
-                    self._download_checked(unit, name, info, (backend, mine, rows), demand=demand)
-                except _NoRoom:
-                    return  # the batch that needs it fetches it
-            if not demand and self.limit is not None:
-                with contextlib.suppress(FileExistsError):
-                    os.link(unit, root / name)
-                return
-            fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
-            held = self._hold(fd, root / name, linked=False)  # from here on: never evicted before its first use
-            os.close(fd)
-            if not held:
-                raise _evicted(self.store.name(name))
+                    fd = open_regular(root / name)  # another process fetched it meanwhile
+                except FileNotFoundError:
+                    pass
+                else:
+                    if not demand:
+                        os.close(fd)
+                        return None
+                    if self._hold(fd, root / name):
+                        return fd
+                    os.close(fd)  # evicted before the lock was taken: fetch it again
+                got = self._fetch_held(root, name, k, (backend, mine, rows), demand=demand)
+                if got is None:
+                    return None  # no room for a prefetch: the batch that needs it fetches it
+                hold, unit = got
+                try:
+                    with contextlib.suppress(FileExistsError):
+                        os.link(unit, root / name)  # held: no process can evict it meanwhile
+                except BaseException:
+                    os.close(hold)
+                    raise
+                if not demand:
+                    os.close(hold)  # a prefetch's unit is left to eviction by next use
+                    return None
+                self._keep(hold, root / name)
+                return os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC)
+        raise _evicted(self.store.name(name))
+
+    def _fetch_held(
+        self, root: Path, name: str, k: int, expected: _Expected, *, demand: bool
+    ) -> Optional[tuple[int, Path]]:
+        """A descriptor and the path of the unit of data file ``name`` (number ``k``) in ``units/``, downloaded and
+        checked unless a version already has it, holding its shared flock since before it had its
+        name there (so no process can evict it between its arrival and its use); None when a
+        prefetch found no room."""
+        manifest = Manifest.load(root)
+        try:
+            info = self.store.head(name)
+        except ObjectNotFound:
+            raise DatasetError(f"{self.store.name(name)}: missing (the manifest names it)") from None
+        listed = int(manifest.shards[k]["bytes"]) if expected[0].lists_files(manifest) else None
+        if listed is not None and info.size != listed:
+            raise DatasetError(
+                f"{self.store.name(name)}: {info.size} bytes, the manifest says {listed} (the dataset was "
+                f"replaced since this version was opened: open it again)"
+            )
+        unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
+        if _checked_for(unit, expected[2]):
             try:
-                os.link(unit, root / name)
-            except FileExistsError:
-                pass
-            os.utime(unit)
+                fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if os.fstat(fd).st_nlink >= 1:
+                    os.utime(fd)
+                    return fd, unit
+                os.close(fd)  # evicted before the lock was taken: download it again
+        try:
+            return self._download_checked(unit, name, info, expected, demand=demand), unit
+        except _NoRoom:
+            return None
 
     def _download_checked(
         self, unit: Path, name: str, info: ObjectInfo, expected: _Expected, *, demand: bool = True
-    ) -> None:
-        """Object ``name`` downloaded into ``unit`` once its bytes match what ``expected`` says."""
+    ) -> int:
+        """Object ``name`` downloaded into ``unit`` once its bytes match what ``expected`` says; a
+        descriptor of it with its shared flock, taken before it was renamed into ``units/``."""
         part = self.home / _PARTIAL / unit.name
         rows = expected[2]
         problem = ""
@@ -517,10 +583,15 @@ class Remote:
             if not problem:
                 np.save(part.with_name(part.name + _SIDECAR), rows)
                 os.replace(part.with_name(part.name + _SIDECAR), unit.with_name(unit.name + _SIDECAR))
-                os.replace(part, unit)
+                hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+                fcntl.flock(hold, fcntl.LOCK_SH)
+                # under the lock that counts the cache: a count between its listing of units/ and of
+                # partial/ would otherwise miss the unit in neither, and reserve its room again
+                with _locked(self.cache_dir / ".evict.lock") if self.limit is not None else contextlib.nullcontext():
+                    os.replace(part, unit)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(part.with_name(part.name + ".parts"))
-                return
+                return hold
             _remove(part, part.with_name(part.name + ".parts"))
         raise DatasetError(f"{self.store.name(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
@@ -570,6 +641,9 @@ class Remote:
                 partial = [p for p in self.cache_dir.glob(f"*/{_PARTIAL}/*") if not p.name.endswith(".parts")]
                 sizes = {p: _size(p) for p in units + partial}
                 used = sum(sizes.values())
+                for stale in partial:  # a download whose process died or gave up: its room first
+                    if used + need > self.limit and sizes[stale] and _drop_partial(stale):
+                        used -= sizes[stale]
                 for unit, rank in sorted(((u, self._next_use(u)) for u in units), key=_eviction_order):
                     if used + need <= self.limit or (rank is not None and not demand):
                         break
@@ -701,8 +775,30 @@ def _evict(unit: Path) -> bool:
         os.close(fd)
 
 
+def _drop_partial(part: Path) -> bool:
+    """Delete the reserved download ``part`` unless a process is downloading it (holds its unit's
+    lock): one that died or failed left it, and its room would otherwise stay taken for good."""
+    name = part.name.rsplit(".", 2)[0]
+    try:
+        fd = os.open(part.parent.parent / _LOCKS / f"unit-{name}", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        _remove(part, part.with_name(part.name + ".parts"))
+        return True
+    finally:
+        os.close(fd)
+
+
 def _evicted(name: str) -> DatasetError:
-    return DatasetError(f"{name}: evicted from the cache as soon as it was fetched; raise cache_limit")
+    return DatasetError(
+        f"{name}: evicted from the cache by other readers as soon as it was fetched, {VERIFY_ATTEMPTS} times; "
+        f"raise cache_limit"
+    )
 
 
 def _remove(*paths: Path) -> None:

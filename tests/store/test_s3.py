@@ -191,6 +191,25 @@ def test_cache_limit_below_one_unit_refused_at_once(built, s3_server: S3Server, 
         ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=largest[1] - 1)
 
 
+def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A download that failed leaves its reserved part for a later resume; when another unit needs
+    the room of a cache of one unit, that part (no process downloading it) goes, not the reader."""
+    monkeypatch.setattr("packer.store.base.ATTEMPTS", 2)
+    monkeypatch.setattr("packer.store.base.BACKOFF_S", 0.01)
+    local = built("memmap", "raw")
+    sizes = _files(local)
+    url = s3_server.upload(local, "limit/stale")
+    cache = tmp_path / "cache"
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=max(sizes.values()))
+    proxy.faults.append(Faults(match="shard-00000", fail=2))
+    with pytest.raises(StoreError, match=r"shard-00000\.bin: failed 2 times"):
+        ds[0]
+    assert _cached(cache) == sizes["shard-00000.bin"]  # reserved, kept for a resume
+    local_ds = ShardDataset(local, crop_size=None, dtype=torch.uint8)
+    assert torch.equal(ds[10][0], local_ds[10][0])  # shard-00001: the stale part made room
+    assert torch.equal(ds[0][0], local_ds[0][0]) and _cached(cache) <= max(sizes.values())
+
+
 @pytest.fixture(scope="module")
 def small_shards(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A memmap dataset of eighteen shards of four records (the photos four times over)."""
