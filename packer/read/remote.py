@@ -3,16 +3,23 @@ node-local cache that the readers open as a local dataset.
 
 A dataset URL resolves to a directory of the cache holding one version: its manifest, index and
 label arrays, fetched and checked against the manifest's digests when the version is first opened
-on the node, and its data files, each fetched when a reader first needs it (packer.pin's ``fetch``)
-and hard-linked in. The readers (packer.backends) then read local files exactly as they read any
-dataset; nothing of the store reaches them.
+on the node, and its data, fetched in units when a reader first needs them and hard-linked in. The
+readers (packer.backends) then read local files as they read any dataset; nothing of the store
+reaches them.
 
-- **Units**: a data file is the unit fetched: a memmap shard or an LMDB segment, whole, in parallel
-  ranged parts (packer.store.base), into ``partial/``, then renamed into ``units/``. A broken part
-  is resumed from the byte it reached (``If-Match`` pins the object's version); parts already
-  written by a process that died are kept and skipped (``.parts`` lists them).
+- **Units**: an LMDB segment is fetched whole (packer.pin's ``fetch``: the environment maps the
+  file). A memmap shard is fetched in ranges of a power of two records (about :data:`UNIT_BYTES`;
+  global record numbers ``u * per_unit`` and up, cut at shard ends, so ShardSampler's blocks of a
+  power of two records up to that never straddle two units), each its own file
+  ``FILE@START-END`` (a whole shard is named as its file): one file per range, not a sparse file
+  per shard, so that a unit is evicted, held and counted as a file (unlink, flock, size) with
+  no byte-range locks or hole punching, and a unit never exists in part. The reader maps each
+  unit as it first reads a record of it (:class:`_RangedShard`). A unit is downloaded in
+  parallel ranged parts (packer.store.base) into ``partial/``, then renamed into ``units/``. A
+  broken part is resumed from the byte it reached (``If-Match`` pins the object's version);
+  parts already written by a process that died are kept and skipped (``.parts`` lists them).
 - **Checked before any decoder sees a byte**: the size against the manifest, then every record the
-  version's index names in the file by length and CRC-32 (LMDB files after their page tree is
+  version's index names in the unit by length and CRC-32 (LMDB files after their page tree is
   checked, as ``packer verify`` does); a mismatch is fetched again, up to :data:`VERIFY_ATTEMPTS`
   times, then a DatasetError names the object and the record.
 - **Versions**: the version directory is keyed by the manifest's sha256 and units by file name,
@@ -39,9 +46,11 @@ dataset; nothing of the store reaches them.
   process evicts it; the kernel drops it if the holder dies) from before its download is renamed
   into ``units/`` (so none evicts it between its arrival and its first use), or from when it
   opens it; a forked child closes the holds it inherited (it holds only what it opens itself).
-  Without a limit it holds every unit it opened until the dataset goes. With a limit, a memmap
-  reader lets go after each batch (:meth:`Remote.release`): the shard's mapping is dropped first,
-  then the flock, and the next batch that needs it opens (or fetches) it again. Eviction unlinks a
+  A memmap reader lets go after each batch (:meth:`Remote.release`; a dataset has thousands of
+  units, more than ``ulimit -n`` would let it hold): without a limit it keeps its mappings (a unit
+  evicted by another process's limit stays readable through them); with a limit the unit's
+  mapping is dropped first, then the flock, and the next batch that needs it opens (or fetches)
+  it again. Eviction unlinks a
   unit only under an exclusive flock, so never one that a reader holds or is reading; a buffer of a
   released unit that a caller still keeps stays valid (an unlinked file stays readable through its
   mapping on Linux; its disk space is freed with the last mapping). LMDB readers keep their
@@ -59,6 +68,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import mmap
 import os
 import re
 import shutil
@@ -66,14 +76,15 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 
 from ..backends import BACKENDS, Backend, data_files, record_places
-from ..backends.base import FileKey, OnFirstUse, Pinned
+from ..backends.base import FileKey, Pinned, Shard
+from ..backends.memmap import Mapping
 from ..backends.pin import pin
 from ..format import (
     INDEX,
@@ -92,8 +103,12 @@ from ..format.label_arrays import arrays_digest
 from ..store import ObjectChanged, ObjectNotFound, Store, open_store
 from ..store.base import ObjectInfo, PerProcess
 
-#: Data files fetched at once in the background per process (each in parallel parts itself).
+#: Units fetched at once in the background per process (each in parallel parts itself): enough
+#: requests in flight to cover the store's first-byte latency times its bandwidth.
 PREFETCH_UNITS = 4
+#: About the bytes of a memmap unit: a range of a shard of a power of two records (AWS advises
+#: 8-16 MB ranges), whole shards when they are smaller.
+UNIT_BYTES = 8 << 20
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
@@ -194,13 +209,11 @@ class Remote:
         self.version = ""  # sha256 of the manifest opened: the version this object reads
         self._store: Optional[tuple[int, Store]] = None
         self._settings: Optional[dict[str, Any]] = None  # a store resolved elsewhere (__setstate__)
+        self.per_unit = 0  # records per memmap unit (a power of two), fixed by the first pin()
         self._hold_units()
-        # set by pin(): the version's manifest, index and data file names (not the Pinned: that refers
-        # back to this object, and a cycle would keep the units held until the garbage collector runs)
-        self._layout: Optional[tuple[Manifest, np.ndarray, list[str]]] = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version")}
+        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version", "per_unit")}
         return state | {"settings": self.store.settings()}  # the store as this process resolved it
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -217,17 +230,19 @@ class Remote:
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
-        # per data file number: [announcement, records of it still to read] of the sampler's next
+        # per unit number: [announcement, records of it still to read] of the sampler's next
         # blocks announced so far, oldest first; the announcements counted; this epoch's unread records
         self._soon: dict[int, collections.deque[list[int]]] = {}
         self._announced = 0
-        self._first: Optional[np.ndarray] = None  # the data files of the epoch's first batch
+        self._first: Optional[np.ndarray] = None  # the units of the epoch's first batch
         self._unread = 0  # records of this epoch not read yet
-        self._plan: Optional[tuple[int, list[np.ndarray]]] = None  # (epoch, per data file: its draws' places)
+        self._plan: Optional[tuple[int, list[np.ndarray]]] = None  # (epoch, per unit: its draws' places)
         self._at = 0  # draws of the planned epoch read so far
         self._left: tuple[Optional[int], np.ndarray] = (None, np.zeros(0, np.int64))
-        self._numbers: dict[str, int] = {}  # data file name -> its number
         self._pinned: Optional[weakref.ReferenceType[Pinned]] = None  # the reader's, to drop its mappings
+        # set by pin(): the version's units (not the Pinned: that refers back to this object, and a
+        # cycle would keep the units held until the garbage collector runs)
+        self._units: Optional[_Units] = None
 
     @property
     def store(self) -> Store:
@@ -236,6 +251,15 @@ class Remote:
         if mine is None or mine[0] != os.getpid():
             mine = self._store = (os.getpid(), open_store(self.url, settings=self._settings))
         return mine[1]
+
+    def _key(self, name: str) -> str:
+        """The object key of data file ``name`` (relative to the dataset's URL)."""
+        return name
+
+    def _named(self, unit: str) -> str:
+        """Unit ``unit`` for messages: its object's URL, and the byte range of a part of it."""
+        file, span = _span(unit)
+        return self.store.name(self._key(file)) + (f" (bytes {span[0]}-{span[1]})" if span is not None else "")
 
     # --- versions -------------------------------------------------------------------------------
 
@@ -248,27 +272,49 @@ class Remote:
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
         pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
-        self._layout = (pinned.manifest, pinned.index, data_files(pinned.manifest))
+        manifest = pinned.manifest
+        ranged = BACKENDS[manifest.backend].concatenated
+        if ranged and not self.per_unit:
+            mean = sum(int(s["bytes"]) for s in manifest.shards) / max(1, len(pinned.index))
+            self.per_unit = 1 << max(0, int(UNIT_BYTES / max(mean, 1.0)).bit_length() - 1)
+        units = self._units = _Units(manifest, pinned.index, self.per_unit if ranged else 0)
+        if ranged:  # the reader maps each shard's units as it reads them, not whole shards
+            pinned.shards = [
+                cast(Shard, (_RangedShard(int(s["bytes"]), units, k, lambda key: self._map_unit(root, key)), None))
+                for k, s in enumerate(manifest.shards)
+            ]
         self._pinned = weakref.ref(pinned)
-        self._numbers = {name: k for k, name in enumerate(self._layout[2])}
-        backend = BACKENDS[pinned.manifest.backend]
-        if self.limit is not None and backend.lists_files(pinned.manifest):
-            largest = max(pinned.manifest.shards, key=lambda s: int(s["bytes"]), default=None)
-            if largest is not None and int(largest["bytes"]) > self.limit:
-                raise _too_small(self.limit, self.store.name(str(largest["file"])), int(largest["bytes"]))
+        largest = int(np.argmax(units.sizes)) if len(units.sizes) else -1
+        if self.limit is not None and largest >= 0 and int(units.sizes[largest]) > self.limit:
+            raise _too_small(self.limit, self._named(units.keys[largest]), int(units.sizes[largest]))
         return pinned
 
+    def _map_unit(self, root: Path, key: str) -> np.ndarray:
+        """Unit ``key`` of the version at ``root``, mapped (fetched first unless the cache has it)."""
+        fd = self._open_unit(root, key)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = Mapping(fd, size) if size else None
+        finally:
+            os.close(fd)
+        if mapping is None:
+            return np.zeros(0, np.uint8)
+        mapping.madvise(mmap.MADV_RANDOM)
+        return np.asarray(mapping)
+
     def release(self) -> None:
-        """Let go of the units this process holds, with a cache limit and a memmap reader (see the
-        module docstring): called after each batch, so that a cache of a few units serves an epoch."""
+        """Let go of the units this process holds, with a memmap reader (see the module docstring):
+        called after each batch, so that a cache of a few units serves an epoch. With a cache limit
+        their mappings go too (the disk space of an evicted unit is freed with its last mapping)."""
         pinned = self._pinned() if self._pinned is not None else None
-        if self.limit is None or pinned is None or not isinstance(pinned.shards, OnFirstUse):
+        if pinned is None or not pinned.shards or not isinstance(pinned.shards[0][0], _RangedShard):
             return
         with self._lock.get():
             held = dict(self._held)
             self._held.clear()
-        for k in list(pinned.shards.opened):
-            pinned.shards.opened.pop(k, None)  # the mapping goes with its last buffer
+        if self.limit is not None:
+            for shard, _ in pinned.shards:
+                cast(_RangedShard, shard).opened.clear()  # a mapping goes with its last buffer
         for fd in held.values():
             os.close(fd)
 
@@ -279,15 +325,15 @@ class Remote:
         the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
         every record of this epoch is not needed again in it."""
-        assert self._layout is not None, "pin() first"
-        manifest, index, names = self._layout
+        assert self._units is not None, "pin() first"
+        units = self._units
         root = self.home / _VERSIONS / self.version
         pending = self._pending.get()
         futures = {}
-        files = record_places(manifest, index, records)[0]
-        _, first = np.unique(files, return_index=True)
-        wanted = [names[k] for k in files[np.sort(first)].tolist()]  # in the order the records need them
-        self._count(files, wait, epoch)
+        numbers = units.of[records]
+        _, first = np.unique(numbers, return_index=True)
+        wanted = [units.keys[u] for u in numbers[np.sort(first)].tolist()]  # in the order the records need them
+        self._count(numbers, wait, epoch)
         for name in wanted:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
@@ -312,23 +358,23 @@ class Remote:
     def plan(self, epoch: int, records: np.ndarray) -> None:
         """The records this process will read in ``epoch``, in order (ShardSampler's, told when it
         is iterated in this process): eviction ranks units by their next use in it."""
-        assert self._layout is not None, "pin() first"
-        manifest, index, names = self._layout
-        files = record_places(manifest, index, np.asarray(records, dtype=np.int64))[0]
-        order = np.argsort(files, kind="stable")
-        bounds = np.searchsorted(files[order], np.arange(len(names) + 1))
-        self._plan = (epoch, [order[bounds[k] : bounds[k + 1]] for k in range(len(names))])
+        assert self._units is not None, "pin() first"
+        numbers = self._units.of[np.asarray(records, dtype=np.int64)]
+        count = len(self._units.keys)
+        order = np.argsort(numbers, kind="stable")
+        bounds = np.searchsorted(numbers[order], np.arange(count + 1))
+        self._plan = (epoch, [order[bounds[u] : bounds[u + 1]] for u in range(count)])
         self._at = 0
 
     def _count(self, files: np.ndarray, read: bool, epoch: Optional[int]) -> None:
-        """Keep this process's view of the future: records of data files ``files`` announced by the
+        """Keep this process's view of the future: records of units ``files`` announced by the
         sampler (``read`` False), or read by a batch of ``epoch`` (None: not a ShardSampler's)."""
-        assert self._layout is not None
-        manifest, index, names = self._layout
+        assert self._units is not None
+        count = len(self._units.keys)
         if not read:
-            counts = np.bincount(files, minlength=len(names))
+            counts = np.bincount(files, minlength=count)
             if self._first is not None:  # the epoch's first announcement names its first batch, read already
-                counts = np.maximum(counts - np.bincount(self._first, minlength=len(names)), 0)
+                counts = np.maximum(counts - np.bincount(self._first, minlength=count), 0)
                 self._first = None
             self._announced += 1
             for k in np.flatnonzero(counts).tolist():
@@ -336,7 +382,7 @@ class Remote:
             return
         numbers, counts = np.unique(files, return_counts=True)
         if epoch is not None and epoch != self._left[0]:
-            self._left = (epoch, np.bincount(record_places(manifest, index)[0], minlength=len(names)))
+            self._left = (epoch, np.bincount(self._units.of, minlength=count))
             self._soon, self._first = {}, files
         if epoch is not None and self._plan is not None and epoch == self._plan[0]:
             self._at += len(files)
@@ -355,7 +401,7 @@ class Remote:
                 del self._soon[k]
 
     def _rank(self, k: int) -> Optional[int]:
-        """When data file ``k`` is next needed, as far as this process knows: the announcement of
+        """When unit ``k`` is next needed, as far as this process knows: the announcement of
         its next records; after all of them when records of it are still unread this epoch, the
         later the fewer (in an order not yet known, the first of m of R unread records comes after
         R / (m + 1) on average); None when it is not known to be needed."""
@@ -486,7 +532,8 @@ class Remote:
             os.close(old)
 
     def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
-        """Data file ``name`` of the version at ``root`` in the cache, checked, linked into ``root``.
+        """Unit ``name`` (a data file, or ``FILE@START-END``: a byte range of one) of the version at
+        ``root`` in the cache, checked, linked into ``root``.
         A reader's fetch (``demand``) returns a descriptor of it, held; a prefetch of the sampler's
         next blocks returns None and leaves it to eviction by next use, or skips it when there is no
         room for it without evicting what is needed sooner."""
@@ -496,12 +543,17 @@ class Remote:
             index = map_npy(fd, root / INDEX)
         finally:
             os.close(fd)
-        k = data_files(manifest).index(name)
+        file, span = _span(name)
+        k = data_files(manifest).index(file)
         backend = BACKENDS[manifest.backend]
         files, positions = record_places(manifest, index)
-        mine = np.flatnonzero(files == k)
+        inside = files == k
+        if span is not None:
+            inside &= (positions >= span[0]) & (positions < span[1])
+        mine = np.flatnonzero(inside)
         rows = np.empty(len(mine), _ROWS_DTYPE)
-        rows["position"], rows["length"], rows["crc32"] = positions[mine], index["length"][mine], index["crc32"][mine]
+        rows["position"] = positions[mine] - (span[0] if span is not None else 0)  # in the unit's own file
+        rows["length"], rows["crc32"] = index["length"][mine], index["crc32"][mine]
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
         with _locked(self.home / _LOCKS / f"unit-{name}"):
@@ -532,7 +584,7 @@ class Remote:
                     return None
                 self._keep(hold, root / name)
                 return os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC)
-        raise _evicted(self.store.name(name))
+        raise _evicted(self._named(name))
 
     def _fetch_held(
         self, root: Path, name: str, k: int, expected: _Expected, *, demand: bool
@@ -542,15 +594,16 @@ class Remote:
         name there (so no process can evict it between its arrival and its use); None when a
         prefetch found no room."""
         manifest = Manifest.load(root)
+        file = _span(name)[0]
         try:
-            info = self.store.head(name)
+            info = self.store.head(self._key(file))
         except ObjectNotFound:
-            raise DatasetError(f"{self.store.name(name)}: missing (the manifest names it)") from None
+            raise DatasetError(f"{self.store.name(self._key(file))}: missing (the manifest names it)") from None
         listed = int(manifest.shards[k]["bytes"]) if expected[0].lists_files(manifest) else None
         if listed is not None and info.size != listed:
             raise DatasetError(
-                f"{self.store.name(name)}: {info.size} bytes, the manifest says {listed} (the dataset was "
-                f"replaced since this version was opened: open it again)"
+                f"{self.store.name(self._key(file))}: {info.size} bytes, the manifest says {listed} (the dataset "
+                f"was replaced since this version was opened: open it again)"
             )
         unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
         if _checked_for(unit, expected[2]):
@@ -593,29 +646,40 @@ class Remote:
                     os.unlink(part.with_name(part.name + ".parts"))
                 return hold
             _remove(part, part.with_name(part.name + ".parts"))
-        raise DatasetError(f"{self.store.name(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
+        raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
     def _download(self, part: Path, name: str, info: ObjectInfo, *, demand: bool = True) -> None:
-        """Object ``name`` (``info``) downloaded into ``part``, resuming the parts a previous attempt
-        (of any process) finished: ``part``'s ``.parts`` file lists them, one number a line."""
+        """Unit ``name`` of its object (``info``) downloaded into ``part``, resuming the parts a
+        previous attempt (of any process) finished: ``part``'s ``.parts`` file lists them, one
+        number a line."""
+        file, span = _span(name)
+        start, end = span if span is not None else (0, info.size)
         done_file = part.with_name(part.name + ".parts")
         done: frozenset[int] = frozenset()
-        if part.exists() and part.stat().st_size == info.size and done_file.exists():
+        if part.exists() and part.stat().st_size == end - start and done_file.exists():
             done = frozenset(int(n) for n in done_file.read_text().split() if n.isdigit())
         else:
             _remove(part, done_file)
-            self._make_room(info.size, part, name, demand=demand)
+            self._make_room(end - start, part, name, demand=demand)
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
-            os.ftruncate(fd, info.size)
+            os.ftruncate(fd, end - start)
             try:
-                self.store.download(name, fd, info, skip=done, part_done=lambda n: os.write(log, b"%d\n" % n))
+                self.store.download(
+                    self._key(file),
+                    fd,
+                    info,
+                    skip=done,
+                    part_done=lambda n: os.write(log, b"%d\n" % n),
+                    start=start,
+                    end=end,
+                )
             except ObjectChanged:
                 _remove(part, done_file)
                 raise DatasetError(
-                    f"{self.store.name(name)}: replaced in the store while it was read (the dataset was "
-                    f"refreshed: open it again)"
+                    f"{self.store.name(self._key(file))}: replaced in the store while it was read (the dataset "
+                    f"was refreshed: open it again)"
                 ) from None
             os.fsync(fd)
         finally:
@@ -668,8 +732,78 @@ class Remote:
 
     def _next_use(self, unit: Path) -> Optional[int]:
         """When cached ``unit`` is next needed (:meth:`_rank`; None: another dataset's)."""
-        k = self._numbers.get(unit.name.rsplit(".", 2)[0]) if unit.parent.parent == self.home else None
+        numbers = self._units.numbers if self._units is not None and unit.parent.parent == self.home else {}
+        k = numbers.get(unit.name.rsplit(".", 2)[0])
         return None if k is None else self._rank(k)
+
+
+def _span(unit: str) -> tuple[str, Optional[tuple[int, int]]]:
+    """A unit's data file and byte range (None: the whole file), from its name ``FILE[@START-END]``."""
+    file, _, span = unit.partition("@")
+    if not span:
+        return file, None
+    start, _, end = span.partition("-")
+    return file, (int(start), int(end))
+
+
+class _Units:
+    """What is fetched of one version: for memmap, each shard cut into ranges of ``per_unit``
+    records (global record numbers ``u * per_unit`` and up: a power of two, so that ShardSampler
+    blocks of a power of two records up to ``per_unit`` never straddle two units) at record
+    boundaries; for LMDB (``per_unit`` 0) the data files. ``of``: each record's unit; ``keys``:
+    each unit's name (a whole shard is named as its file, so it is the file ``packer verify``
+    fetches); ``sizes``: its bytes (memmap; 0 for LMDB); ``numbers``: name -> unit."""
+
+    def __init__(self, manifest: Manifest, index: np.ndarray, per_unit: int) -> None:
+        names = data_files(manifest)
+        files, positions = record_places(manifest, index)
+        if not per_unit:
+            self.of = files.astype(np.int64)
+            self.keys = list(names)
+            self.sizes = np.zeros(len(names), np.int64)  # an LMDB file's size is known from its HEAD only
+        else:
+            group = files.astype(np.int64) * (len(index) // per_unit + 1) + np.arange(len(index)) // per_unit
+            unique, self.of = np.unique(group, return_inverse=True)
+            self.of = self.of.astype(np.int64)
+            ends = positions + index["length"].astype(np.int64)
+            starts = np.full(len(unique), np.iinfo(np.int64).max, np.int64)
+            stops = np.zeros(len(unique), np.int64)
+            np.minimum.at(starts, self.of, positions)
+            np.maximum.at(stops, self.of, ends)
+            shard_of = files[np.unique(self.of, return_index=True)[1]]
+            self.keys = []
+            for u, k in enumerate(shard_of.tolist()):
+                whole = starts[u] == 0 and stops[u] == int(manifest.shards[k]["bytes"])
+                self.keys.append(names[k] if whole else f"{names[k]}@{starts[u]}-{stops[u]}")
+            self.sizes = stops - starts
+            self.shard, self.starts, self.stops = shard_of, starts, stops
+        self.numbers = {key: u for u, key in enumerate(self.keys)}
+
+
+class _RangedShard:
+    """Memmap shard ``k`` as its reader slices it (``array[start:end]``), each unit mapped when a
+    record of it is first read: ``open_unit(name)`` fetches it into the cache first. The mappings
+    are kept in ``opened`` until :meth:`Remote.release` drops them."""
+
+    def __init__(self, size: int, units: _Units, k: int, open_unit: Callable[[str], np.ndarray]) -> None:
+        self.size, self._open_unit = size, open_unit
+        mine = np.flatnonzero(units.shard == k)
+        order = np.argsort(units.starts[mine], kind="stable")
+        self._units = mine[order]
+        self._starts = units.starts[self._units]
+        self._keys = units.keys
+        self.opened: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        j = max(0, int(np.searchsorted(self._starts, where.start, side="right")) - 1)
+        array = self.opened.get(j)
+        if array is None:
+            array = self.opened[j] = self._open_unit(self._keys[int(self._units[j])])
+        base = int(self._starts[j])
+        return array[where.start - base : where.stop - base]
 
 
 class _NoRoom(Exception):

@@ -119,6 +119,28 @@ def test_damaged_object_refetched_then_named(built, s3_server: S3Server, proxy: 
     assert not list((tmp_path / "b").glob("*/units/data.mdb*"))
 
 
+def test_damaged_range_refetched_then_named(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A memmap unit is a range of a shard, checked by its records' CRC-32s before any decoder sees
+    it: a byte flipped on the way is fetched again (that range only); a range damaged in the store
+    fails with a DatasetError naming the object and the range, and no sample is served."""
+    local = built("memmap", "jpeg")
+    here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
+    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
+    url = s3_server.upload(local, "damaged/memmap-ranges")
+    proxy.faults.append(Faults(match="shard-00001", corrupt=1))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "a")
+    _same(ds, here)
+    assert ds._remote._units is not None
+    ranges = [key for key in ds._remote._units.keys if key.startswith("shard-00001.bin@")]
+    assert ranges and proxy.gets("shard-00001.bin") == len(ranges) + 1
+    assert proxy.fetched("shard-00001.bin") - _files(local)["shard-00001.bin"] < _files(local)["shard-00001.bin"]
+    proxy.clear()
+    proxy.faults.append(Faults(match="shard-00001", corrupt=-1))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "b")
+    with pytest.raises(DatasetError, match=r"memmap-ranges/shard-00001\.bin \(bytes \d+-\d+\): .*after 3 downloads"):
+        ds[8]
+
+
 def test_missing_and_forbidden_fail_at_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     local = built("memmap", "raw")
     url = s3_server.upload(local, "missing/memmap")
@@ -345,30 +367,37 @@ def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch:
     assert sheet.exit_code == 0 and (tmp_path / "sheet.png").stat().st_size > 0
 
 
-def test_sampler_order_prefetch(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
-    """order="block": the data file of the sampler's next window is fetched in the background while
-    the current one is read, so it is in the cache before its first draw; the first batch waits for
-    its own data file only."""
+def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """memmap units are ranges of two records (remote.UNIT_BYTES), aligned to ShardSampler's blocks
+    of two: the first sample waits for its own unit, not its shard; the next window's unit is
+    fetched in the background while the current one is read, so it is cached before its first
+    draw; every byte is fetched once, and the samples equal the local ones."""
     local = built("memmap", "raw")  # 3 shards of 7, 7 and 4 records
+    here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
+    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
     url = s3_server.upload(local, "prefetch/memmap")
     proxy.faults.append(Faults(match="shard-", delay=0.3))
     ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
-    sampler = ShardSampler(ds, order="block", block_size=7, window=1, prefetch=1, seed=1)
+    units = ds._remote._units
+    assert ds._remote.per_unit == 2 and units is not None
+    sampler = ShardSampler(ds, order="block", block_size=2, window=1, prefetch=1, seed=1)
     draws = list(sampler)
     version = next((tmp_path / "cache").glob("*/versions/*"))
-    shard_of = {int(r): int(ds.index["shard"][int(r)]) for r in draws}
-    first = ds[draws[0]]
-    assert first[0].shape[0] == 3
-    assert sum(proxy.gets(f"shard-0000{k}.bin") for k in range(3)) <= 2  # its own, and the next window's
-    following = next(shard_of[int(d)] for d in draws if shard_of[int(d)] != shard_of[int(draws[0])])
+    first_unit = int(units.of[int(draws[0])])
+    assert torch.equal(ds[draws[0]][0], here[int(draws[0])][0])
+    window1 = {int(units.of[int(d)]) for d in draws[2:4]}  # the next block's unit(s)
+    first_two = sum(int(units.sizes[u]) for u in {first_unit} | window1)
+    assert sum(proxy.fetched(name) for name in _files(local)) <= first_two
     deadline = time.monotonic() + 10
-    while not (version / f"shard-0000{following}.bin").exists() and time.monotonic() < deadline:
+    later = next(u for u in (int(units.of[int(d)]) for d in draws) if u != first_unit)
+    while not (version / units.keys[later]).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (version / f"shard-0000{following}.bin").exists()  # before any of its draws was read
+    assert (version / units.keys[later]).exists()  # before any of its draws was read
     for d in draws:
-        ds[d]
-    for k in range(3):
-        assert proxy.gets(f"shard-0000{k}.bin") == 1
+        assert torch.equal(ds[d][0], here[int(d)][0])
+    for name, size in _files(local).items():
+        assert proxy.fetched(name) == size  # each byte once
+    assert any(r != "bytes=0-" and not r.startswith("bytes=0-") for rs in proxy.ranges.values() for r in rs)
 
 
 def test_https_range_server(built, tmp_path: Path) -> None:
