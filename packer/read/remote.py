@@ -146,7 +146,7 @@ def parse_limit(limit: int | str | None) -> Optional[int]:
     return value
 
 
-_LOCKING: set[int] = set()  # descriptors of the flocks this process holds in _locked blocks
+_LOCKING: set[int] = set()  # descriptors of flocks this process holds in _locked blocks, or is taking
 
 
 @contextlib.contextmanager
@@ -230,6 +230,7 @@ class Remote:
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
+        self._infos: PerProcess[dict[str, ObjectInfo]] = PerProcess(dict)  # object key -> its HEAD
         # per unit number: [announcement, records of it still to read] of the sampler's next
         # blocks announced so far, oldest first; the announcements counted; this epoch's unread records
         self._soon: dict[int, collections.deque[list[int]]] = {}
@@ -251,6 +252,14 @@ class Remote:
         if mine is None or mine[0] != os.getpid():
             mine = self._store = (os.getpid(), open_store(self.url, settings=self._settings))
         return mine[1]
+
+    def _head(self, key: str) -> ObjectInfo:
+        """Object ``key``'s size and version, asked once per process (its units share them; a
+        replaced object fails their ``If-Match``)."""
+        known = self._infos.get()
+        if key not in known:
+            known[key] = self.store.head(key)
+        return known[key]
 
     def _key(self, name: str) -> str:
         """The object key of data file ``name`` (relative to the dataset's URL)."""
@@ -333,7 +342,8 @@ class Remote:
         numbers = units.of[records]
         _, first = np.unique(numbers, return_index=True)
         wanted = [units.keys[u] for u in numbers[np.sort(first)].tolist()]  # in the order the records need them
-        self._count(numbers, wait, epoch)
+        if not wait:
+            self._count(numbers, wait, epoch)
         for name in wanted:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
@@ -348,6 +358,8 @@ class Remote:
             pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
             if failure is not None:
                 raise failure
+        if wait:  # read from now on: until its units are in, the batch is what comes next (_needed_before)
+            self._count(numbers, wait, epoch)
 
     def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
         """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a prefetch)."""
@@ -472,9 +484,11 @@ class Remote:
             names += [LABELS] if manifest.label_kind == "multi" else []
             names += [TARGETS] if manifest.targets else []
             arrays = {}
-            for name in names:
+            with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:  # one first-byte wait, not four
+                bodies = [pool.submit(self.store.get, name) for name in names]
+            for name, body in zip(names, bodies):
                 try:
-                    (staging / name).write_bytes(self.store.get(name))
+                    (staging / name).write_bytes(body.result())
                 except ObjectNotFound:
                     raise DatasetError(f"{self.store.name(name)}: missing (the manifest names it)") from None
                 fd = open_regular(staging / name)
@@ -524,7 +538,8 @@ class Remote:
         return True
 
     def _keep(self, hold: int, path: Path) -> None:
-        """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release`."""
+        """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release` (a child
+        forked from now on closes its copy: see _after_fork)."""
         with self._lock.get():
             old = self._held.pop(str(path), None)
             self._held[str(path)] = hold
@@ -576,13 +591,16 @@ class Remote:
                 try:
                     with contextlib.suppress(FileExistsError):
                         os.link(unit, root / name)  # held: no process can evict it meanwhile
+                    if demand:
+                        self._keep(hold, root / name)
                 except BaseException:
+                    _LOCKING.discard(hold)
                     os.close(hold)
                     raise
+                _LOCKING.discard(hold)
                 if not demand:
                     os.close(hold)  # a prefetch's unit is left to eviction by next use
                     return None
-                self._keep(hold, root / name)
                 return os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC)
         raise _evicted(self._named(name))
 
@@ -596,7 +614,7 @@ class Remote:
         manifest = Manifest.load(root)
         file = _span(name)[0]
         try:
-            info = self.store.head(self._key(file))
+            info = self._head(self._key(file))
         except ObjectNotFound:
             raise DatasetError(f"{self.store.name(self._key(file))}: missing (the manifest names it)") from None
         listed = int(manifest.shards[k]["bytes"]) if expected[0].lists_files(manifest) else None
@@ -612,10 +630,12 @@ class Remote:
             except FileNotFoundError:
                 fd = -1
             if fd >= 0:
+                _LOCKING.add(fd)  # until it is kept or closed: a child forked meanwhile closes its copy
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 if os.fstat(fd).st_nlink >= 1:
                     os.utime(fd)
                     return fd, unit
+                _LOCKING.discard(fd)
                 os.close(fd)  # evicted before the lock was taken: download it again
         try:
             return self._download_checked(unit, name, info, expected, demand=demand), unit
@@ -637,11 +657,18 @@ class Remote:
                 np.save(part.with_name(part.name + _SIDECAR), rows)
                 os.replace(part.with_name(part.name + _SIDECAR), unit.with_name(unit.name + _SIDECAR))
                 hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
-                fcntl.flock(hold, fcntl.LOCK_SH)
-                # under the lock that counts the cache: a count between its listing of units/ and of
-                # partial/ would otherwise miss the unit in neither, and reserve its room again
-                with _locked(self.cache_dir / ".evict.lock") if self.limit is not None else contextlib.nullcontext():
-                    os.replace(part, unit)
+                _LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
+                try:
+                    fcntl.flock(hold, fcntl.LOCK_SH)
+                    # under the lock that counts the cache: a count between its listing of units/ and
+                    # of partial/ would otherwise miss the unit in neither, and reserve its room again
+                    counted = self.limit is not None
+                    with _locked(self.cache_dir / ".evict.lock") if counted else contextlib.nullcontext():
+                        os.replace(part, unit)
+                except BaseException:
+                    _LOCKING.discard(hold)
+                    os.close(hold)
+                    raise
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(part.with_name(part.name + ".parts"))
                 return hold
@@ -692,7 +719,8 @@ class Remote:
         size before the lock goes, so it counts for the next one (the cache never exceeds the limit).
         A batch's download (``demand``) waits for readers to let go; a prefetch evicts only units
         of no known next use (it would otherwise push out what the next batches need before it, and
-        its reservation would keep their downloads from the room) and else raises _NoRoom."""
+        its reservation would keep their downloads from the room), leaves the room of the units
+        needed before it (:meth:`_needed_before`), and else raises _NoRoom."""
         if self.limit is None:
             return
         if need > self.limit:
@@ -708,12 +736,16 @@ class Remote:
                 for stale in partial:  # a download whose process died or gave up: its room first
                     if used + need > self.limit and sizes[stale] and _drop_partial(stale):
                         used -= sizes[stale]
+                evicted = set()
                 for unit, rank in sorted(((u, self._next_use(u)) for u in units), key=_eviction_order):
                     if used + need <= self.limit or (rank is not None and not demand):
                         break
                     if _evict(unit):
                         used -= sizes[unit]
-                if used + need * (1 if demand else 2) <= self.limit:  # a prefetch leaves a unit's room
+                        evicted.add(unit)
+                there = {p.name.rsplit(".", 2)[0] for p in units + partial if p.parent.parent == self.home}
+                there -= {p.name.rsplit(".", 2)[0] for p in evicted}
+                if used + need + (0 if demand else self._needed_before(name, there, need)) <= self.limit:
                     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
                     try:
                         os.ftruncate(fd, need)
@@ -729,6 +761,24 @@ class Remote:
                     f"{self.cache_dir} are held by open readers or downloads, and {need} more are needed"
                 )
             time.sleep(0.05)
+
+    def _needed_before(self, name: str, there: set[str], need: int) -> int:
+        """Bytes of the units this process knows are needed before unit ``name`` and are not
+        ``there`` (cached or being fetched): the room a prefetch of ``name`` must leave them, or it
+        would push out what they need sooner, or be pushed out itself before its use (an LMDB
+        file's size is known from its HEAD only: ``need`` stands in for it)."""
+        if self._units is None or name not in self._units.numbers:
+            return need
+        mine = self._rank(self._units.numbers[name])
+        if mine is None:
+            return need
+        total = 0
+        for u, key in enumerate(self._units.keys):
+            if key != name and key not in there:
+                rank = self._rank(u)
+                if rank is not None and rank < mine:
+                    total += int(self._units.sizes[u]) or need
+        return total
 
     def _next_use(self, unit: Path) -> Optional[int]:
         """When cached ``unit`` is next needed (:meth:`_rank`; None: another dataset's)."""

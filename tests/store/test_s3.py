@@ -3,7 +3,6 @@ the same samples as the local dataset, each data file fetched once per node and 
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import json
 import os
@@ -23,8 +22,10 @@ from packer import ShardDataset, ShardSampler, build
 from packer.backends import data_files
 from packer.format import DatasetError, Manifest
 from packer.read import remote
+from packer.read.remote import _locked as cache_lock
 from packer.store import StoreError
 
+from .furthest import furthest_future_bytes
 from .proxy import Faults, Proxy, serve_folder
 from .seaweed import S3Server
 
@@ -271,11 +272,13 @@ def test_epoch_in_a_cache_of_three_units(
     highest = [0]
     done = threading.Event()
 
-    def poll() -> None:  # under the lock that eviction and reservation take: one consistent view
+    def poll() -> None:
+        """Under the lock that every count and change of the cache takes: one consistent view. Taken
+        as remote takes it: a worker forked while this thread holds it closes its copy at once (one
+        opened plainly stays held in the child for good: every reader of the cache waits on it)."""
         while not done.is_set():
             if cache.exists():
-                with open(cache / ".evict.lock", "a") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)
+                with cache_lock(cache / ".evict.lock"):
                     highest[0] = max(highest[0], _cached(cache))
             time.sleep(0.005)
 
@@ -298,24 +301,6 @@ def test_epoch_in_a_cache_of_three_units(
         watcher.join()
     assert 0 < highest[0] <= limit
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it had to evict and fetch again
-
-
-def furthest_future_bytes(uses: list[list[str]], sizes: dict[str, int], limit: int) -> int:
-    """Bytes an offline cache of ``limit`` bytes fetches for ``uses`` (each batch's units, in order)
-    when it evicts the unit needed furthest in the future (Belady), every batch's units held while
-    it is read."""
-    cached: set[str] = set()
-    fetched = 0
-    for t, batch in enumerate(uses):
-        for name in batch:
-            if name in cached:
-                continue
-            while sum(sizes[c] for c in cached) + sizes[name] > limit:
-                later = {c: next((u for u in range(t, len(uses)) if c in uses[u]), len(uses)) for c in cached}
-                cached.remove(max((c for c in cached if c not in batch), key=later.__getitem__))
-            cached.add(name)
-            fetched += sizes[name]
-    return fetched
 
 
 @pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])
