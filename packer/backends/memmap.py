@@ -42,9 +42,10 @@ class MemmapReader(Reader):
         ends = rows["offset"] + rows["length"]
         for k in np.unique(rows["shard"]).tolist():
             name, mapped = str(self.manifest.shards[k]["file"]), len(self.pinned.shards[k][0])
+            pinned = self.pinned.files.get(name)  # None: mapped in ranges of the cache (packer.read.remote)
             try:
                 st = os.stat(os.path.join(self.root, name))
-                if (st.st_dev, st.st_ino) == self.pinned.files[name][:2]:
+                if pinned is not None and (st.st_dev, st.st_ino) == pinned[:2]:
                     mapped = min(mapped, st.st_size)
             except OSError:
                 pass

@@ -327,7 +327,11 @@ class ShardDataset(Dataset):
     # --- samples --------------------------------------------------------------------------------
 
     def __getitem__(self, i: int) -> Sample | TargetSample:
-        return self._batch(*self._keyed([i]))[0]
+        try:
+            return self._batch(*self._keyed([i]))[0]
+        finally:
+            if self._remote is not None:  # with a cache limit, its data file may be evicted now
+                self._remote.release()
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample | TargetSample]:
         """A batch for DataLoader's fetcher, which passes the result to ``collate_fn``.
@@ -339,7 +343,17 @@ class ShardDataset(Dataset):
         ``collate_fn`` still gets ``(image, label)`` pairs (views into the batch).
         """
         shared = get_worker_info() is not None
-        return self._batch(*self._keyed(indices), shared) if len(indices) else []
+        try:
+            return self._batch(*self._keyed(indices), shared) if len(indices) else []
+        finally:
+            if self._remote is not None:  # with a cache limit, its data files may be evicted now
+                self._remote.release()
+
+    def _will_read(self, epoch: int, records: np.ndarray) -> None:
+        """ShardSampler's draws of ``epoch``, in order: read in this process (no DataLoader
+        workers), a cache_limit evicts by them (packer.read.remote)."""
+        if self._remote is not None:
+            self._remote.plan(epoch, records)
 
     def _keyed(self, indices: Sequence[int]) -> tuple[list[int], Any, Optional[list[int]]]:
         """(records, epoch, keys): plain indices are keyed by record in the dataset's epoch (keys
@@ -347,7 +361,8 @@ class ShardDataset(Dataset):
         a Draw says come next (``ahead``) are asked of the disk here, before this batch is read."""
         records = [self._check(i) for i in indices]
         if self._remote is not None:  # the batch's data files fetched together, before the reader needs them
-            self._remote.prefetch(np.asarray(records, dtype=np.int64), wait=True)
+            epoch = indices[0].epoch if len(indices) and type(indices[0]) is Draw else None
+            self._remote.prefetch(np.asarray(records, dtype=np.int64), wait=True, epoch=epoch)
         if not any(type(i) is Draw for i in indices):
             return records, self.epoch, None
         ahead = [r for i in indices if type(i) is Draw for r in i.ahead]

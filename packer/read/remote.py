@@ -3,16 +3,23 @@ node-local cache that the readers open as a local dataset.
 
 A dataset URL resolves to a directory of the cache holding one version: its manifest, index and
 label arrays, fetched and checked against the manifest's digests when the version is first opened
-on the node, and its data files, each fetched when a reader first needs it (packer.pin's ``fetch``)
-and hard-linked in. The readers (packer.backends) then read local files exactly as they read any
-dataset; nothing of the store reaches them.
+on the node, and its data, fetched in units when a reader first needs them and hard-linked in. The
+readers (packer.backends) then read local files as they read any dataset; nothing of the store
+reaches them.
 
-- **Units**: a data file is the unit fetched: a memmap shard or an LMDB segment, whole, in parallel
-  ranged parts (packer.store.base), into ``partial/``, then renamed into ``units/``. A broken part
-  is resumed from the byte it reached (``If-Match`` pins the object's version); parts already
-  written by a process that died are kept and skipped (``.parts`` lists them).
+- **Units**: an LMDB segment is fetched whole (packer.pin's ``fetch``: the environment maps the
+  file). A memmap shard is fetched in ranges of a power of two records (about :data:`UNIT_BYTES`;
+  global record numbers ``u * per_unit`` and up, cut at shard ends, so ShardSampler's blocks of a
+  power of two records up to that never straddle two units), each its own file
+  ``FILE@START-END`` (a whole shard is named as its file): one file per range, not a sparse file
+  per shard, so that a unit is evicted, held and counted as a file (unlink, flock, size) with
+  no byte-range locks or hole punching, and a unit never exists in part. The reader maps each
+  unit as it first reads a record of it (:class:`_RangedShard`). A unit is downloaded in
+  parallel ranged parts (packer.store.base) into ``partial/``, then renamed into ``units/``. A
+  broken part is resumed from the byte it reached (``If-Match`` pins the object's version);
+  parts already written by a process that died are kept and skipped (``.parts`` lists them).
 - **Checked before any decoder sees a byte**: the size against the manifest, then every record the
-  version's index names in the file by length and CRC-32 (LMDB files after their page tree is
+  version's index names in the unit by length and CRC-32 (LMDB files after their page tree is
   checked, as ``packer verify`` does); a mismatch is fetched again, up to :data:`VERIFY_ATTEMPTS`
   times, then a DatasetError names the object and the record.
 - **Versions**: the version directory is keyed by the manifest's sha256 and units by file name,
@@ -22,32 +29,62 @@ dataset; nothing of the store reaches them.
 - **One fetch per node**: every process of the node (ranks, DataLoader workers) takes the file
   lock of a unit (flock: released by the kernel when its holder dies) before fetching it, and finds
   it fetched once the lock is theirs. Nothing is kept in shared memory.
-- **cache_limit**: units no reader holds (each reader holds a shared flock on the units it opened)
-  are evicted, least recently opened first, before a download would take the cache (every dataset
-  under ``cache_dir``) past the limit; a download reserves its whole size first, so concurrent
-  fetches never overshoot. When the readers hold too much to make room, the open fails clearly.
+- **cache_limit**: units no reader holds are evicted before a download would take the cache (every
+  dataset under ``cache_dir``) past the limit; a download reserves its whole size first, so
+  concurrent fetches never overshoot. Eviction takes first the units this process knows no next use
+  of (other datasets, blocks already read), least recently opened first, then those the sampler's
+  next blocks (a Draw's ``ahead``) need, the one needed furthest in the future first (Belady);
+  units whose records this process has not all read this epoch come after the announced ones. A
+  background prefetch takes free room or evicts units of no known next use only, else it leaves
+  the unit to the batch that needs it. The room a failed or killed download reserved goes first
+  (no process holds its unit's lock). A limit below one unit is refused at once; a batch that
+  cannot make room lets go of its own units (they are opened again, fetched again if evicted
+  meanwhile), so two batches never wait on each other, and waits up to :data:`ROOM_WAIT` seconds
+  for other readers to let go, then fails clearly. Every count of the cache and every change to
+  it (a reservation, an eviction, a download renamed into ``units/``) is under one lock.
+- **Holding and letting go**: a process holds a unit (a shared flock on its own descriptor: no
+  process evicts it; the kernel drops it if the holder dies) from before its download is renamed
+  into ``units/`` (so none evicts it between its arrival and its first use), or from when it
+  opens it; a forked child closes the holds it inherited (it holds only what it opens itself).
+  A memmap reader lets go after each batch (:meth:`Remote.release`; a dataset has thousands of
+  units, more than ``ulimit -n`` would let it hold): without a limit it keeps its mappings (a unit
+  evicted by another process's limit stays readable through them); with a limit the unit's
+  mapping is dropped first, then the flock, and the next batch that needs it opens (or fetches)
+  it again. Eviction unlinks a
+  unit only under an exclusive flock, so never one that a reader holds or is reading; a buffer of a
+  released unit that a caller still keeps stays valid (an unlinked file stays readable through its
+  mapping on Linux; its disk space is freed with the last mapping). LMDB readers keep their
+  environments open, so they hold every segment they opened until the dataset goes: each thread
+  keeps a long-lived read transaction per environment whose buffers are zero-copy views of the
+  map, and an environment closed while another thread's transaction or a caller's view is alive
+  is a use-after-unmap, so no batch boundary of one thread is a safe point to close it.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import hashlib
+import mmap
 import os
 import re
 import shutil
 import threading
+import time
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 
 from ..backends import BACKENDS, Backend, data_files, record_places
-from ..backends.base import FileKey, Pinned
+from ..backends.base import FileKey, Pinned, Shard
+from ..backends.memmap import Mapping
 from ..backends.pin import pin
 from ..format import (
     INDEX,
@@ -67,11 +104,17 @@ from ..store import ObjectChanged, ObjectNotFound, Store, open_store
 from ..store.base import ObjectInfo, PerProcess
 from ..store.published import FILES, files_json, parse_files, read_files, version_key
 
-#: Data files fetched at once in the background per process (each in parallel parts itself).
+#: Units fetched at once in the background per process (each in parallel parts itself): enough
+#: requests in flight to cover the store's first-byte latency times its bandwidth.
 PREFETCH_UNITS = 4
+#: About the bytes of a memmap unit: a range of a shard of a power of two records (AWS advises
+#: 8-16 MB ranges), whole shards when they are smaller.
+UNIT_BYTES = 8 << 20
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
+#: Seconds a batch's download waits for other readers to let go of units when the cache is full.
+ROOM_WAIT = 60.0
 _UNITS, _PARTIAL, _VERSIONS, _LOCKS = "units", "partial", "versions", "locks"
 _SIDECAR = ".rows.npy"  # per unit: (position, length, crc32) of the records it was checked for
 _ROWS_DTYPE = np.dtype([("position", "<i8"), ("length", "<u8"), ("crc32", "<u4")])
@@ -104,13 +147,13 @@ def parse_limit(limit: int | str | None) -> Optional[int]:
     return value
 
 
-_LOCKING: set[int] = set()  # descriptors of the flocks this process holds in _locked blocks
+_LOCKING: set[int] = set()  # descriptors of flocks this process holds in _locked blocks, or is taking
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive flock on ``path`` for the block: the kernel releases it if the holder dies. A
-    child forked meanwhile closes its copy at once (see _forget_locks): the lock is its parent's."""
+    child forked meanwhile closes its copy at once (see _after_fork): the lock is its parent's."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     _LOCKING.add(fd)
     try:
@@ -121,16 +164,30 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _forget_locks() -> None:
+class _Held(dict[str, int]):
+    """A Remote's held units: unit path -> descriptor with its shared flock (kept in a WeakSet:
+    equal and hashed by identity)."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+
+_HOLDERS: weakref.WeakSet[_Held] = weakref.WeakSet()  # every Remote's, to let go of in a forked child
+
+
+def _after_fork() -> None:
     """In a forked child: close the inherited descriptors of the parent's flocks, which would
-    otherwise keep them held after the parent's block ends (flock belongs to the open file)."""
+    otherwise keep them held after the parent's block ends or it lets go of its units (a flock
+    belongs to the open file): the child holds only what it opens itself."""
     for fd in list(_LOCKING):
         with contextlib.suppress(OSError):
             os.close(fd)
     _LOCKING.clear()
+    for held in list(_HOLDERS):
+        _close_held(held)
 
 
-os.register_at_fork(after_in_child=_forget_locks)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _digest(text: str) -> str:
@@ -153,13 +210,11 @@ class Remote:
         self.version = ""  # sha256 of the manifest opened: the version this object reads
         self._store: Optional[tuple[int, Store]] = None
         self._settings: Optional[dict[str, Any]] = None  # a store resolved elsewhere (__setstate__)
+        self.per_unit = 0  # records per memmap unit (a power of two), fixed by the first pin()
         self._hold_units()
-        # set by pin(): the version's manifest, index and data file names (not the Pinned: that refers
-        # back to this object, and a cycle would keep the units held until the garbage collector runs)
-        self._layout: Optional[tuple[Manifest, np.ndarray, list[str]]] = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version")}
+        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version", "per_unit")}
         return state | {"settings": self.store.settings()}  # the store as this process resolved it
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -171,10 +226,26 @@ class Remote:
     def _hold_units(self) -> None:
         """Start holding no units: ``_held`` maps a unit's path to a descriptor with its shared flock
         (no process evicts it), all closed when this object goes (its readers went before it)."""
-        self._held: dict[str, int] = {}
+        self._held = _Held()
+        _HOLDERS.add(self._held)
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
+        self._infos: PerProcess[dict[str, ObjectInfo]] = PerProcess(dict)  # object key -> its HEAD
+        # per unit number: [announcement, records of it still to read] of the sampler's next
+        # blocks announced so far, oldest first; the announcements counted; this epoch's unread records
+        self._soon: dict[int, collections.deque[list[int]]] = {}
+        self._announced = 0
+        self._first: Optional[np.ndarray] = None  # the units of the epoch's first batch
+        self._unread = 0  # records of this epoch not read yet
+        self._plan: Optional[tuple[int, list[np.ndarray]]] = None  # (epoch, per unit: its draws' places)
+        self._at = 0  # draws of the planned epoch read so far
+        self._left: tuple[Optional[int], np.ndarray] = (None, np.zeros(0, np.int64))
+        self._pinned: Optional[weakref.ReferenceType[Pinned]] = None  # the reader's, to drop its mappings
+        # set by pin(): the version's units (not the Pinned: that refers back to this object, and a
+        # cycle would keep the units held until the garbage collector runs)
+        self._units: Optional[_Units] = None
+        self._keys: Optional[tuple[str, dict[str, str]]] = None  # (version, data file -> object key): _key
 
     @property
     def store(self) -> Store:
@@ -184,14 +255,28 @@ class Remote:
             mine = self._store = (os.getpid(), open_store(self.url, settings=self._settings))
         return mine[1]
 
+    def _head(self, key: str) -> ObjectInfo:
+        """Object ``key``'s size and version, asked once per process (its units share them; a
+        replaced object fails their ``If-Match``)."""
+        known = self._infos.get()
+        if key not in known:
+            known[key] = self.store.head(key)
+        return known[key]
+
     def _key(self, name: str) -> str:
         """The object key of data file ``name`` (relative to the dataset's URL): where the files.json
         of its version puts it when the version was published (packer.tools.publish), else ``name``
-        (a synced copy: no files.json)."""
-        listed = self.home / _VERSIONS / self.version / FILES
-        if not listed.is_file():
-            return name
-        return parse_files(listed.read_bytes(), where=str(listed))[name].key
+        (a synced copy: no files.json). Read once per process and version."""
+        if self._keys is None or self._keys[0] != self.version:
+            listed = self.home / _VERSIONS / self.version / FILES
+            files = parse_files(listed.read_bytes(), where=str(listed)) if listed.is_file() else {}
+            self._keys = (self.version, {file: entry.key for file, entry in files.items()})
+        return self._keys[1].get(name, name)
+
+    def _named(self, unit: str) -> str:
+        """Unit ``unit`` for messages: its object's URL, and the byte range of a part of it."""
+        file, span = _span(unit)
+        return self.store.name(self._key(file)) + (f" (bytes {span[0]}-{span[1]})" if span is not None else "")
 
     # --- versions -------------------------------------------------------------------------------
 
@@ -204,30 +289,164 @@ class Remote:
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
         pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
-        self._layout = (pinned.manifest, pinned.index, data_files(pinned.manifest))
+        manifest = pinned.manifest
+        ranged = BACKENDS[manifest.backend].concatenated
+        if ranged and not self.per_unit:
+            mean = sum(int(s["bytes"]) for s in manifest.shards) / max(1, len(pinned.index))
+            self.per_unit = 1 << max(0, int(UNIT_BYTES / max(mean, 1.0)).bit_length() - 1)
+        units = self._units = _Units(manifest, pinned.index, self.per_unit if ranged else 0)
+        if ranged:  # the reader maps each shard's units as it reads them, not whole shards
+            pinned.shards = [
+                cast(Shard, (_RangedShard(int(s["bytes"]), units, k, lambda key: self._map_unit(root, key)), None))
+                for k, s in enumerate(manifest.shards)
+            ]
+        self._pinned = weakref.ref(pinned)
+        largest = int(np.argmax(units.sizes)) if len(units.sizes) else -1
+        if self.limit is not None and largest >= 0 and int(units.sizes[largest]) > self.limit:
+            raise _too_small(self.limit, self._named(units.keys[largest]), int(units.sizes[largest]))
         return pinned
 
-    def prefetch(self, records: np.ndarray, *, wait: bool = False) -> None:
+    def _map_unit(self, root: Path, key: str) -> np.ndarray:
+        """Unit ``key`` of the version at ``root``, mapped (fetched first unless the cache has it)."""
+        fd = self._open_unit(root, key)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = Mapping(fd, size) if size else None
+        finally:
+            os.close(fd)
+        if mapping is None:
+            return np.zeros(0, np.uint8)
+        mapping.madvise(mmap.MADV_RANDOM)
+        return np.asarray(mapping)
+
+    def release(self) -> None:
+        """Let go of the units this process holds, with a memmap reader (see the module docstring):
+        called after each batch, so that a cache of a few units serves an epoch. With a cache limit
+        their mappings go too (the disk space of an evicted unit is freed with its last mapping)."""
+        pinned = self._pinned() if self._pinned is not None else None
+        if pinned is None or not pinned.shards or not isinstance(pinned.shards[0][0], _RangedShard):
+            return
+        with self._lock.get():
+            held = dict(self._held)
+            self._held.clear()
+        if self.limit is not None:
+            for shard, _ in pinned.shards:
+                cast(_RangedShard, shard).opened.clear()  # a mapping goes with its last buffer
+        for fd in held.values():
+            os.close(fd)
+
+    def prefetch(self, records: np.ndarray, *, wait: bool = False, epoch: Optional[int] = None) -> None:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
-        the first failure; a failed fetch is forgotten once raised, so a later batch tries again)."""
-        assert self._layout is not None, "pin() first"
-        manifest, index, names = self._layout
+        the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
+        A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
+        every record of this epoch is not needed again in it."""
+        assert self._units is not None, "pin() first"
+        units = self._units
         root = self.home / _VERSIONS / self.version
         pending = self._pending.get()
         futures = {}
-        for k in np.unique(record_places(manifest, index, records)[0]).tolist():
-            name = names[k]
+        numbers = units.of[records]
+        _, first = np.unique(numbers, return_index=True)
+        wanted = [units.keys[u] for u in numbers[np.sort(first)].tolist()]  # in the order the records need them
+        if not wait:
+            self._count(numbers, wait, epoch)
+        for name in wanted:
+            if wait and self.limit is not None and name not in pending:
+                self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
-                pending[name] = _prefetcher.get().submit(self._fetch_unit, root, name)
+                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait)
+                if not wait:  # forgotten once done (a batch's fetch is, once waited for)
+                    pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
                 futures[name] = pending[name]
         for name, future in futures.items() if wait else ():
             failure = future.exception()
+            pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
             if failure is not None:
-                pending.pop(name, None)
                 raise failure
+        if wait:  # read from now on: until its units are in, the batch is what comes next (_needed_before)
+            self._count(numbers, wait, epoch)
+
+    def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
+        """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a prefetch)."""
+        fd = self._fetch_unit(root, name, demand=demand)
+        if fd is not None:
+            os.close(fd)
+
+    def plan(self, epoch: int, records: np.ndarray) -> None:
+        """The records this process will read in ``epoch``, in order (ShardSampler's, told when it
+        is iterated in this process): eviction ranks units by their next use in it."""
+        assert self._units is not None, "pin() first"
+        numbers = self._units.of[np.asarray(records, dtype=np.int64)]
+        count = len(self._units.keys)
+        order = np.argsort(numbers, kind="stable")
+        bounds = np.searchsorted(numbers[order], np.arange(count + 1))
+        self._plan = (epoch, [order[bounds[u] : bounds[u + 1]] for u in range(count)])
+        self._at = 0
+
+    def _count(self, files: np.ndarray, read: bool, epoch: Optional[int]) -> None:
+        """Keep this process's view of the future: records of units ``files`` announced by the
+        sampler (``read`` False), or read by a batch of ``epoch`` (None: not a ShardSampler's)."""
+        assert self._units is not None
+        count = len(self._units.keys)
+        if not read:
+            counts = np.bincount(files, minlength=count)
+            if self._first is not None:  # the epoch's first announcement names its first batch, read already
+                counts = np.maximum(counts - np.bincount(self._first, minlength=count), 0)
+                self._first = None
+            self._announced += 1
+            for k in np.flatnonzero(counts).tolist():
+                self._soon.setdefault(k, collections.deque()).append([self._announced, int(counts[k])])
+            return
+        numbers, counts = np.unique(files, return_counts=True)
+        if epoch is not None and epoch != self._left[0]:
+            self._left = (epoch, np.bincount(self._units.of, minlength=count))
+            self._soon, self._first = {}, files
+        if epoch is not None and self._plan is not None and epoch == self._plan[0]:
+            self._at += len(files)
+        if epoch is not None:
+            np.subtract.at(self._left[1], files, 1)
+            self._unread = int(np.clip(self._left[1], 0, None).sum())
+        for k, n in zip(numbers.tolist(), counts.tolist()):
+            queue = self._soon.get(k)
+            while queue and n:
+                taken = min(n, queue[0][1])
+                queue[0][1] -= taken
+                n -= taken
+                if not queue[0][1]:
+                    queue.popleft()
+            if queue is not None and not queue:
+                del self._soon[k]
+
+    def _rank(self, k: int) -> Optional[int]:
+        """When unit ``k`` is next needed, as far as this process knows: the announcement of
+        its next records; after all of them when records of it are still unread this epoch, the
+        later the fewer (in an order not yet known, the first of m of R unread records comes after
+        R / (m + 1) on average); None when it is not known to be needed."""
+        epoch, left = self._left
+        if self._plan is not None and epoch == self._plan[0]:
+            uses = self._plan[1][k] if k < len(self._plan[1]) else np.zeros(0, np.int64)
+            j = int(np.searchsorted(uses, self._at))
+            return int(uses[j]) if j < len(uses) else None
+        queue = self._soon.get(k)
+        if queue:
+            return queue[0][0]
+        if epoch is None or k >= len(left) or left[k] <= 0:
+            return None
+        return self._announced + 1 + self._unread // (int(left[k]) + 1)
+
+    def _hold_cached(self, path: Path) -> None:
+        """Hold the unit at ``path`` if the version has it."""
+        try:
+            fd = open_regular(path)
+        except FileNotFoundError:
+            return
+        try:
+            self._hold(fd, path)
+        finally:
+            os.close(fd)
 
     def _fetch_version(self) -> str:
         """The current version's key, its manifest and index fetched and checked into the cache first.
@@ -276,10 +495,12 @@ class Remote:
             if listed is not None:  # published (packer.tools.publish): the version's folder and files.json
                 (staging / FILES).write_bytes(files_json(listed))
             arrays = {}
-            for name in names:
+            with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:  # one first-byte wait, not four
+                keys = [version_key(root.name, name) if listed is not None else name for name in names]
+                bodies = [pool.submit(self.store.get, key) for key in keys]
+            for name, key, body in zip(names, keys, bodies):
                 try:
-                    key = version_key(root.name, name) if listed is not None else name
-                    (staging / name).write_bytes(self.store.get(key))
+                    (staging / name).write_bytes(body.result())
                 except ObjectNotFound:
                     raise DatasetError(f"{self.store.name(key)}: missing (the manifest names it)") from None
                 fd = open_regular(staging / name)
@@ -304,149 +525,365 @@ class Remote:
     def _open_unit(self, root: Path, name: str) -> int:
         """A descriptor of data file ``name`` of the version at ``root``: fetched and checked first
         unless the version already has it; held (shared flock) so that no process evicts it."""
-        for _ in range(3):
-            try:
-                fd = open_regular(root / name)
-            except FileNotFoundError:
-                self._fetch_unit(root, name)
-                continue
-            if self._hold(fd, root / name):
-                os.utime(fd)  # last opened: eviction takes the least recently opened first
-                return fd
+        try:
+            fd = open_regular(root / name)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0 and self._hold(fd, root / name):
+            os.utime(fd)  # last opened: eviction takes the least recently opened first
+            return fd
+        if fd >= 0:
             os.close(fd)  # evicted between the open and the lock: fetch it again
-        raise _evicted(self.store.name(name))
+        fetched = self._fetch_unit(root, name)
+        assert fetched is not None, "a reader's fetch returns the unit"
+        return fetched
 
-    def _hold(self, fd: int, path: Path, *, linked: bool = True) -> bool:
+    def _hold(self, fd: int, path: Path) -> bool:
         """Take the shared flock that keeps the unit open at ``fd`` (``path``) from eviction; False
         when it was evicted (unlinked) before the lock was taken."""
         hold = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(hold, fcntl.LOCK_SH)
-        if os.fstat(hold).st_nlink < (2 if linked else 1):  # its names are gone: evicted
+        if os.fstat(hold).st_nlink < 2:  # its names are gone: evicted
             os.close(hold)
             return False
+        self._keep(hold, path)
+        return True
+
+    def _keep(self, hold: int, path: Path) -> None:
+        """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release` (a child
+        forked from now on closes its copy: see _after_fork)."""
         with self._lock.get():
             old = self._held.pop(str(path), None)
             self._held[str(path)] = hold
         if old is not None:
             os.close(old)
-        return True
 
-    def _fetch_unit(self, root: Path, name: str) -> None:
-        """Data file ``name`` of the version at ``root`` in the cache, checked, linked into ``root``."""
+    def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
+        """Unit ``name`` (a data file, or ``FILE@START-END``: a byte range of one) of the version at
+        ``root`` in the cache, checked, linked into ``root``.
+        A reader's fetch (``demand``) returns a descriptor of it, held; a prefetch of the sampler's
+        next blocks returns None and leaves it to eviction by next use, or skips it when there is no
+        room for it without evicting what is needed sooner."""
         manifest = Manifest.load(root)
         fd = open_regular(root / INDEX)
         try:
             index = map_npy(fd, root / INDEX)
         finally:
             os.close(fd)
-        k = data_files(manifest).index(name)
+        file, span = _span(name)
+        k = data_files(manifest).index(file)
         backend = BACKENDS[manifest.backend]
         files, positions = record_places(manifest, index)
-        mine = np.flatnonzero(files == k)
+        inside = files == k
+        if span is not None:
+            inside &= (positions >= span[0]) & (positions < span[1])
+        mine = np.flatnonzero(inside)
         rows = np.empty(len(mine), _ROWS_DTYPE)
-        rows["position"], rows["length"], rows["crc32"] = positions[mine], index["length"][mine], index["crc32"][mine]
+        rows["position"] = positions[mine] - (span[0] if span is not None else 0)  # in the unit's own file
+        rows["length"], rows["crc32"] = index["length"][mine], index["crc32"][mine]
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
-        key = self._key(name)
         with _locked(self.home / _LOCKS / f"unit-{name}"):
-            if (root / name).exists():
-                return
-            try:
-                info = self.store.head(key)
-            except ObjectNotFound:
-                raise DatasetError(f"{self.store.name(key)}: missing (the manifest names it)") from None
-            listed = int(manifest.shards[k]["bytes"]) if backend.lists_files(manifest) else None
-            if listed is not None and info.size != listed:
-                raise DatasetError(
-                    f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset was "
-                    f"replaced since this version was opened: open it again)"
-                )
-            unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
-            if not _checked_for(unit, rows):
-                self._download_checked(unit, key, info, (backend, mine, rows))
-            fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
-            held = self._hold(fd, root / name, linked=False)  # from here on: never evicted before its first use
-            os.close(fd)
-            if not held:
-                raise _evicted(self.store.name(key))
-            try:
-                os.link(unit, root / name)
-            except FileExistsError:
-                pass
-            os.utime(unit)
+            for _ in range(VERIFY_ATTEMPTS):
+                try:
+                    fd = open_regular(root / name)  # another process fetched it meanwhile
+                except FileNotFoundError:
+                    pass
+                else:
+                    if not demand:
+                        os.close(fd)
+                        return None
+                    if self._hold(fd, root / name):
+                        return fd
+                    os.close(fd)  # evicted before the lock was taken: fetch it again
+                got = self._fetch_held(root, name, k, (backend, mine, rows), demand=demand)
+                if got is None:
+                    return None  # no room for a prefetch: the batch that needs it fetches it
+                hold, unit = got
+                try:
+                    with contextlib.suppress(FileExistsError):
+                        os.link(unit, root / name)  # held: no process can evict it meanwhile
+                    if demand:
+                        self._keep(hold, root / name)
+                except BaseException:
+                    _LOCKING.discard(hold)
+                    os.close(hold)
+                    raise
+                _LOCKING.discard(hold)
+                if not demand:
+                    os.close(hold)  # a prefetch's unit is left to eviction by next use
+                    return None
+                return os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC)
+        raise _evicted(self._named(name))
 
-    def _download_checked(self, unit: Path, name: str, info: ObjectInfo, expected: _Expected) -> None:
-        """Object ``name`` downloaded into ``unit`` once its bytes match what ``expected`` says."""
+    def _fetch_held(
+        self, root: Path, name: str, k: int, expected: _Expected, *, demand: bool
+    ) -> Optional[tuple[int, Path]]:
+        """A descriptor and the path of the unit of data file ``name`` (number ``k``) in ``units/``, downloaded and
+        checked unless a version already has it, holding its shared flock since before it had its
+        name there (so no process can evict it between its arrival and its use); None when a
+        prefetch found no room."""
+        manifest = Manifest.load(root)
+        file = _span(name)[0]
+        try:
+            info = self._head(self._key(file))
+        except ObjectNotFound:
+            raise DatasetError(f"{self.store.name(self._key(file))}: missing (the manifest names it)") from None
+        listed = int(manifest.shards[k]["bytes"]) if expected[0].lists_files(manifest) else None
+        if listed is not None and info.size != listed:
+            raise DatasetError(
+                f"{self.store.name(self._key(file))}: {info.size} bytes, the manifest says {listed} (the dataset "
+                f"was replaced since this version was opened: open it again)"
+            )
+        unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
+        if _checked_for(unit, expected[2]):
+            try:
+                fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                _LOCKING.add(fd)  # until it is kept or closed: a child forked meanwhile closes its copy
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if os.fstat(fd).st_nlink >= 1:
+                    os.utime(fd)
+                    return fd, unit
+                _LOCKING.discard(fd)
+                os.close(fd)  # evicted before the lock was taken: download it again
+        try:
+            return self._download_checked(unit, name, info, expected, demand=demand), unit
+        except _NoRoom:
+            return None
+
+    def _download_checked(
+        self, unit: Path, name: str, info: ObjectInfo, expected: _Expected, *, demand: bool = True
+    ) -> int:
+        """Object ``name`` downloaded into ``unit`` once its bytes match what ``expected`` says; a
+        descriptor of it with its shared flock, taken before it was renamed into ``units/``."""
         part = self.home / _PARTIAL / unit.name
         rows = expected[2]
         problem = ""
         for _ in range(VERIFY_ATTEMPTS):
-            self._download(part, name, info)
+            self._download(part, name, info, demand=demand)
             problem = _unit_problem(part, expected)
             if not problem:
                 np.save(part.with_name(part.name + _SIDECAR), rows)
                 os.replace(part.with_name(part.name + _SIDECAR), unit.with_name(unit.name + _SIDECAR))
-                os.replace(part, unit)
+                hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+                _LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
+                try:
+                    fcntl.flock(hold, fcntl.LOCK_SH)
+                    # under the lock that counts the cache: a count between its listing of units/ and
+                    # of partial/ would otherwise miss the unit in neither, and reserve its room again
+                    counted = self.limit is not None
+                    with _locked(self.cache_dir / ".evict.lock") if counted else contextlib.nullcontext():
+                        os.replace(part, unit)
+                except BaseException:
+                    _LOCKING.discard(hold)
+                    os.close(hold)
+                    raise
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(part.with_name(part.name + ".parts"))
-                return
+                return hold
             _remove(part, part.with_name(part.name + ".parts"))
-        raise DatasetError(f"{self.store.name(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
+        raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
-    def _download(self, part: Path, name: str, info: ObjectInfo) -> None:
-        """Object ``name`` (``info``) downloaded into ``part``, resuming the parts a previous attempt
-        (of any process) finished: ``part``'s ``.parts`` file lists them, one number a line."""
+    def _download(self, part: Path, name: str, info: ObjectInfo, *, demand: bool = True) -> None:
+        """Unit ``name`` of its object (``info``) downloaded into ``part``, resuming the parts a
+        previous attempt (of any process) finished: ``part``'s ``.parts`` file lists them, one
+        number a line."""
+        file, span = _span(name)
+        start, end = span if span is not None else (0, info.size)
         done_file = part.with_name(part.name + ".parts")
         done: frozenset[int] = frozenset()
-        if part.exists() and part.stat().st_size == info.size and done_file.exists():
+        if part.exists() and part.stat().st_size == end - start and done_file.exists():
             done = frozenset(int(n) for n in done_file.read_text().split() if n.isdigit())
         else:
             _remove(part, done_file)
-            self._make_room(info.size, part)
+            self._make_room(end - start, part, name, demand=demand)
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
-            os.ftruncate(fd, info.size)
+            os.ftruncate(fd, end - start)
             try:
-                self.store.download(name, fd, info, skip=done, part_done=lambda n: os.write(log, b"%d\n" % n))
+                self.store.download(
+                    self._key(file),
+                    fd,
+                    info,
+                    skip=done,
+                    part_done=lambda n: os.write(log, b"%d\n" % n),
+                    start=start,
+                    end=end,
+                )
             except ObjectChanged:
                 _remove(part, done_file)
                 raise DatasetError(
-                    f"{self.store.name(name)}: replaced in the store while it was read (the dataset was "
-                    f"refreshed: open it again)"
+                    f"{self.store.name(self._key(file))}: replaced in the store while it was read (the dataset "
+                    f"was refreshed: open it again)"
                 ) from None
             os.fsync(fd)
         finally:
             os.close(fd)
             os.close(log)
 
-    def _make_room(self, need: int, part: Path) -> None:
-        """Evict units no reader holds, least recently opened first, until ``need`` more bytes fit
-        under the cache limit, and reserve them: the download's file ``part`` is made that size
-        before the lock goes, so it counts for the next one (the cache never exceeds the limit)."""
+    def _make_room(self, need: int, part: Path, name: str, *, demand: bool) -> None:
+        """Evict units no reader holds (see the module docstring for the order) until ``need`` more
+        bytes fit under the cache limit, and reserve them: the download's file ``part`` is made that
+        size before the lock goes, so it counts for the next one (the cache never exceeds the limit).
+        A batch's download (``demand``) waits for readers to let go; a prefetch evicts only units
+        of no known next use (it would otherwise push out what the next batches need before it, and
+        its reservation would keep their downloads from the room), leaves the room of the units
+        needed before it (:meth:`_needed_before`), and else raises _NoRoom."""
         if self.limit is None:
             return
+        if need > self.limit:
+            raise _too_small(self.limit, self.store.name(name), need)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(self.cache_dir / ".evict.lock"):
-            units = [p for p in self.cache_dir.glob(f"*/{_UNITS}/*") if not p.name.endswith(_SIDECAR)]
-            partial = [p for p in self.cache_dir.glob(f"*/{_PARTIAL}/*") if not p.name.endswith(".parts")]
-            sizes = {p: _size(p) for p in units + partial}
-            used = sum(sizes.values())
-            for unit in sorted(units, key=lambda p: _mtime(p)):
-                if used + need <= self.limit:
-                    break
-                if _evict(unit):
-                    used -= sizes[unit]
-            if used + need > self.limit:
+        deadline = time.monotonic() + ROOM_WAIT
+        while True:
+            with _locked(self.cache_dir / ".evict.lock"):
+                units = [p for p in self.cache_dir.glob(f"*/{_UNITS}/*") if not p.name.endswith(_SIDECAR)]
+                partial = [p for p in self.cache_dir.glob(f"*/{_PARTIAL}/*") if not p.name.endswith(".parts")]
+                sizes = {p: _size(p) for p in units + partial}
+                used = sum(sizes.values())
+                for stale in partial:  # a download whose process died or gave up: its room first
+                    if used + need > self.limit and sizes[stale] and _drop_partial(stale):
+                        used -= sizes[stale]
+                evicted = set()
+                for unit, rank in sorted(((u, self._next_use(u)) for u in units), key=_eviction_order):
+                    if used + need <= self.limit or (rank is not None and not demand):
+                        break
+                    if _evict(unit):
+                        used -= sizes[unit]
+                        evicted.add(unit)
+                there = {p.name.rsplit(".", 2)[0] for p in units + partial if p.parent.parent == self.home}
+                there -= {p.name.rsplit(".", 2)[0] for p in evicted}
+                if used + need + (0 if demand else self._needed_before(name, there, need)) <= self.limit:
+                    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                    try:
+                        os.ftruncate(fd, need)
+                    finally:
+                        os.close(fd)
+                    return
+            if not demand:
+                raise _NoRoom()
+            self.release()  # this batch's other units too: two batches that each hold some never wait on each other
+            if time.monotonic() > deadline:
                 raise DatasetError(
                     f"{self.url}: cache_limit {self.limit} bytes is too small: {used} bytes of the cache "
                     f"{self.cache_dir} are held by open readers or downloads, and {need} more are needed"
                 )
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                os.ftruncate(fd, need)
-            finally:
-                os.close(fd)
+            time.sleep(0.05)
+
+    def _needed_before(self, name: str, there: set[str], need: int) -> int:
+        """Bytes of the units this process knows are needed before unit ``name`` and are not
+        ``there`` (cached or being fetched): the room a prefetch of ``name`` must leave them, or it
+        would push out what they need sooner, or be pushed out itself before its use (an LMDB
+        file's size is known from its HEAD only: ``need`` stands in for it)."""
+        if self._units is None or name not in self._units.numbers:
+            return need
+        mine = self._rank(self._units.numbers[name])
+        if mine is None:
+            return need
+        total = 0
+        for u, key in enumerate(self._units.keys):
+            if key != name and key not in there:
+                rank = self._rank(u)
+                if rank is not None and rank < mine:
+                    total += int(self._units.sizes[u]) or need
+        return total
+
+    def _next_use(self, unit: Path) -> Optional[int]:
+        """When cached ``unit`` is next needed (:meth:`_rank`; None: another dataset's)."""
+        numbers = self._units.numbers if self._units is not None and unit.parent.parent == self.home else {}
+        k = numbers.get(unit.name.rsplit(".", 2)[0])
+        return None if k is None else self._rank(k)
+
+
+def _span(unit: str) -> tuple[str, Optional[tuple[int, int]]]:
+    """A unit's data file and byte range (None: the whole file), from its name ``FILE[@START-END]``."""
+    file, _, span = unit.partition("@")
+    if not span:
+        return file, None
+    start, _, end = span.partition("-")
+    return file, (int(start), int(end))
+
+
+class _Units:
+    """What is fetched of one version: for memmap, each shard cut into ranges of ``per_unit``
+    records (global record numbers ``u * per_unit`` and up: a power of two, so that ShardSampler
+    blocks of a power of two records up to ``per_unit`` never straddle two units) at record
+    boundaries; for LMDB (``per_unit`` 0) the data files. ``of``: each record's unit; ``keys``:
+    each unit's name (a whole shard is named as its file, so it is the file ``packer verify``
+    fetches); ``sizes``: its bytes (memmap; 0 for LMDB); ``numbers``: name -> unit."""
+
+    def __init__(self, manifest: Manifest, index: np.ndarray, per_unit: int) -> None:
+        names = data_files(manifest)
+        files, positions = record_places(manifest, index)
+        if not per_unit:
+            self.of = files.astype(np.int64)
+            self.keys = list(names)
+            self.sizes = np.zeros(len(names), np.int64)  # an LMDB file's size is known from its HEAD only
+        else:
+            group = files.astype(np.int64) * (len(index) // per_unit + 1) + np.arange(len(index)) // per_unit
+            unique, self.of = np.unique(group, return_inverse=True)
+            self.of = self.of.astype(np.int64)
+            ends = positions + index["length"].astype(np.int64)
+            starts = np.full(len(unique), np.iinfo(np.int64).max, np.int64)
+            stops = np.zeros(len(unique), np.int64)
+            np.minimum.at(starts, self.of, positions)
+            np.maximum.at(stops, self.of, ends)
+            shard_of = files[np.unique(self.of, return_index=True)[1]]
+            self.keys = []
+            for u, k in enumerate(shard_of.tolist()):
+                whole = starts[u] == 0 and stops[u] == int(manifest.shards[k]["bytes"])
+                self.keys.append(names[k] if whole else f"{names[k]}@{starts[u]}-{stops[u]}")
+            self.sizes = stops - starts
+            self.shard, self.starts, self.stops = shard_of, starts, stops
+        self.numbers = {key: u for u, key in enumerate(self.keys)}
+
+
+class _RangedShard:
+    """Memmap shard ``k`` as its reader slices it (``array[start:end]``), each unit mapped when a
+    record of it is first read: ``open_unit(name)`` fetches it into the cache first. The mappings
+    are kept in ``opened`` until :meth:`Remote.release` drops them."""
+
+    def __init__(self, size: int, units: _Units, k: int, open_unit: Callable[[str], np.ndarray]) -> None:
+        self.size, self._open_unit = size, open_unit
+        mine = np.flatnonzero(units.shard == k)
+        order = np.argsort(units.starts[mine], kind="stable")
+        self._units = mine[order]
+        self._starts = units.starts[self._units]
+        self._keys = units.keys
+        self.opened: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        j = max(0, int(np.searchsorted(self._starts, where.start, side="right")) - 1)
+        array = self.opened.get(j)
+        if array is None:
+            array = self.opened[j] = self._open_unit(self._keys[int(self._units[j])])
+        base = int(self._starts[j])
+        return array[where.start - base : where.stop - base]
+
+
+class _NoRoom(Exception):
+    """A prefetch found no room without evicting what is needed sooner: the batch fetches it."""
+
+
+def _eviction_order(entry: tuple[Path, Optional[int]]) -> tuple[int, int, int]:
+    """Units of no known next use first, then furthest next use first; least recently opened first."""
+    unit, rank = entry
+    return (0, 0, _mtime(unit)) if rank is None else (1, -rank, _mtime(unit))
+
+
+def _forget(pending: dict[str, concurrent.futures.Future], name: str, _: concurrent.futures.Future) -> None:
+    pending.pop(name, None)
+
+
+def _too_small(limit: int, name: str, size: int) -> DatasetError:
+    return DatasetError(f"cache_limit {limit} bytes is too small: {name} alone is {size} bytes")
 
 
 _prefetcher = PerProcess(
@@ -534,8 +971,30 @@ def _evict(unit: Path) -> bool:
         os.close(fd)
 
 
+def _drop_partial(part: Path) -> bool:
+    """Delete the reserved download ``part`` unless a process is downloading it (holds its unit's
+    lock): one that died or failed left it, and its room would otherwise stay taken for good."""
+    name = part.name.rsplit(".", 2)[0]
+    try:
+        fd = os.open(part.parent.parent / _LOCKS / f"unit-{name}", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        _remove(part, part.with_name(part.name + ".parts"))
+        return True
+    finally:
+        os.close(fd)
+
+
 def _evicted(name: str) -> DatasetError:
-    return DatasetError(f"{name}: evicted from the cache as soon as it was fetched; raise cache_limit")
+    return DatasetError(
+        f"{name}: evicted from the cache by other readers as soon as it was fetched, {VERIFY_ATTEMPTS} times; "
+        f"raise cache_limit"
+    )
 
 
 def _remove(*paths: Path) -> None:

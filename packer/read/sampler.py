@@ -283,6 +283,9 @@ class ShardSampler(Sampler[Draw]):
             sequence = np.concatenate([sequence, sequence[wrapped]])
             windows = None if windows is None else np.concatenate([windows, np.full(len(wrapped), windows[-1])])
         ahead = self._ahead(sequence, windows, positions) if windows is not None and self.prefetch else {}
+        will_read = getattr(self.dataset, "_will_read", None)
+        if will_read is not None:  # a dataset in object storage evicts its cache by these next uses
+            will_read(epoch, sequence[positions])
         for k, record in zip(positions.tolist(), sequence[positions].tolist()):
             self._yielded += 1
             yield Draw(record, epoch, k, ahead.get(k, ()))

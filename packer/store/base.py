@@ -147,11 +147,15 @@ class Store(abc.ABC):
         *,
         skip: frozenset[int] = frozenset(),
         part_done: Callable[[int], object] = lambda part: None,
+        start: int = 0,
+        end: Optional[int] = None,
     ) -> None:
-        """The whole object (``info``: its size and version) written into the open file ``fd``, in
-        parts of :data:`PART_BYTES` fetched by up to :data:`PART_THREADS` threads; parts numbered in
-        ``skip`` are already there (a download resumed), ``part_done(n)`` is told of each one written."""
-        parts = [n for n in range(-(-info.size // PART_BYTES)) if n not in skip]
+        """The object (``info``: its size and version), or its bytes ``start`` to ``end``, written
+        into the open file ``fd`` from its offset 0, in parts of :data:`PART_BYTES` fetched by up to
+        :data:`PART_THREADS` threads; parts numbered in ``skip`` are already there (a download
+        resumed), ``part_done(n)`` is told of each one written."""
+        end = info.size if end is None else end
+        parts = [n for n in range(-(-(end - start) // PART_BYTES)) if n not in skip]
 
         def one(n: int) -> None:
             offset = [n * PART_BYTES]
@@ -160,7 +164,7 @@ class Store(abc.ABC):
                 os.pwrite(fd, piece, offset[0])
                 offset[0] += len(piece)
 
-            self.fetch(key, n * PART_BYTES, min(info.size, (n + 1) * PART_BYTES), info.etag, write)
+            self.fetch(key, start + n * PART_BYTES, min(end, start + (n + 1) * PART_BYTES), info.etag, write)
             part_done(n)
 
         if len(parts) <= 1:

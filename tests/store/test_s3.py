@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,8 +21,11 @@ from torch.utils.data import DataLoader
 from packer import ShardDataset, ShardSampler, build
 from packer.backends import data_files
 from packer.format import DatasetError, Manifest
+from packer.read import remote
+from packer.read.remote import _locked as cache_lock
 from packer.store import StoreError
 
+from .furthest import furthest_future_bytes
 from .proxy import Faults, Proxy, serve_folder
 from .seaweed import S3Server
 
@@ -116,6 +120,28 @@ def test_damaged_object_refetched_then_named(built, s3_server: S3Server, proxy: 
     assert not list((tmp_path / "b").glob("*/units/data.mdb*"))
 
 
+def test_damaged_range_refetched_then_named(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A memmap unit is a range of a shard, checked by its records' CRC-32s before any decoder sees
+    it: a byte flipped on the way is fetched again (that range only); a range damaged in the store
+    fails with a DatasetError naming the object and the range, and no sample is served."""
+    local = built("memmap", "jpeg")
+    here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
+    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
+    url = s3_server.upload(local, "damaged/memmap-ranges")
+    proxy.faults.append(Faults(match="shard-00001", corrupt=1))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "a")
+    _same(ds, here)
+    assert ds._remote._units is not None
+    ranges = [key for key in ds._remote._units.keys if key.startswith("shard-00001.bin@")]
+    assert ranges and proxy.gets("shard-00001.bin") == len(ranges) + 1
+    assert proxy.fetched("shard-00001.bin") - _files(local)["shard-00001.bin"] < _files(local)["shard-00001.bin"]
+    proxy.clear()
+    proxy.faults.append(Faults(match="shard-00001", corrupt=-1))
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "b")
+    with pytest.raises(DatasetError, match=r"memmap-ranges/shard-00001\.bin \(bytes \d+-\d+\): .*after 3 downloads"):
+        ds[8]
+
+
 def test_missing_and_forbidden_fail_at_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     local = built("memmap", "raw")
     url = s3_server.upload(local, "missing/memmap")
@@ -156,24 +182,149 @@ def test_refresh_reuses_segments_and_pins_version(raw_photos: Path, s3_server: S
         assert torch.equal(old[i][0], image) and old[i][1] == label
 
 
-def test_cache_limit_evicts_unheld_and_refuses_too_small(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path):
-    local = built("memmap", "jpeg")
+def test_cache_limit_waits_for_holders_then_refuses(
+    built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
+):
+    """LMDB readers hold the segments they opened until they go: a download that finds no room waits
+    for them (remote.ROOM_WAIT) and then fails clearly; once they go, their units are evicted."""
+    monkeypatch.setattr(remote, "ROOM_WAIT", 0.5)
+    local = built("lmdb", "jpeg")
     sizes = _files(local)
-    url = s3_server.upload(local, "limit/memmap")
+    url = s3_server.upload(local, "limit/lmdb")
     cache = tmp_path / "cache"
     limit = sum(sizes.values()) + min(sizes.values()) - 1  # one dataset fits, not a unit more
     first = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
     _same(first, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    other = s3_server.upload(local, "limit/memmap-copy")
-    with pytest.raises(DatasetError, match=r"cache_limit .* too small"):
+    other = s3_server.upload(local, "limit/lmdb-copy")
+    with pytest.raises(DatasetError, match=r"cache_limit .* too small: .* held by open readers"):
         ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
     del first
     gc.collect()  # its reader lets go of its units: they may be evicted now
     second = ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
     _same(second, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    used = sum(p.stat().st_size for p in cache.glob("*/units/*") if not p.name.endswith(".rows.npy"))
-    assert used <= limit
+    assert _cached(cache) <= limit
     assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
+
+
+def test_cache_limit_below_one_unit_refused_at_once(built, s3_server: S3Server, tmp_path: Path) -> None:
+    local = built("memmap", "jpeg")
+    url = s3_server.upload(local, "limit/tiny")
+    largest = max(_files(local).items(), key=lambda item: item[1])
+    with pytest.raises(DatasetError, match=rf"cache_limit {largest[1] - 1} bytes is too small: .*{largest[0]} alone"):
+        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=largest[1] - 1)
+
+
+def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """A download that failed leaves its reserved part for a later resume; when another unit needs
+    the room of a cache of one unit, that part (no process downloading it) goes, not the reader."""
+    monkeypatch.setattr("packer.store.base.ATTEMPTS", 2)
+    monkeypatch.setattr("packer.store.base.BACKOFF_S", 0.01)
+    local = built("memmap", "raw")
+    sizes = _files(local)
+    url = s3_server.upload(local, "limit/stale")
+    cache = tmp_path / "cache"
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=max(sizes.values()))
+    proxy.faults.append(Faults(match="shard-00000", fail=2))
+    with pytest.raises(StoreError, match=r"shard-00000\.bin: failed 2 times"):
+        ds[0]
+    assert _cached(cache) == sizes["shard-00000.bin"]  # reserved, kept for a resume
+    local_ds = ShardDataset(local, crop_size=None, dtype=torch.uint8)
+    assert torch.equal(ds[10][0], local_ds[10][0])  # shard-00001: the stale part made room
+    assert torch.equal(ds[0][0], local_ds[0][0]) and _cached(cache) <= max(sizes.values())
+
+
+@pytest.fixture(scope="module")
+def small_shards(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A memmap dataset of eighteen shards of four records (the photos four times over)."""
+    root = tmp_path_factory.mktemp("small")
+    for copy in range(4):
+        shutil.copytree(raw_photos, root / "photos" / f"copy{copy}")
+    out = root / "jpeg-memmap"
+    build(root / "photos", out, backend="memmap", format="jpeg", workers=1, quiet=True, shard_size=4)
+    return out
+
+
+def _cached(cache: Path) -> int:
+    """Bytes the cache's units and downloads take."""
+    found = [*cache.glob("*/units/*"), *cache.glob("*/partial/*")]
+    return sum(_size(p) for p in found if not p.name.endswith((".rows.npy", ".parts")))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # evicted meanwhile
+        return 0
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_epoch_in_a_cache_of_three_units(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context
+):
+    """Two workers read two epochs through a cache of three shards of nine: the batches equal a local
+    run's, and the cache, polled throughout, never exceeds the limit."""
+    sizes = _files(small_shards)
+    limit = 3 * max(sizes.values())
+    url = s3_server.upload(small_shards, f"evict/{context}")
+    cache = tmp_path / "cache"
+    remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
+    local = ShardDataset(small_shards, crop_size=16, seed=5)
+    highest = [0]
+    done = threading.Event()
+
+    def poll() -> None:
+        """Under the lock that every count and change of the cache takes: one consistent view. Taken
+        as remote takes it: a worker forked while this thread holds it closes its copy at once (one
+        opened plainly stays held in the child for good: every reader of the cache waits on it)."""
+        while not done.is_set():
+            if cache.exists():
+                with cache_lock(cache / ".evict.lock"):
+                    highest[0] = max(highest[0], _cached(cache))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        sampler = ShardSampler(remote, order="block", block_size=2, window=2, seed=7)
+        loader = DataLoader(remote, batch_size=3, sampler=sampler, num_workers=2, multiprocessing_context=context)
+        want_sampler = ShardSampler(local, order="block", block_size=2, window=2, seed=7)
+        want_loader = DataLoader(local, batch_size=3, sampler=want_sampler)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want_sampler.set_epoch(epoch)
+            got, want = list(loader), list(want_loader)
+            assert len(got) == len(want) == 24
+            for g, w in zip(got, want):
+                assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    finally:
+        done.set()
+        watcher.join()
+    assert 0 < highest[0] <= limit
+    assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it had to evict and fetch again
+
+
+@pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])
+def test_half_dataset_cache_fetches_near_furthest_future(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, block_size: int, window: int, prefetch: int
+):
+    """With a cache of half the dataset, an epoch in ShardSampler's block order (blocks smaller than
+    a shard: each shard is read at several times) fetches within 1.05x the bytes of the offline
+    furthest-future policy for the same batches."""
+    sizes = _files(small_shards)
+    limit = sum(sizes.values()) // 2
+    url = s3_server.upload(small_shards, f"evict/half-{block_size}-{window}-{prefetch}")
+    ds = ShardDataset(url, crop_size=16, seed=5, cache_dir=tmp_path / "cache", cache_limit=limit)
+    sampler = ShardSampler(ds, order="block", block_size=block_size, window=window, prefetch=prefetch, seed=3)
+    names = data_files(ds.manifest)
+    uses = []
+    draws = list(sampler)
+    for batch in (draws[b : b + 3] for b in range(0, len(draws), 3)):
+        ds.__getitems__(batch)
+        uses.append(sorted({names[int(ds.index["shard"][int(d)])] for d in batch}))
+    fetched = sum(proxy.fetched(name) for name in sizes)
+    best = furthest_future_bytes(uses, sizes, limit)
+    assert sum(sizes.values()) <= best and fetched <= 1.05 * best, (fetched, best)
+    assert _cached(tmp_path / "cache") <= limit
 
 
 def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,30 +352,37 @@ def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch:
     assert sheet.exit_code == 0 and (tmp_path / "sheet.png").stat().st_size > 0
 
 
-def test_sampler_order_prefetch(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
-    """order="block": the data file of the sampler's next window is fetched in the background while
-    the current one is read, so it is in the cache before its first draw; the first batch waits for
-    its own data file only."""
+def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
+    """memmap units are ranges of two records (remote.UNIT_BYTES), aligned to ShardSampler's blocks
+    of two: the first sample waits for its own unit, not its shard; the next window's unit is
+    fetched in the background while the current one is read, so it is cached before its first
+    draw; every byte is fetched once, and the samples equal the local ones."""
     local = built("memmap", "raw")  # 3 shards of 7, 7 and 4 records
+    here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
+    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
     url = s3_server.upload(local, "prefetch/memmap")
     proxy.faults.append(Faults(match="shard-", delay=0.3))
     ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
-    sampler = ShardSampler(ds, order="block", block_size=7, window=1, prefetch=1, seed=1)
+    units = ds._remote._units
+    assert ds._remote.per_unit == 2 and units is not None
+    sampler = ShardSampler(ds, order="block", block_size=2, window=1, prefetch=1, seed=1)
     draws = list(sampler)
     version = next((tmp_path / "cache").glob("*/versions/*"))
-    shard_of = {int(r): int(ds.index["shard"][int(r)]) for r in draws}
-    first = ds[draws[0]]
-    assert first[0].shape[0] == 3
-    assert sum(proxy.gets(f"shard-0000{k}.bin") for k in range(3)) <= 2  # its own, and the next window's
-    following = next(shard_of[int(d)] for d in draws if shard_of[int(d)] != shard_of[int(draws[0])])
+    first_unit = int(units.of[int(draws[0])])
+    assert torch.equal(ds[draws[0]][0], here[int(draws[0])][0])
+    window1 = {int(units.of[int(d)]) for d in draws[2:4]}  # the next block's unit(s)
+    first_two = sum(int(units.sizes[u]) for u in {first_unit} | window1)
+    assert sum(proxy.fetched(name) for name in _files(local)) <= first_two
     deadline = time.monotonic() + 10
-    while not (version / f"shard-0000{following}.bin").exists() and time.monotonic() < deadline:
+    later = next(u for u in (int(units.of[int(d)]) for d in draws) if u != first_unit)
+    while not (version / units.keys[later]).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (version / f"shard-0000{following}.bin").exists()  # before any of its draws was read
+    assert (version / units.keys[later]).exists()  # before any of its draws was read
     for d in draws:
-        ds[d]
-    for k in range(3):
-        assert proxy.gets(f"shard-0000{k}.bin") == 1
+        assert torch.equal(ds[d][0], here[int(d)][0])
+    for name, size in _files(local).items():
+        assert proxy.fetched(name) == size  # each byte once
+    assert any(r != "bytes=0-" and not r.startswith("bytes=0-") for rs in proxy.ranges.values() for r in rs)
 
 
 def test_https_range_server(built, tmp_path: Path) -> None:
