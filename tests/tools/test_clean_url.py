@@ -9,11 +9,9 @@ import signal
 import subprocess
 import sys
 
-import pytest
 from click.testing import CliRunner
 
 from packer.cli import main
-from packer.errors import BuildError
 from packer.store import open_store
 from packer.store.published import LEASE, version_key
 from packer.tools.clean import clean_url
@@ -45,9 +43,7 @@ def test_clean_after_a_killed_publish(versions: Versions) -> None:
     assert child.stdout is not None and child.stdout.readline().strip() == "ready"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
-    with pytest.raises(BuildError, match=f"is being built by .* pid {child.pid} since"):
-        clean_url(versions.url)
-    gone = clean_url(versions.url, wait=True, quiet=True)
+    gone = clean_url(versions.url, quiet=True)  # its holder's process is gone: the lease is taken over at once
     key = version_key(HALF, "shard-00000.bin")
     assert gone == [f"the unfinished upload of {store.name(key)} (begun " + gone[0].split("(begun ")[1]] + [
         store.name(version_key(HALF, "index.npy"))
