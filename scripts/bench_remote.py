@@ -74,11 +74,24 @@ def epoch(make: Callable[[], DataLoader], keep: bool = False) -> tuple[float, fl
     return first or 0.0, time.perf_counter() - t0, batches
 
 
+def cpu_seconds(server: int) -> list[float]:
+    """CPU seconds so far of the S3 server, of this process (the proxy's threads, the loop) and of
+    its children that ended (the DataLoader workers of finished epochs)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()
+    mine = os.times()
+    return [
+        (int(fields[11]) + int(fields[12])) / ticks,
+        mine.user + mine.system,
+        mine.children_user + mine.children_system,
+    ]
+
+
 def rank_epoch(url: str, cache: str, rank: int, args: argparse.Namespace, block: int, env: dict[str, str]) -> None:
     os.environ.update(env)
     remote.UNIT_BYTES = args.unit_bytes
     ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache)
-    for _ in loader(ds, args, block, num_replicas=2, rank=rank):
+    for _ in loader(ds, args, block, 2, num_replicas=2, rank=rank):
         pass
 
 
@@ -152,7 +165,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         store.get(file, *span)
         floors.append(time.perf_counter() - t0)
 
-    cold, firsts, ratios, same = [], [], [], True
+    cold, firsts, ratios, same, cpu = [], [], [], True, [0.0, 0.0, 0.0]
     for run in range(args.runs):
         proxy.clear()
         proxy.faults.append(rule)
@@ -161,7 +174,9 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         def cold_remote(cache: Path = cache) -> DataLoader:
             return loader(ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache), args, block)
 
+        before = cpu_seconds(server.pid)
         first, seconds, batches = epoch(cold_remote, keep=run == 0)
+        cpu = [c + b - a for c, a, b in zip(cpu, before, cpu_seconds(server.pid))]
         cold.append(seconds)
         firsts.append(first)
         ratios.append(fetched(proxy, names) / data)
@@ -170,7 +185,10 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
                 torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, local_batches)
             )
     warm = [epoch(lambda: cold_remote(tmp / f"cache-{backend}-0"))[1] for _ in range(args.runs)]
-    local_s += [epoch(local)[1] for _ in range(args.runs)]  # adjacent to the remote epochs too (a shared machine)
+    before = cpu_seconds(server.pid)
+    local_s += [epoch(local)[1] for _ in range(args.runs)]
+    local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid))]
+    # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
     draws = [int(d) for d in sampler(ShardDataset(out, crop_size=args.crop_size, seed=1), args, block)]
     half = half_cache(url, draws, args, block, proxy, rule, names, data, tmp) if per_unit else []
@@ -204,6 +222,8 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         "half": half,
         "ranks": ranks_ratio,
         "twice": twice,
+        "cpu": (sum(cold), *cpu),  # summed over the cold runs: wall seconds, server, this process, workers
+        "local_cpu": local_cpu,
     }
 
 
@@ -247,6 +267,14 @@ def main() -> None:
             f"| {r['backend']} | {r['files']} | {r['units']} | {r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "
             f"{r['cold']:.2f}x | {r['first']:.2f} s ({r['floor']:.2f} s) | {r['fetched']:.3f}x | {half} | "
             f"{r['ranks']:.3f}x, {r['twice']} | {r['warm']:.2f}x | {r['same']} |"
+        )
+    for r in rows:
+        wall, server_cpu, mine, workers = (c / args.runs for c in r["cpu"])
+        print(
+            f"{r['backend']}: CPU per cold epoch ({wall:.2f} s x {os.cpu_count()} cores): server "
+            f"{server_cpu:.2f} s, proxy and loop (this process) {mine:.2f} s, DataLoader workers {workers:.2f} s; per "
+            f"warm local epoch: this process {r['local_cpu'][1] / args.runs:.2f} s, workers "
+            f"{r['local_cpu'][2] / args.runs:.2f} s"
         )
 
 

@@ -542,12 +542,15 @@ class Remote:
         """Take the shared flock that keeps the unit open at ``fd`` (``path``) from eviction; False
         when it was evicted (unlinked) before the lock was taken."""
         hold = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        _LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
         fcntl.flock(hold, fcntl.LOCK_SH)
-        if os.fstat(hold).st_nlink < 2:  # its names are gone: evicted
+        linked = os.fstat(hold).st_nlink >= 2  # else its names are gone: evicted
+        if linked:
+            self._keep(hold, path)
+        _LOCKING.discard(hold)
+        if not linked:
             os.close(hold)
-            return False
-        self._keep(hold, path)
-        return True
+        return linked
 
     def _keep(self, hold: int, path: Path) -> None:
         """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release` (a child
