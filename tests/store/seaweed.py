@@ -3,9 +3,11 @@ one bucket. Used by the store tests (once per session) and scripts/bench_remote.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -77,7 +79,9 @@ def seaweed(root: Path) -> Iterator[S3Server]:
     (root / "data").mkdir(exist_ok=True)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     with open(root / "weed.log", "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
         try:
             client = botocore.session.get_session().create_client(
                 "s3", endpoint_url=endpoint, region_name=REGION, aws_access_key_id=ACCESS, aws_secret_access_key=SECRET
@@ -103,3 +107,10 @@ def seaweed(root: Path) -> Iterator[S3Server]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the server's child before exec: SIGTERM when the process that started it dies, however it
+    dies (a test run killed at its timeout would otherwise leave servers running)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
