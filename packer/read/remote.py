@@ -160,8 +160,17 @@ def _locked(path: Path) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        _LOCKING.discard(fd)
-        os.close(fd)
+        _let_go(fd)
+
+
+def _let_go(fd: int) -> None:
+    """Release the flock at ``fd`` and close it. Unlocked first: a child forked after the descriptor
+    left _LOCKING but before it was closed keeps a copy of the open file, which would hold the lock
+    for as long as that child lives (a persistent DataLoader worker: every other process waits)."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    _LOCKING.discard(fd)
+    os.close(fd)
 
 
 class _Held(dict[str, int]):
@@ -333,7 +342,7 @@ class Remote:
             for shard, _ in pinned.shards:
                 cast(_RangedShard, shard).opened.clear()  # a mapping goes with its last buffer
         for fd in held.values():
-            os.close(fd)
+            _let_go(fd)
 
     def prefetch(self, records: np.ndarray, *, wait: bool = False, epoch: Optional[int] = None) -> None:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
@@ -545,12 +554,12 @@ class Remote:
         _LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
         fcntl.flock(hold, fcntl.LOCK_SH)
         linked = os.fstat(hold).st_nlink >= 2  # else its names are gone: evicted
-        if linked:
-            self._keep(hold, path)
-        _LOCKING.discard(hold)
         if not linked:
-            os.close(hold)
-        return linked
+            _let_go(hold)
+            return False
+        self._keep(hold, path)
+        _LOCKING.discard(hold)
+        return True
 
     def _keep(self, hold: int, path: Path) -> None:
         """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release` (a child
@@ -559,7 +568,7 @@ class Remote:
             old = self._held.pop(str(path), None)
             self._held[str(path)] = hold
         if old is not None:
-            os.close(old)
+            _let_go(old)
 
     def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
         """Unit ``name`` (a data file, or ``FILE@START-END``: a byte range of one) of the version at
@@ -609,13 +618,12 @@ class Remote:
                     if demand:
                         self._keep(hold, root / name)
                 except BaseException:
-                    _LOCKING.discard(hold)
-                    os.close(hold)
+                    _let_go(hold)
                     raise
-                _LOCKING.discard(hold)
                 if not demand:
-                    os.close(hold)  # a prefetch's unit is left to eviction by next use
+                    _let_go(hold)  # a prefetch's unit is left to eviction by next use
                     return None
+                _LOCKING.discard(hold)
                 return os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC)
         raise _evicted(self._named(name))
 
@@ -650,8 +658,7 @@ class Remote:
                 if os.fstat(fd).st_nlink >= 1:
                     os.utime(fd)
                     return fd, unit
-                _LOCKING.discard(fd)
-                os.close(fd)  # evicted before the lock was taken: download it again
+                _let_go(fd)  # evicted before the lock was taken: download it again
         try:
             return self._download_checked(unit, name, info, expected, demand=demand), unit
         except _NoRoom:
@@ -681,8 +688,7 @@ class Remote:
                     with _locked(self.cache_dir / ".evict.lock") if counted else contextlib.nullcontext():
                         os.replace(part, unit)
                 except BaseException:
-                    _LOCKING.discard(hold)
-                    os.close(hold)
+                    _let_go(hold)
                     raise
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(part.with_name(part.name + ".parts"))
