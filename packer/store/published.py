@@ -37,6 +37,7 @@ __all__ = [
     "FileEntry",
     "Lease",
     "VersionFiles",
+    "file_sha256",
     "files_json",
     "parse_files",
     "published_versions",
@@ -69,6 +70,16 @@ class FileEntry:
     key: str
     size: int
     sha256: str = ""
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 files.json records of the local file at ``path``, read in 1 MiB blocks (a data
+    file may be many GB): what a publish uploads and what verify checks a fetched LMDB file by."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def version_id(manifest_bytes: bytes) -> str:

@@ -48,14 +48,22 @@ from ..errors import DatasetError, PreconditionFailed, URLNotSupported, say
 from ..format import INDEX, LABELS, MANIFEST, REPORT, SOURCES, TARGETS, Manifest
 from ..read.remote import Remote, default_cache_dir
 from ..store import ObjectNotFound, Store, open_store
-from ..store.published import FILES, FileEntry, Lease, files_json, read_files, version_id, version_key
+from ..store.published import (
+    FILES,
+    FileEntry,
+    Lease,
+    file_sha256,
+    files_json,
+    read_files,
+    version_id,
+    version_key,
+)
 from .compact import compact as compact_local
 
 __all__ = ["Published", "publish_build", "publish_compact"]
 
 #: The metadata files of a version, uploaded into its ``versions/<id>/`` folder (those it has).
 METADATA = (MANIFEST, INDEX, SOURCES, LABELS, TARGETS, REPORT)
-_HASH_BLOCK = 1 << 20
 
 
 @dataclass
@@ -136,14 +144,6 @@ def _load_record(path: Path) -> Optional[dict[str, Any]]:
         return dict(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _inode(path: Path) -> list[int]:
@@ -238,7 +238,7 @@ def _upload(store: Store, key: str, source: Path | bytes, done: Published) -> st
     if isinstance(source, bytes):
         size, sha256 = len(source), hashlib.sha256(source).hexdigest()
     else:
-        size, sha256 = os.path.getsize(source), _sha256(source)
+        size, sha256 = os.path.getsize(source), file_sha256(source)
     with contextlib.suppress(ObjectNotFound):
         info = store.head(key)
         if info.size == size and info.metadata.get("sha256") == sha256:

@@ -64,7 +64,7 @@ from ..format.label_arrays import arrays_digest, class_counts
 from ..format.records import FORMATS
 from ..store import ObjectNotFound, open_store
 from ..store.base import ObjectInfo, Store
-from ..store.published import POINTER, FileEntry, read_files, version_id, version_key
+from ..store.published import POINTER, FileEntry, file_sha256, read_files, version_id, version_key
 
 
 @dataclass
@@ -249,14 +249,11 @@ def _check_objects(
         for says, size in (("files.json", entry.size), ("the manifest", sizes[k] if sizes else -1)):
             if size >= 0 and info.size != size:
                 result.add(f"{what}: {info.size} bytes, {says} says {size} (truncated or replaced)", always=True)
-        digest = hashlib.sha256()
         positions, lengths = places.position[rows], index["length"][rows]
         if backend.keyed:  # an LMDB file: walked as a local one, then deleted
             path = tmp / name
             _fetch(store, entry.key, path, info)
-            with open(path, "rb") as f:
-                while piece := f.read(1 << 20):
-                    digest.update(piece)
+            sha256 = file_sha256(path)
             try:
                 backend.check_walkable(path)
                 for i, data in backend.walk_file(path, rows, positions, lengths, checks.extra_keys):
@@ -265,8 +262,10 @@ def _check_objects(
                 result.add(f"{what}: {str(e).removeprefix(f'{path}: ')}", always=True)
             path.unlink()
         else:
+            digest = hashlib.sha256()
             _stream_records(store, entry.key, info, rows, positions, lengths, digest.update, checks)
-        if entry.sha256 and digest.hexdigest() != entry.sha256:
+            sha256 = digest.hexdigest()
+        if entry.sha256 and sha256 != entry.sha256:
             result.add(f"{what}: sha256 differs from files.json's (damaged or replaced bytes)", always=True)
     for i in places.order[places.bounds[-1] :].tolist():  # rows naming a data file that is not listed
         checks.record(i, None, 0)
