@@ -102,7 +102,7 @@ from ..format import (
 from ..format.label_arrays import arrays_digest
 from ..store import ObjectChanged, ObjectNotFound, Store, open_store
 from ..store.base import ObjectInfo, PerProcess
-from ..store.published import FILES, files_json, parse_files, read_files, version_key
+from ..store.published import FILES, files_json, parse_files, read_files, read_pointer, version_id, version_key
 
 #: Units fetched at once in the background per process (each in parallel parts itself): enough
 #: requests in flight to cover the store's first-byte latency times its bandwidth.
@@ -466,11 +466,11 @@ class Remote:
         (self.home / "url").write_text(self.url + "\n")
         problem = ""
         for _ in range(VERIFY_ATTEMPTS):
-            try:
-                text = self.store.get(MANIFEST)
-            except ObjectNotFound:
-                raise DatasetError(f"{self.url}: not a packer dataset (no {MANIFEST}; wrong URL?)") from None
-            version = hashlib.sha256(text).hexdigest()[:32]
+            pointer = read_pointer(self.store)
+            if pointer is None:
+                raise DatasetError(f"{self.url}: not a packer dataset (no {MANIFEST}; wrong URL?)")
+            text = pointer[0]
+            version = version_id(text)
             root = self.home / _VERSIONS / version
             if (root / MANIFEST).is_file():
                 return version

@@ -11,6 +11,7 @@ publish, the read side, gc and verify, and the one-writer :class:`Lease`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +43,7 @@ __all__ = [
     "parse_files",
     "published_versions",
     "read_files",
+    "read_pointer",
     "read_version",
     "version_id",
     "version_key",
@@ -52,6 +54,7 @@ VERSIONS = "versions"
 FILES = "files.json"
 LEASE = ".packer-lease"
 FILES_FORMAT = 1
+POINTER_READS = 5  # reads of a pointer that publishes keep replacing, before ObjectChanged
 #: A lease not renewed for this long is its dead holder's, and the next writer takes it over.
 LEASE_TTL_S = 120.0
 DATE_RESOLUTION_S = 1.0  # of Last-Modified and Date
@@ -85,6 +88,25 @@ def file_sha256(path: str | os.PathLike) -> str:
 def version_id(manifest_bytes: bytes) -> str:
     """A version's id: the first 32 hex digits of its manifest's sha256, as the read cache keys it."""
     return hashlib.sha256(manifest_bytes).hexdigest()[:32]
+
+
+def read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
+    """The pointer's bytes and ETag, one version of it (None: no dataset there). A publish may
+    replace it between the HEAD and the GET pinned to the HEAD's ETag (ObjectChanged): it is then
+    read again, the version just committed; only a pointer replaced at every one of
+    :data:`POINTER_READS` reads fails."""
+    for _ in range(POINTER_READS - 1):
+        with contextlib.suppress(ObjectChanged):
+            return _read_pointer(store)
+    return _read_pointer(store)
+
+
+def _read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
+    try:
+        info = store.head(POINTER)
+        return store.get(POINTER, 0, info.size, etag=info.etag), info.etag
+    except ObjectNotFound:
+        return None
 
 
 def version_key(version: str, name: str) -> str:

@@ -55,6 +55,7 @@ from ..store.published import (
     file_sha256,
     files_json,
     read_files,
+    read_pointer,
     version_id,
     version_key,
 )
@@ -131,12 +132,9 @@ class _Pointer:
 
 
 def _pointer(store: Store) -> Optional[_Pointer]:
-    """The pointer as it is now (None: no dataset there yet); its GET pinned to the ETag its HEAD saw."""
-    try:
-        info = store.head(MANIFEST)
-        return _Pointer(store.get(MANIFEST, 0, info.size, etag=info.etag), info.etag)
-    except ObjectNotFound:
-        return None
+    """The pointer as it is now (None: no dataset there yet)."""
+    got = read_pointer(store)
+    return None if got is None else _Pointer(*got)
 
 
 def _load_record(path: Path) -> Optional[dict[str, Any]]:

@@ -64,7 +64,7 @@ from ..format.label_arrays import arrays_digest, class_counts
 from ..format.records import FORMATS
 from ..store import ObjectNotFound, open_store
 from ..store.base import ObjectInfo, Store
-from ..store.published import POINTER, FileEntry, file_sha256, read_files, version_id, version_key
+from ..store.published import POINTER, FileEntry, file_sha256, read_files, read_pointer, version_id, version_key
 
 
 @dataclass
@@ -170,10 +170,16 @@ class _Checks:
 def _verify_url(url: str, limit: int, version: str) -> Verification:
     """:func:`verify` of the dataset at ``url``, in the store (see the module)."""
     store = open_store(url)
-    try:
-        text = store.get(version_key(version, MANIFEST) if version else POINTER)
-    except ObjectNotFound:
-        raise DatasetError(f"{url}: no {'version ' + version if version else 'dataset'} there") from None
+    if version:
+        try:
+            text = store.get(version_key(version, MANIFEST))
+        except ObjectNotFound:
+            raise DatasetError(f"{url}: no version {version} there") from None
+    else:
+        pointer = read_pointer(store)  # a publish may replace it meanwhile: read again
+        if pointer is None:
+            raise DatasetError(f"{url}: no dataset there")
+        text = pointer[0]
     pinned, version = version, version or version_id(text)
     listed = read_files(store, version)  # None: a copy synced as it is, everything at U/NAME
     if pinned and listed is None:

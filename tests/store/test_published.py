@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 
 import pytest
 
 from packer.errors import DatasetError
 from packer.store import open_store
-from packer.store.published import FileEntry, files_json, parse_files, read_files, version_id, version_key
+from packer.store.published import (
+    POINTER,
+    FileEntry,
+    files_json,
+    parse_files,
+    read_files,
+    read_pointer,
+    version_id,
+    version_key,
+)
 
 from .seaweed import S3Server
 
@@ -49,3 +59,33 @@ def test_files_json_round_trip(s3_server: S3Server) -> None:
 def test_files_json_refused(doc: dict, why: str) -> None:
     with pytest.raises(DatasetError, match=f"U/files.json: not a files.json packer wrote .*{why}"):
         parse_files(json.dumps(doc).encode(), where="U/files.json")
+
+
+def test_pointer_read_whole_while_publishes_replace_it(s3_server: S3Server) -> None:
+    """A reader of the pointer while a writer keeps replacing it gets one whole version each time,
+    never ObjectChanged (a replacement between the HEAD and the pinned GET is read again)."""
+    store = open_store(f"s3://{s3_server.bucket}/published/pointer")
+    assert read_pointer(store) is None
+    versions = [json.dumps({"version": i, "pad": "x" * 2000}).encode() for i in range(100)]
+    store.put(POINTER, versions[0])
+    stop = threading.Event()
+
+    def publish() -> None:
+        writer = open_store(store.url)
+        for text in versions[1:]:
+            if stop.wait(0.02):  # a publish commits at most every few ms (a version is uploaded first)
+                return
+            writer.put(POINTER, text)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    try:
+        seen = set()
+        while thread.is_alive():
+            got = read_pointer(store)
+            assert got is not None and got[0] in versions
+            seen.add(got[0])
+    finally:
+        stop.set()
+        thread.join()
+    assert len(seen) > 1  # it did read while the pointer changed
