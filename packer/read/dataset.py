@@ -39,7 +39,7 @@ from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
 from ..format.records import FORMATS
 from . import batchpool, rng
-from .draw import Draw
+from .draw import Draw, Ranges
 from .options import DEFAULTS, BatchTransform, ReadOptions, Transform
 from .reader import open_reader
 from .remote import Remote
@@ -354,6 +354,18 @@ class ShardDataset(Dataset):
         workers), a cache_limit evicts by them (packer.read.remote)."""
         if self._remote is not None:
             self._remote.plan(epoch, records)
+
+    def _fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
+        """ShardSampler's next blocks (``ranges`` of records), told in the process that iterates it.
+        A dataset in object storage fetches their data files here, in this process's background
+        threads, so that downloads take no CPU from the DataLoader workers that decode (they find
+        the units fetched, or wait for the fetch in flight: docs/PERFORMANCE.md, "A cold first epoch
+        from S3"); eviction takes this rank's draws of ``epoch`` before ``read`` as read. False for
+        a local dataset: the worker that reads the draws asks its disk for the blocks."""
+        if self._remote is None:
+            return False
+        self._remote.prefetch(locality.records(ranges, len(self.index)), epoch=epoch, read=read)
+        return True
 
     def _keyed(self, indices: Sequence[int]) -> tuple[list[int], Any, Optional[list[int]]]:
         """(records, epoch, keys): plain indices are keyed by record in the dataset's epoch (keys

@@ -29,6 +29,11 @@ reaches them.
 - **One fetch per node**: every process of the node (ranks, DataLoader workers) takes the file
   lock of a unit (flock: released by the kernel when its holder dies) before fetching it, and finds
   it fetched once the lock is theirs. Nothing is kept in shared memory.
+- **Who fetches**: ShardSampler's next blocks are fetched by the process that iterates the sampler
+  (with DataLoader workers: the training process), in its background threads, the unit needed
+  next first; the workers that decode find their units cached or wait for the fetch in flight, so
+  a download's receiving, writing and checking take no CPU from them. A batch whose unit is neither
+  (the first ones, a sampler that announces nothing) is fetched by the process reading it.
 - **cache_limit**: units no reader holds are evicted before a download would take the cache (every
   dataset under ``cache_dir``) past the limit; a download reserves its whole size first, so
   concurrent fetches never overshoot. Eviction takes first the units this process knows no next use
@@ -344,23 +349,31 @@ class Remote:
         for fd in held.values():
             _let_go(fd)
 
-    def prefetch(self, records: np.ndarray, *, wait: bool = False, epoch: Optional[int] = None) -> None:
+    def prefetch(
+        self, records: np.ndarray, *, wait: bool = False, epoch: Optional[int] = None, read: Optional[int] = None
+    ) -> None:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
         the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
-        every record of this epoch is not needed again in it."""
+        every record of this epoch is not needed again in it. ``read``: the draws of the planned
+        ``epoch`` read by now in other processes (the sampler's, whose DataLoader workers read
+        them), for eviction by next use."""
         assert self._units is not None, "pin() first"
+        if read is not None and self._plan is not None and epoch == self._plan[0]:
+            self._at = max(self._at, read)
         units = self._units
         root = self.home / _VERSIONS / self.version
         pending = self._pending.get()
         futures = {}
         numbers = units.of[records]
         _, first = np.unique(numbers, return_index=True)
-        wanted = [units.keys[u] for u in numbers[np.sort(first)].tolist()]  # in the order the records need them
+        order = numbers[np.sort(first)].tolist()  # in the order the records need them
         if not wait:
             self._count(numbers, wait, epoch)
+            order.sort(key=lambda u: _never if (rank := self._rank(u)) is None else rank)  # the next needed first
+        wanted = [units.keys[u] for u in order]
         for name in wanted:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
@@ -895,6 +908,7 @@ def _too_small(limit: int, name: str, size: int) -> DatasetError:
     return DatasetError(f"cache_limit {limit} bytes is too small: {name} alone is {size} bytes")
 
 
+_never = 1 << 62  # a rank after every known next use
 _prefetcher = PerProcess(
     lambda: concurrent.futures.ThreadPoolExecutor(PREFETCH_UNITS, thread_name_prefix="packer-prefetch")
 )

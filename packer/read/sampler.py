@@ -286,9 +286,14 @@ class ShardSampler(Sampler[Draw]):
         will_read = getattr(self.dataset, "_will_read", None)
         if will_read is not None:  # a dataset in object storage evicts its cache by these next uses
             will_read(epoch, sequence[positions])
-        for k, record in zip(positions.tolist(), sequence[positions].tolist()):
+        fetch = getattr(self.dataset, "_fetch_ahead", None)
+        read = 0  # this iteration's draws before the previous announcement's: read by now, or being read
+        for j, (k, record) in enumerate(zip(positions.tolist(), sequence[positions].tolist())):
             self._yielded += 1
-            yield Draw(record, epoch, k, ahead.get(k, ()))
+            soon = ahead.get(k, ())
+            if soon and fetch is not None and fetch(epoch, read, soon):
+                soon, read = (), j  # fetched by this process: the worker that reads the draw does not
+            yield Draw(record, epoch, k, soon)
         self._done_epoch = epoch
 
     def set_epoch(self, epoch: int) -> None:

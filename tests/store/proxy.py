@@ -57,6 +57,7 @@ class Proxy:
     sent: Counter = field(default_factory=Counter)  # object name -> body bytes sent
     received: Counter = field(default_factory=Counter)  # object name -> request body bytes received whole
     ranges: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> GET Range headers
+    peers: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> client ports of its GETs
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: int = 0  # requests being answered
 
@@ -73,6 +74,7 @@ class Proxy:
             self.sent.clear()
             self.received.clear()
             self.ranges.clear()
+            self.peers.clear()
 
     def fetched(self, name: str) -> int:
         """Body bytes sent for objects whose key ends with ``name``."""
@@ -134,6 +136,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                 proxy.requests[self.command, key] += 1
                 if self.command == "GET":
                     proxy.ranges[key].append(self.headers.get("Range", ""))
+                    proxy.peers[key].append(self.client_address[1])
                 applies = self.command if writing else "GET"
                 rule = next((f for f in proxy.faults if f.match in key and f.method == applies), None)
                 rule = rule if self.command != "HEAD" else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -320,8 +322,8 @@ def test_half_dataset_cache_fetches_near_furthest_future(
     sampler = ShardSampler(ds, order="block", block_size=block_size, window=window, prefetch=prefetch, seed=3)
     names = data_files(ds.manifest)
     uses = []
-    draws = list(sampler)
-    for batch in (draws[b : b + 3] for b in range(0, len(draws), 3)):
+    draws = iter(sampler)  # drawn as a DataLoader draws: a batch at a time (the next blocks are fetched as drawn)
+    while batch := list(itertools.islice(draws, 3)):
         ds.__getitems__(batch)
         assert ds._remote is not None
         concurrent.futures.wait(list(ds._remote._pending.get().values()))
@@ -371,7 +373,9 @@ def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy
     units = ds._remote._units
     assert ds._remote.per_unit == 2 and units is not None
     sampler = ShardSampler(ds, order="block", block_size=2, window=1, prefetch=1, seed=1)
-    draws = list(sampler)
+    draws = list(ShardSampler(here, order="block", block_size=2, window=1, prefetch=1, seed=1))  # the same order
+    drawing = iter(sampler)  # drawn as a DataLoader draws: the first draw announces windows 0 and 1
+    assert next(drawing) == draws[0]
     version = next((tmp_path / "cache").glob("*/versions/*"))
     first_unit = int(units.of[int(draws[0])])
     assert torch.equal(ds[draws[0]][0], here[int(draws[0])][0])
@@ -379,6 +383,7 @@ def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy
     first_two = sum(int(units.sizes[u]) for u in {first_unit} | window1)
     assert sum(proxy.fetched(name) for name in _files(local)) <= first_two
     deadline = time.monotonic() + 10
+    assert list(drawing) == draws[1:]  # announcing the later windows
     later = next(u for u in (int(units.of[int(d)]) for d in draws) if u != first_unit)
     while not (version / units.keys[later]).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -388,6 +393,44 @@ def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy
     for name, size in _files(local).items():
         assert proxy.fetched(name) == size  # each byte once
     assert any(r != "bytes=0-" and not r.startswith("bytes=0-") for rs in proxy.ranges.values() for r in rs)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_sampler_process_fetches_ahead_not_the_workers(
+    built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch, context
+):
+    """With DataLoader workers, ShardSampler's next blocks are downloaded by the process iterating
+    the sampler (its background threads), not by the workers that decode: their connections to the
+    store served at most the first window's units (a batch whose unit is not in flight yet is
+    fetched by its reader), and the batches equal a local run's."""
+    local = built("memmap", "jpeg")  # 3 shards of 7, 7 and 4 records
+    here = ShardDataset(local, crop_size=16, seed=2)
+    monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))  # 2 records
+    url = s3_server.upload(local, f"ahead/{context}")
+    proxy.faults.append(Faults(match="shard-", delay=0.05))
+    ds = ShardDataset(url, crop_size=16, seed=2, cache_dir=tmp_path / "cache")
+    units = ds._remote._units
+    assert units is not None and ds._remote.per_unit == 2
+
+    def sampler(d: ShardDataset) -> ShardSampler:
+        return ShardSampler(d, order="block", block_size=2, window=1, prefetch=2, seed=4)
+
+    loader = DataLoader(
+        ds, batch_size=2, sampler=sampler(ds), num_workers=2, multiprocessing_context=context, persistent_workers=True
+    )
+    got = list(loader)
+    want = list(DataLoader(here, batch_size=2, sampler=sampler(here)))
+    assert len(got) == len(want) == 9 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    workers = [psutil.Process(w.pid) for w in loader._iterator._workers]  # persistent: alive, pools open
+    mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}
+    # a forked worker also holds the connections its parent had opened: its own are the others
+    theirs = {c.laddr.port for w in workers for c in w.net_connections(kind="tcp")} - mine
+    gets = [(k, p) for k, peers in proxy.peers.items() if "/shard-" in k for p in peers]
+    assert len(gets) == len(units.keys) and {p for _, p in gets} <= mine | theirs  # one GET per unit, each placed
+    first_batches = {int(units.of[int(d)]) for d in list(sampler(here))[:4]}  # each worker's first
+    assert sum(p in theirs for _, p in gets) <= len(first_batches), gets
+    for name, size in _files(local).items():
+        assert proxy.fetched(name) == size  # each byte once
 
 
 def test_https_range_server(built, tmp_path: Path) -> None:
