@@ -50,7 +50,7 @@ from packer.read import remote  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
 from tests.store.furthest import furthest_future_bytes  # noqa: E402
-from tests.store.proxy import Faults, Proxy, start  # noqa: E402
+from tests.store.proxy import Faults, start  # noqa: E402
 from tests.store.seaweed import seaweed  # noqa: E402
 
 
@@ -75,17 +75,17 @@ def epoch(make: Callable[[], DataLoader], keep: bool = False) -> tuple[float, fl
     return first or 0.0, time.perf_counter() - t0, batches
 
 
-def cpu_seconds(server: int) -> list[float]:
-    """CPU seconds so far of the S3 server, of this process (the proxy's threads, the loop) and of
-    its children that ended (the DataLoader workers of finished epochs)."""
+def cpu_seconds(*others: int) -> list[float]:
+    """CPU seconds so far of processes ``others`` (the S3 server, the proxy), of this process (the
+    DataLoader's loop, the cache's downloads) and of its children that ended (the DataLoader workers
+    of finished epochs)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    fields = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()
+    seconds = []
+    for pid in others:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds.append((int(fields[11]) + int(fields[12])) / ticks)
     mine = os.times()
-    return [
-        (int(fields[11]) + int(fields[12])) / ticks,
-        mine.user + mine.system,
-        mine.children_user + mine.children_system,
-    ]
+    return [*seconds, mine.user + mine.system, mine.children_user + mine.children_system]
 
 
 def rank_epoch(url: str, cache: str, rank: int, args: argparse.Namespace, block: int, env: dict[str, str]) -> None:
@@ -96,7 +96,48 @@ def rank_epoch(url: str, cache: str, rank: int, args: argparse.Namespace, block:
         pass
 
 
-def fetched(proxy: Proxy, names: list[str]) -> int:
+def serve_proxy(upstream: str, control: Any) -> None:
+    """The fault proxy (tests/store/proxy.py) in a process of its own, told what to do over ``control``."""
+    proxy, server = start(upstream)
+    control.send(proxy.url)
+    while True:
+        command, arg = control.recv()
+        if command == "stop":
+            server.shutdown()
+            return
+        if command == "rule":  # the counts cleared and one rule for every response
+            proxy.clear()
+            proxy.faults.append(arg)
+        control.send(proxy.fetched(arg) if command == "fetched" else None)
+
+
+class ProxyProcess:
+    """The fault proxy in its own process, as the store is in a real deployment: its threads take no
+    turns at the interpreter lock of this process, where the cache's downloads run (the DataLoader's
+    main process fetches the sampler's next blocks)."""
+
+    def __init__(self, upstream: str) -> None:
+        self._control, theirs = mp.Pipe()
+        self.process = mp.get_context("spawn").Process(target=serve_proxy, args=(upstream, theirs), daemon=True)
+        self.process.start()
+        self.url = self._control.recv()
+
+    def _ask(self, command: str, arg: Any = None) -> Any:
+        self._control.send((command, arg))
+        return self._control.recv()
+
+    def rule(self, rule: Faults) -> None:
+        self._ask("rule", rule)
+
+    def fetched(self, name: str) -> int:
+        return self._ask("fetched", name)
+
+    def stop(self) -> None:
+        self._control.send(("stop", None))
+        self.process.join()
+
+
+def fetched(proxy: ProxyProcess, names: list[str]) -> int:
     return sum(proxy.fetched(n) for n in names)
 
 
@@ -106,15 +147,22 @@ def units_of(ds: ShardDataset, records: list[int]) -> list[str]:
 
 
 def half_cache(
-    url: str, draws: list[int], args: argparse.Namespace, block: int, proxy: Proxy, rule: Faults, names, data, tmp
+    url: str,
+    draws: list[int],
+    args: argparse.Namespace,
+    block: int,
+    proxy: ProxyProcess,
+    rule: Faults,
+    names: list[str],
+    data: int,
+    tmp: Path,
 ) -> list[float]:
     """Bytes fetched / the offline optimum, a cache of half the data: read in this process (the
     sampler's epoch order known), then by 2 DataLoader workers (its announcements only)."""
     ratios = []
     batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
     for workers in (0, 2):
-        proxy.clear()
-        proxy.faults.append(rule)
+        proxy.rule(rule)
         limit = data // 2
         ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / f"half-{workers}", cache_limit=limit)
         for _ in loader(ds, args, block, workers):
@@ -133,7 +181,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     names = data_files(Manifest.load(out))
     data = sum((out / n).stat().st_size for n in names)
     url = server.upload(out, f"bench/{backend}")
-    proxy, proxy_server = start(server.endpoint)
+    proxy = ProxyProcess(server.endpoint)
     env = server.env(proxy.url)
     os.environ.update(env)
     probe = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / "probe")
@@ -148,7 +196,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     local_s = [epoch(local)[1] for _ in range(args.runs)]
     consumption = data / min(local_s)  # the cap must cover the fastest consumption
     rule = Faults(delay=args.delay, rate=args.cap * consumption)
-    proxy.faults.append(rule)
+    proxy.rule(rule)
 
     store = open_store(url)
     units = probe._remote._units
@@ -169,31 +217,28 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     def cold_remote(cache: Path) -> DataLoader:
         return loader(ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache), args, block)
 
-    cold, firsts, ratios, cpu = [], [], [], [0.0, 0.0, 0.0]
+    cold, firsts, ratios, cpu = [], [], [], [0.0, 0.0, 0.0, 0.0]
     for run in range(args.runs):
-        proxy.clear()
-        proxy.faults.append(rule)
-        before = cpu_seconds(server.pid)
+        proxy.rule(rule)
+        before = cpu_seconds(server.pid, proxy.process.pid)
         first, seconds, _ = epoch(functools.partial(cold_remote, tmp / f"cache-{backend}-{run}"))
-        cpu = [c + b - a for c, a, b in zip(cpu, before, cpu_seconds(server.pid))]
+        cpu = [c + b - a for c, a, b in zip(cpu, before, cpu_seconds(server.pid, proxy.process.pid))]
         cold.append(seconds)
         firsts.append(first)
         ratios.append(fetched(proxy, names) / data)
     warm = [epoch(lambda: cold_remote(tmp / f"cache-{backend}-0"))[1] for _ in range(args.runs)]
-    proxy.clear()
-    proxy.faults.append(rule)
+    proxy.rule(rule)
     # bit-identical: one more cold epoch, untimed (the hashing takes this process's CPU)
     same = epoch(lambda: cold_remote(tmp / f"cache-{backend}-same"), keep=True)[2] == local_batches
-    before = cpu_seconds(server.pid)
+    before = cpu_seconds(server.pid, proxy.process.pid)
     local_s += [epoch(local)[1] for _ in range(args.runs)]
-    local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid))]
+    local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.process.pid))]
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
     draws = [int(d) for d in sampler(ShardDataset(out, crop_size=args.crop_size, seed=1), args, block)]
     half = half_cache(url, draws, args, block, proxy, rule, names, data, tmp) if per_unit else []
 
-    proxy.clear()
-    proxy.faults.append(rule)
+    proxy.rule(rule)
     ctx = mp.get_context("spawn")
     ranks = [
         ctx.Process(target=rank_epoch, args=(url, str(tmp / f"ranks-{backend}"), r, args, block, env)) for r in range(2)
@@ -204,7 +249,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         r.join()
     twice = sum(1 for n in names if proxy.fetched(n) > (out / n).stat().st_size)
     ranks_ratio = fetched(proxy, names) / data
-    proxy_server.shutdown()
+    proxy.stop()
     med = statistics.median
     return {
         "backend": backend,
@@ -221,7 +266,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         "half": half,
         "ranks": ranks_ratio,
         "twice": twice,
-        "cpu": (sum(cold), *cpu),  # summed over the cold runs: wall seconds, server, this process, workers
+        "cpu": (sum(cold), *cpu),  # summed over the cold runs: wall seconds, server, proxy, this process, workers
         "local_cpu": local_cpu,
     }
 
@@ -268,12 +313,12 @@ def main() -> None:
             f"{r['ranks']:.3f}x, {r['twice']} | {r['warm']:.2f}x | {r['same']} |"
         )
     for r in rows:
-        wall, server_cpu, mine, workers = (c / args.runs for c in r["cpu"])
+        wall, server_cpu, proxy_cpu, mine, workers = (c / args.runs for c in r["cpu"])
         print(
             f"{r['backend']}: CPU per cold epoch ({wall:.2f} s x {os.cpu_count()} cores): server "
-            f"{server_cpu:.2f} s, proxy and loop (this process) {mine:.2f} s, DataLoader workers {workers:.2f} s; per "
-            f"warm local epoch: this process {r['local_cpu'][1] / args.runs:.2f} s, workers "
-            f"{r['local_cpu'][2] / args.runs:.2f} s"
+            f"{server_cpu:.2f} s, proxy {proxy_cpu:.2f} s, this process (the loop, the downloads) {mine:.2f} s, "
+            f"DataLoader workers {workers:.2f} s; per warm local epoch: this process "
+            f"{r['local_cpu'][2] / args.runs:.2f} s, workers {r['local_cpu'][3] / args.runs:.2f} s"
         )
 
 

@@ -374,11 +374,16 @@ class Remote:
             self._count(numbers, wait, epoch)
             order.sort(key=lambda u: _never if (rank := self._rank(u)) is None else rank)  # the next needed first
         wanted = [units.keys[u] for u in order]
+        # nothing in flight (an epoch's start, the fetches fallen behind): the unit needed next goes
+        # first, alone, its bandwidth not shared with those needed after it
+        head: Optional[concurrent.futures.Future] = None
+        alone = not wait and not pending
         for name in wanted:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
-                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait)
+                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait, after=head)
+                head = pending[name] if alone and head is None else head
                 if not wait:  # forgotten once done (a batch's fetch is, once waited for)
                     pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
@@ -391,8 +396,13 @@ class Remote:
         if wait:  # read from now on: until its units are in, the batch is what comes next (_needed_before)
             self._count(numbers, wait, epoch)
 
-    def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
-        """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a prefetch)."""
+    def _fetch_into(
+        self, root: Path, name: str, *, demand: bool, after: Optional[concurrent.futures.Future] = None
+    ) -> None:
+        """:meth:`_fetch_unit` in the background, once fetch ``after`` has ended (done or failed): the
+        unit stays held (a batch's) or not (a prefetch)."""
+        if after is not None:
+            concurrent.futures.wait([after])
         fd = self._fetch_unit(root, name, demand=demand)
         if fd is not None:
             os.close(fd)

@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Training from object storage: a cold first epoch from S3 against a warm local epoch, in one run.
+
+Starts SeaweedFS on 127.0.0.1 (tests/store/seaweed.py), uploads each packed dataset as `aws s3 sync`
+would, and puts the fault proxy (tests/store/proxy.py) in front of it with a first-byte delay and a
+bandwidth cap of ``--cap`` times what the warm local epoch consumes. Then, with the same DataLoader
+settings and ShardSampler order (``order="block"``, blocks of one cache unit: a memmap unit's
+records, packer.read.remote.UNIT_BYTES), for each backend, the median of ``--runs`` runs of:
+
+- warm local epoch (the dataset in the page cache): samples/s, and the MB/s of records it consumes;
+- cold remote epoch (an empty cache each run): samples/s, time to the first batch, bytes fetched /
+  data files (the cache fits), and whether every batch is bit-identical to the local run's;
+- warm remote epoch (the cache filled): samples/s;
+- the manifest, the index and one unit (the largest) fetched through the proxy: what the first
+  batch waits for at least;
+- memmap, a cache of half the data files: one epoch read in this process (ShardSampler's order
+  known) and one with 2 DataLoader workers (the ``ahead`` announcements only), bytes fetched
+  against the offline furthest-future optimum for the same batches (tests/store/furthest.py);
+- 2 ranks x 2 workers reading one node cache: bytes fetched / data files and units downloaded twice.
+
+    python scripts/bench_remote.py                       # 8,000 photos, memmap and LMDB JPEG, 3 runs
+    python scripts/bench_remote.py --backends memmap --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from packer import ShardDataset, ShardSampler, build  # noqa: E402
+from packer.backends import data_files  # noqa: E402
+from packer.format import INDEX, MANIFEST, Manifest  # noqa: E402
+from packer.read import remote  # noqa: E402
+from packer.sample import make_folder  # noqa: E402
+from packer.store import open_store  # noqa: E402
+from tests.store.furthest import furthest_future_bytes  # noqa: E402
+from tests.store.proxy import Faults, Proxy, start  # noqa: E402
+from tests.store.seaweed import seaweed  # noqa: E402
+
+
+def sampler(ds: ShardDataset, args: argparse.Namespace, block: int, **more: int) -> ShardSampler:
+    return ShardSampler(ds, order="block", block_size=block, window=1, prefetch=args.prefetch, seed=1, **more)
+
+
+def loader(ds: ShardDataset, args: argparse.Namespace, block: int, workers: int = -1, **more: int) -> DataLoader:
+    workers = args.workers if workers < 0 else workers
+    return DataLoader(ds, batch_size=args.batch_size, sampler=sampler(ds, args, block, **more), num_workers=workers)
+
+
+def epoch(make: Callable[[], DataLoader], keep: bool = False) -> tuple[float, float, list[str]]:
+    """(seconds to the first batch, seconds for the epoch, the sha256 of each batch's images and
+    labels when ``keep``): from the dataset's opening (``make()``) to its last batch."""
+    t0 = time.perf_counter()
+    first, batches = None, []
+    for images, labels in make():
+        first = first or time.perf_counter() - t0
+        if keep:
+            batches.append(hashlib.sha256(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest())
+    return first or 0.0, time.perf_counter() - t0, batches
+
+
+def cpu_seconds(server: int) -> list[float]:
+    """CPU seconds so far of the S3 server, of this process (the proxy's threads, the loop) and of
+    its children that ended (the DataLoader workers of finished epochs)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()
+    mine = os.times()
+    return [
+        (int(fields[11]) + int(fields[12])) / ticks,
+        mine.user + mine.system,
+        mine.children_user + mine.children_system,
+    ]
+
+
+def rank_epoch(url: str, cache: str, rank: int, args: argparse.Namespace, block: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    remote.UNIT_BYTES = args.unit_bytes
+    ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache)
+    for _ in loader(ds, args, block, 2, num_replicas=2, rank=rank):
+        pass
+
+
+def fetched(proxy: Proxy, names: list[str]) -> int:
+    return sum(proxy.fetched(n) for n in names)
+
+
+def units_of(ds: ShardDataset, records: list[int]) -> list[str]:
+    units = ds._remote._units  # what the cache fetches of this version (packer.read.remote)
+    return sorted({units.keys[int(u)] for u in units.of[np.asarray(records, dtype=np.int64)]})
+
+
+def half_cache(
+    url: str, draws: list[int], args: argparse.Namespace, block: int, proxy: Proxy, rule: Faults, names, data, tmp
+) -> list[float]:
+    """Bytes fetched / the offline optimum, a cache of half the data: read in this process (the
+    sampler's epoch order known), then by 2 DataLoader workers (its announcements only)."""
+    ratios = []
+    batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
+    for workers in (0, 2):
+        proxy.clear()
+        proxy.faults.append(rule)
+        limit = data // 2
+        ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / f"half-{workers}", cache_limit=limit)
+        for _ in loader(ds, args, block, workers):
+            pass
+        units = ds._remote._units
+        sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
+        best = furthest_future_bytes([units_of(ds, b) for b in batches], sizes, limit)
+        ratios.append(fetched(proxy, names) / best)
+    return ratios
+
+
+def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server: Any) -> dict[str, Any]:
+    out = args.work / f"jpeg-{args.images}-{args.shard_size}.{backend}"
+    if not (out / MANIFEST).exists():
+        build(raw, out, backend=backend, format="jpeg", shard_size=args.shard_size, workers=2, quiet=True)
+    names = data_files(Manifest.load(out))
+    data = sum((out / n).stat().st_size for n in names)
+    url = server.upload(out, f"bench/{backend}")
+    proxy, proxy_server = start(server.endpoint)
+    env = server.env(proxy.url)
+    os.environ.update(env)
+    probe = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / "probe")
+    per_unit = probe._remote.per_unit
+    block = per_unit or args.shard_size  # LMDB: the unit is the whole file; blocks of a memmap shard's size
+
+    def local() -> DataLoader:
+        return loader(ShardDataset(out, crop_size=args.crop_size, seed=1), args, block)
+
+    epoch(local)  # into the page cache
+    _, _, local_batches = epoch(local, keep=True)
+    local_s = [epoch(local)[1] for _ in range(args.runs)]
+    consumption = data / min(local_s)  # the cap must cover the fastest consumption
+    rule = Faults(delay=args.delay, rate=args.cap * consumption)
+    proxy.faults.append(rule)
+
+    store = open_store(url)
+    units = probe._remote._units
+    if per_unit:  # the largest unit: a range of a shard
+        u = int(np.argmax(units.sizes))
+        file, span = names[int(units.shard[u])], (int(units.starts[u]), int(units.stops[u]))
+    else:
+        file = max(names, key=lambda n: (out / n).stat().st_size)
+        span = (0, (out / file).stat().st_size)
+    floors = []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        store.get(MANIFEST)
+        store.get(INDEX)
+        store.get(file, *span)
+        floors.append(time.perf_counter() - t0)
+
+    def cold_remote(cache: Path) -> DataLoader:
+        return loader(ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache), args, block)
+
+    cold, firsts, ratios, cpu = [], [], [], [0.0, 0.0, 0.0]
+    for run in range(args.runs):
+        proxy.clear()
+        proxy.faults.append(rule)
+        before = cpu_seconds(server.pid)
+        first, seconds, _ = epoch(functools.partial(cold_remote, tmp / f"cache-{backend}-{run}"))
+        cpu = [c + b - a for c, a, b in zip(cpu, before, cpu_seconds(server.pid))]
+        cold.append(seconds)
+        firsts.append(first); print("cold run", run, round(first,3), round(seconds,3), flush=True)
+        ratios.append(fetched(proxy, names) / data)
+    warm = [epoch(lambda: cold_remote(tmp / f"cache-{backend}-0"))[1] for _ in range(args.runs)]
+    proxy.clear()
+    proxy.faults.append(rule)
+    # bit-identical: one more cold epoch, untimed (the hashing takes this process's CPU)
+    same = epoch(lambda: cold_remote(tmp / f"cache-{backend}-same"), keep=True)[2] == local_batches
+    before = cpu_seconds(server.pid)
+    local_s += [epoch(local)[1] for _ in range(args.runs)]
+    local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid))]
+    # the local epochs just above are adjacent to the remote ones too (a shared machine)
+
+    draws = [int(d) for d in sampler(ShardDataset(out, crop_size=args.crop_size, seed=1), args, block)]
+    half = half_cache(url, draws, args, block, proxy, rule, names, data, tmp) if per_unit else []
+
+    proxy.clear()
+    proxy.faults.append(rule)
+    ctx = mp.get_context("spawn")
+    ranks = [
+        ctx.Process(target=rank_epoch, args=(url, str(tmp / f"ranks-{backend}"), r, args, block, env)) for r in range(2)
+    ]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join()
+    twice = sum(1 for n in names if proxy.fetched(n) > (out / n).stat().st_size)
+    ranks_ratio = fetched(proxy, names) / data
+    proxy_server.shutdown()
+    med = statistics.median
+    return {
+        "backend": backend,
+        "files": f"{len(names)} x {data / len(names) / 1e6:.1f} MB",
+        "units": f"{len(units.keys)} of {per_unit} records" if per_unit else f"{len(names)} whole files",
+        "local": args.images / med(local_s),
+        "consumption": consumption,
+        "cold": med(local_s) / med(cold),
+        "warm": med(local_s) / med(warm),
+        "first": med(firsts),
+        "floor": med(floors),
+        "fetched": med(ratios),
+        "same": same,
+        "half": half,
+        "ranks": ranks_ratio,
+        "twice": twice,
+        "cpu": (sum(cold), *cpu),  # summed over the cold runs: wall seconds, server, this process, workers
+        "local_cpu": local_cpu,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=8000)
+    p.add_argument("--backends", default="memmap,lmdb")
+    p.add_argument("--runs", type=int, default=3, help="runs of each measurement (medians reported)")
+    p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
+    p.add_argument("--unit-bytes", type=int, default=remote.UNIT_BYTES, help="about the bytes of a memmap unit")
+    p.add_argument("--prefetch", type=int, default=4, help="windows (blocks) fetched ahead (ShardSampler)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--crop-size", type=int, default=112)
+    p.add_argument("--delay", type=float, default=0.02, help="first-byte delay per request, seconds")
+    p.add_argument("--cap", type=float, default=1.25, help="bandwidth cap as a multiple of the warm consumption")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench-remote")
+    args = p.parse_args()
+    remote.UNIT_BYTES = args.unit_bytes
+
+    raw = args.work / f"raw-{args.images}"
+    make_folder(raw, args.images, size=(480, 360), workers=2)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as s3, seaweed(Path(s3)) as server:
+        for backend in args.backends.split(","):
+            rows.append(measure(backend, raw, args, Path(tmp), server))
+    print(
+        f"{args.images} JPEG records, batch {args.batch_size}, {args.workers} workers, {args.runs} runs (medians); "
+        f"proxy {args.delay * 1e3:.0f} ms first byte, cap {args.cap}x the warm local consumption"
+    )
+    print(
+        "| backend | data files | units | warm local, samples/s (MB/s) | cold remote / warm local | first batch "
+        "(manifest + index + one unit) | bytes fetched / data (cache fits) | half cache / optimum (in process, "
+        "2 workers) | 2 ranks x 2 workers: fetched / data, downloaded twice | warm remote / warm local | "
+        "bit-identical |"
+    )
+    print("|---|---|---|---:|---:|---|---:|---|---|---:|---|")
+    for r in rows:
+        half = ", ".join(f"{h:.3f}x" for h in r["half"]) or "-"
+        print(
+            f"| {r['backend']} | {r['files']} | {r['units']} | {r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "
+            f"{r['cold']:.2f}x | {r['first']:.2f} s ({r['floor']:.2f} s) | {r['fetched']:.3f}x | {half} | "
+            f"{r['ranks']:.3f}x, {r['twice']} | {r['warm']:.2f}x | {r['same']} |"
+        )
+    for r in rows:
+        wall, server_cpu, mine, workers = (c / args.runs for c in r["cpu"])
+        print(
+            f"{r['backend']}: CPU per cold epoch ({wall:.2f} s x {os.cpu_count()} cores): server "
+            f"{server_cpu:.2f} s, proxy and loop (this process) {mine:.2f} s, DataLoader workers {workers:.2f} s; per "
+            f"warm local epoch: this process {r['local_cpu'][1] / args.runs:.2f} s, workers "
+            f"{r['local_cpu'][2] / args.runs:.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
