@@ -1,5 +1,6 @@
 """What every object store provides (:class:`Store`): to the read side, the size and version of an
-object, a byte range of it, and a whole object streamed into a local file in parallel ranged parts;
+object, a byte range of it, a whole object with its size and version in one plain GET, and a whole
+object streamed into a local file in parallel ranged parts;
 to a publish (where the store is :attr:`~Store.writable`), conditional PUTs, uploads of a file in
 parallel parts, deletes and listings.
 
@@ -86,8 +87,9 @@ class Upload:
 
 class Store(abc.ABC):
     """One location in an object store (``url``: ``s3://bucket/prefix``, ``https://host/path``);
-    objects are named relative to it. Subclasses implement :meth:`_head` and :meth:`_stream`, each
-    raising :class:`Passing` for what a retry may fix and :class:`StoreError` for what it will not."""
+    objects are named relative to it. Subclasses implement :meth:`_head`, :meth:`_open` and
+    :meth:`_stream`, each raising :class:`Passing` for what a retry may fix and :class:`StoreError`
+    for what it will not."""
 
     #: Whether :meth:`put`, :meth:`put_file`, :meth:`delete` and :meth:`list` work here (a plain web
     #: server is read-only: they raise URLNotSupported).
@@ -111,6 +113,12 @@ class Store(abc.ABC):
     def _head(self, key: str) -> ObjectInfo: ...
 
     @abc.abstractmethod
+    def _open(self, key: str, etag: str) -> tuple[ObjectInfo, Iterator[bytes]]:
+        """One plain GET of the whole object (only the version ``etag`` when it is not empty): its
+        size and version as the response gives them, and its body in pieces as they arrive. Fewer
+        bytes than that size raise Passing."""
+
+    @abc.abstractmethod
     def _stream(self, key: str, start: int, end: int, etag: str) -> Iterator[bytes]:
         """Bytes ``start`` to ``end`` (exclusive) of the object, in pieces as they arrive; only the
         version ``etag`` when it is not empty. Fewer bytes than asked for raise Passing."""
@@ -119,13 +127,34 @@ class Store(abc.ABC):
         return self._retrying(key, lambda: self._head(key))
 
     def get(self, key: str, start: int = 0, end: int | None = None, *, etag: str = "") -> bytes:
-        """Bytes ``start`` to ``end`` (the object's end when None: one HEAD first) of the object."""
+        """Bytes ``start`` to ``end`` of the object; ``end`` None: to its end, from the whole object
+        read in one GET (:meth:`read`)."""
         if end is None:
-            info = self.head(key)
-            end, etag = info.size, etag or info.etag
+            return self.read(key, etag=etag)[0][start:]
         pieces: list[bytes] = []
         self.fetch(key, start, end, etag, pieces.append)
         return b"".join(pieces)
+
+    def read(self, key: str, *, etag: str = "") -> tuple[bytes, ObjectInfo]:
+        """The whole object and its size and version, from one plain GET (only version ``etag`` when
+        it is not empty): no HEAD first, so a small object costs one first-byte wait, and the bytes
+        and the ETag are of one version even while a writer replaces the object. A body that breaks
+        is resumed by :meth:`fetch` from the byte it reached, pinned to that response's ETag (where
+        the store gives one): a replaced object is never spliced in (ObjectChanged)."""
+        pieces: list[bytes] = []
+
+        def first() -> ObjectInfo:
+            info, body = self._open(key, etag)
+            try:
+                for piece in body:
+                    pieces.append(piece)  # noqa: PERF402 (one at a time: what arrived before a break is kept)
+            except Passing:
+                pass  # the rest is fetched below
+            return info
+
+        info = self._retrying(key, first)
+        self.fetch(key, sum(map(len, pieces)), info.size, info.etag, pieces.append)
+        return b"".join(pieces), info
 
     def fetch(self, key: str, start: int, end: int, etag: str, sink: Callable[[bytes], object]) -> None:
         """Bytes ``start`` to ``end`` of version ``etag`` of the object, given to ``sink`` in order;

@@ -100,12 +100,39 @@ class HttpStore(Store):
     def _head(self, key: str) -> ObjectInfo:
         response = self._request("HEAD", key, {})
         response.release_conn()
-        size = response.headers.get("Content-Length")
-        if size is None or not size.isdigit():
-            raise StoreError(f"{self.name(key)}: the server gives no size (Content-Length)")
+        return self._info(key, response)
+
+    def _info(self, key: str, response: urllib3.BaseHTTPResponse, size: Optional[int] = None) -> ObjectInfo:
+        """The object's size (its Content-Length, unless ``size`` says), version and metadata as a
+        HEAD's or a plain GET's response gives them."""
+        if size is None:
+            length = response.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                raise StoreError(f"{self.name(key)}: the server gives no size (Content-Length)")
+            size = int(length)
         meta = {k.lower()[len(_META) :]: v for k, v in response.headers.items() if k.lower().startswith(_META)}
         modified, served = (_http_date(response.headers.get(h, "")) for h in ("Last-Modified", "Date"))
-        return ObjectInfo(int(size), response.headers.get("ETag", ""), meta, modified, served)
+        return ObjectInfo(size, response.headers.get("ETag", ""), meta, modified, served)
+
+    def _open(self, key: str, etag: str) -> tuple[ObjectInfo, Iterator[bytes]]:
+        response = self._request("GET", key, {"If-Match": etag} if etag else {})
+        try:
+            if response.status != 200:
+                raise StoreError(f"{self.name(key)}: the server answered a plain GET with HTTP {response.status}")
+            if not (response.chunked and "Content-Length" not in response.headers):
+                info = self._info(key, response)
+                return info, self._body(response, info.size)
+            # chunked: no size to resume up to, so read whole here (the framing tells a body cut
+            # short), and a break reads it again from the start
+            try:
+                data = response.read()
+            except urllib3.exceptions.HTTPError as e:
+                raise Passing(f"{type(e).__name__}: {e}") from None
+        except BaseException:
+            response.release_conn()
+            raise
+        response.release_conn()
+        return self._info(key, response, len(data)), iter([data])
 
     def _stream(self, key: str, start: int, end: int, etag: str) -> Iterator[bytes]:
         if end <= start:
@@ -116,22 +143,28 @@ class HttpStore(Store):
         response = self._request("GET", key, headers)
         try:
             skip = self._skip(key, response, start)
-            left = end - start
-            try:
-                while left > 0:
-                    piece = response.read1(
-                        min(READ_PIECE, left + skip)
-                    )  # what has arrived: kept if the next read fails
-                    if not piece:
-                        break
-                    if skip:
-                        piece, skip = piece[skip:], max(0, skip - len(piece))
-                    piece = piece[:left]
-                    left -= len(piece)
-                    if piece:
-                        yield piece
-            except urllib3.exceptions.HTTPError as e:  # a reset or idle timeout mid-body
-                raise Passing(f"{type(e).__name__}: {e}") from None
+        except BaseException:
+            response.release_conn()
+            raise
+        yield from self._body(response, end - start, skip)
+
+    @staticmethod
+    def _body(response: urllib3.BaseHTTPResponse, left: int, skip: int = 0) -> Iterator[bytes]:
+        """``left`` bytes of the response's body after its first ``skip``, in pieces as they arrive."""
+        try:
+            while left > 0:
+                piece = response.read1(min(READ_PIECE, left + skip))  # what has arrived: kept if the next read fails
+                if not piece:
+                    break
+                if skip:
+                    piece, skip = piece[skip:], max(0, skip - len(piece))
+                piece = piece[:left]
+                left -= len(piece)
+                if piece:
+                    yield piece
+        except urllib3.exceptions.HTTPError as e:  # a reset or idle timeout mid-body
+            raise Passing(f"{type(e).__name__}: {e}") from None
+        else:
             if left > 0:
                 raise Passing(f"the response ended {left} bytes short")
         finally:

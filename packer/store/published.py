@@ -54,7 +54,7 @@ VERSIONS = "versions"
 FILES = "files.json"
 LEASE = ".packer-lease"
 FILES_FORMAT = 1
-POINTER_READS = 5  # reads of a pointer that publishes keep replacing, before ObjectChanged
+POINTER_READS = 5  # reads of a pointer replaced at every resume of a broken GET, before ObjectChanged
 #: A lease not renewed for this long is its dead holder's, and the next writer takes it over.
 LEASE_TTL_S = 120.0
 DATE_RESOLUTION_S = 1.0  # of Last-Modified and Date
@@ -91,10 +91,11 @@ def version_id(manifest_bytes: bytes) -> str:
 
 
 def read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
-    """The pointer's bytes and ETag, one version of it (None: no dataset there). A publish may
-    replace it between the HEAD and the GET pinned to the HEAD's ETag (ObjectChanged): it is then
-    read again, the version just committed; only a pointer replaced at every one of
-    :data:`POINTER_READS` reads fails."""
+    """The pointer's bytes and ETag, one version of it (None: no dataset there), from one plain GET
+    (:meth:`Store.read`), which answers both together: a publish replacing it meanwhile is seen
+    before or after, whole. Only a GET whose body broke and whose resume found the pointer
+    replaced (ObjectChanged: never spliced) reads it again, the version just committed; a pointer
+    replaced so at every one of :data:`POINTER_READS` reads fails."""
     for _ in range(POINTER_READS - 1):
         with contextlib.suppress(ObjectChanged):
             return _read_pointer(store)
@@ -103,10 +104,10 @@ def read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
 
 def _read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
     try:
-        info = store.head(POINTER)
-        return store.get(POINTER, 0, info.size, etag=info.etag), info.etag
+        data, info = store.read(POINTER)
     except ObjectNotFound:
         return None
+    return data, info.etag
 
 
 def version_key(version: str, name: str) -> str:
@@ -280,10 +281,10 @@ class Lease:
             )
 
     def _read(self) -> Optional[tuple[ObjectInfo, dict[str, Any]]]:
-        """The lease as it is (its HEAD and its document), None when there is none."""
+        """The lease as it is (its size, version and dates, and its document), None when there is none."""
         try:
-            info = self.store.head(LEASE)
-            doc = json.loads(self.store.get(LEASE, 0, info.size, etag=info.etag))
+            data, info = self.store.read(LEASE)
+            doc = json.loads(data)
         except (ObjectNotFound, ObjectChanged):
             return None
         except ValueError:  # not a lease packer wrote: treated as one held for the default time

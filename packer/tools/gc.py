@@ -93,8 +93,8 @@ def gc(
     if keep_versions < 1:
         raise BuildError(f"keep_versions must be at least 1 (the current version), not {keep_versions}")
     try:
-        now = store.head(POINTER).served or time.time()
-        current = version_id(store.get(POINTER))
+        pointer, info = store.read(POINTER)
+        now, current = info.served or time.time(), version_id(pointer)
     except ObjectNotFound:
         now, current = time.time(), ""
     versions: dict[str, _Version] = {}

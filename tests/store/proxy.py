@@ -14,6 +14,7 @@ import struct
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,7 +28,9 @@ class Faults:
     ``fail`` get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
     next ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte
     flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte, ``rate``
-    bytes/s at most (all its responses together).
+    bytes/s at most (all its responses together); ``then()``, when given, runs after each reset or
+    cut body is sent and before its connection closes, so before the client can resume (an object
+    replaced right there).
 
     A rule whose ``method`` is PUT, POST or DELETE applies to those requests instead: the first
     ``fail`` get a 503 SlowDown and are not forwarded, the next ``reset`` are forwarded (the write
@@ -44,6 +47,7 @@ class Faults:
     corrupt: int = 0
     delay: float = 0.0
     rate: float = 0.0
+    then: Callable[[], object] | None = None
     seen: int = 0
     free_at: float = 0.0  # when the bandwidth ``rate`` shares across all its responses is free again
 
@@ -169,11 +173,11 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             if rule is not None:
                 n -= rule.fail
                 if n < rule.reset:
-                    self._reply(response.status, body, headers, cut=len(body) // 2, reset=True)
+                    self._reply(response.status, body, headers, cut=len(body) // 2, reset=True, then=rule.then)
                     return
                 n -= rule.reset
                 if n < rule.truncate:
-                    self._reply(response.status, body, headers, cut=len(body) // 2)
+                    self._reply(response.status, body, headers, cut=len(body) // 2, then=rule.then)
                     return
                 n -= rule.truncate
                 if (n < rule.corrupt or rule.corrupt < 0) and body:
@@ -220,6 +224,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             cut: int | None = None,
             reset: bool = False,
             rule: Faults | None = None,
+            then: Callable[[], object] | None = None,
         ) -> None:
             self.send_response(status)
             for k, v in headers.items():
@@ -243,6 +248,8 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             with proxy.lock:
                 proxy.sent[key] += len(out)
             if cut is not None:
+                if then is not None:
+                    then()
                 if reset:  # RST instead of FIN: the client sees a connection reset
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.close_connection = True
