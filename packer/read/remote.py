@@ -457,8 +457,8 @@ class Remote:
         its next records; after all of them when records of it are still unread this epoch, the
         later the fewer (in an order not yet known, the first of m of R unread records comes after
         R / (m + 1) on average); None when it is not known to be needed."""
-        epoch, left = self._left
-        if self._plan is not None and epoch == self._plan[0]:
+        epoch, left = self._left  # the epoch of the batches read here (None: none, DataLoader workers read them)
+        if self._plan is not None and epoch in (None, self._plan[0]):
             uses = self._plan[1][k] if k < len(self._plan[1]) else np.zeros(0, np.int64)
             j = int(np.searchsorted(uses, self._at))
             return int(uses[j]) if j < len(uses) else None
