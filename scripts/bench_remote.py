@@ -3,18 +3,21 @@
 
 Starts SeaweedFS on 127.0.0.1 (tests/store/seaweed.py), uploads each packed dataset as `aws s3 sync`
 would, and puts the fault proxy (tests/store/proxy.py) in front of it with a first-byte delay and a
-bandwidth cap of ``--cap`` times what the warm local epoch consumes. Then, with the same DataLoader
-settings and ShardSampler order (``order="block"``, blocks of one cache unit: a memmap unit's
-records, packer.read.remote.UNIT_BYTES), for each backend, the median of ``--runs`` runs of:
+bandwidth cap of ``--cap`` times what the warm local epoch consumes, in a process of its own (as a
+store is: its threads do not share this process's interpreter lock with the downloads). Then, with
+the same DataLoader settings and ShardSampler order (``order="block"``, blocks of one cache unit: a
+memmap unit's records, packer.read.remote.UNIT_BYTES), for each backend, the median of ``--runs``
+runs of:
 
 - warm local epoch (the dataset in the page cache): samples/s, and the MB/s of records it consumes;
-- cold remote epoch (an empty cache each run): samples/s, time to the first batch, bytes fetched /
-  data files (the cache fits), and whether every batch is bit-identical to the local run's;
+- cold remote epoch (an empty cache each run): samples/s (and from the first batch on), time to
+  the first batch, bytes fetched / data files (the cache fits), and (one more, untimed, cold epoch)
+  whether every batch is bit-identical to the local run's;
 - warm remote epoch (the cache filled): samples/s;
 - the manifest, the index and one unit (the largest) fetched through the proxy: what the first
   batch waits for at least;
-- memmap, a cache of half the data files: one epoch read in this process (ShardSampler's order
-  known) and one with 2 DataLoader workers (the ``ahead`` announcements only), bytes fetched
+- memmap, a cache of half the data files: one epoch read in this process and one with 2
+  DataLoader workers (this process fetching the sampler's next blocks for them), bytes fetched
   against the offline furthest-future optimum for the same batches (tests/store/furthest.py);
 - 2 ranks x 2 workers reading one node cache: bytes fetched / data files and units downloaded twice.
 
@@ -193,7 +196,8 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
 
     epoch(local)  # into the page cache
     _, _, local_batches = epoch(local, keep=True)
-    local_s = [epoch(local)[1] for _ in range(args.runs)]
+    locals_ = [epoch(local)[:2] for _ in range(args.runs)]
+    local_s = [t for _, t in locals_]
     consumption = data / min(local_s)  # the cap must cover the fastest consumption
     rule = Faults(delay=args.delay, rate=args.cap * consumption)
     proxy.rule(rule)
@@ -231,7 +235,8 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     # bit-identical: one more cold epoch, untimed (the hashing takes this process's CPU)
     same = epoch(lambda: cold_remote(tmp / f"cache-{backend}-same"), keep=True)[2] == local_batches
     before = cpu_seconds(server.pid, proxy.process.pid)
-    local_s += [epoch(local)[1] for _ in range(args.runs)]
+    locals_ += [epoch(local)[:2] for _ in range(args.runs)]
+    local_s = [t for _, t in locals_]
     local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.process.pid))]
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
@@ -258,6 +263,8 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         "local": args.images / med(local_s),
         "consumption": consumption,
         "cold": med(local_s) / med(cold),
+        # samples/s from the first batch on (what a longer epoch tends to), cold remote / warm local
+        "steady": med([t - f for f, t in locals_]) / med([t - f for f, t in zip(firsts, cold)]),
         "warm": med(local_s) / med(warm),
         "first": med(firsts),
         "floor": med(floors),
@@ -299,7 +306,8 @@ def main() -> None:
         f"proxy {args.delay * 1e3:.0f} ms first byte, cap {args.cap}x the warm local consumption"
     )
     print(
-        "| backend | data files | units | warm local, samples/s (MB/s) | cold remote / warm local | first batch "
+        "| backend | data files | units | warm local, samples/s (MB/s) | cold remote / warm local (from the first "
+        "batch on) | first batch "
         "(manifest + index + one unit) | bytes fetched / data (cache fits) | half cache / optimum (in process, "
         "2 workers) | 2 ranks x 2 workers: fetched / data, downloaded twice | warm remote / warm local | "
         "bit-identical |"
@@ -309,7 +317,8 @@ def main() -> None:
         half = ", ".join(f"{h:.3f}x" for h in r["half"]) or "-"
         print(
             f"| {r['backend']} | {r['files']} | {r['units']} | {r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "
-            f"{r['cold']:.2f}x | {r['first']:.2f} s ({r['floor']:.2f} s) | {r['fetched']:.3f}x | {half} | "
+            f"{r['cold']:.2f}x ({r['steady']:.2f}x) | {r['first']:.2f} s ({r['floor']:.2f} s) | "
+            f"{r['fetched']:.3f}x | {half} | "
             f"{r['ranks']:.3f}x, {r['twice']} | {r['warm']:.2f}x | {r['same']} |"
         )
     for r in rows:
