@@ -123,6 +123,7 @@ class ProxyProcess:
         self._control, theirs = mp.Pipe()
         self.process = mp.get_context("spawn").Process(target=serve_proxy, args=(upstream, theirs), daemon=True)
         self.process.start()
+        self.pid: int = self.process.pid or 0
         self.url = self._control.recv()
 
     def _ask(self, command: str, arg: Any = None) -> Any:
@@ -224,9 +225,9 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     cold, firsts, ratios, cpu = [], [], [], [0.0, 0.0, 0.0, 0.0]
     for run in range(args.runs):
         proxy.rule(rule)
-        before = cpu_seconds(server.pid, proxy.process.pid)
+        before = cpu_seconds(server.pid, proxy.pid)
         first, seconds, _ = epoch(functools.partial(cold_remote, tmp / f"cache-{backend}-{run}"))
-        cpu = [c + b - a for c, a, b in zip(cpu, before, cpu_seconds(server.pid, proxy.process.pid))]
+        cpu = [c + b - a for c, a, b in zip(cpu, before, cpu_seconds(server.pid, proxy.pid))]
         cold.append(seconds)
         firsts.append(first)
         ratios.append(fetched(proxy, names) / data)
@@ -234,10 +235,10 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     proxy.rule(rule)
     # bit-identical: one more cold epoch, untimed (the hashing takes this process's CPU)
     same = epoch(lambda: cold_remote(tmp / f"cache-{backend}-same"), keep=True)[2] == local_batches
-    before = cpu_seconds(server.pid, proxy.process.pid)
+    before = cpu_seconds(server.pid, proxy.pid)
     locals_ += [epoch(local)[:2] for _ in range(args.runs)]
     local_s = [t for _, t in locals_]
-    local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.process.pid))]
+    local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.pid))]
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
     draws = [int(d) for d in sampler(ShardDataset(out, crop_size=args.crop_size, seed=1), args, block)]

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -421,7 +422,8 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     got = list(loader)
     want = list(DataLoader(here, batch_size=2, sampler=sampler(here)))
     assert len(got) == len(want) == 9 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
-    workers = [psutil.Process(w.pid) for w in loader._iterator._workers]  # persistent: alive, pools open
+    running: Any = loader._iterator  # persistent: its workers alive, their pools open
+    workers = [psutil.Process(w.pid) for w in running._workers]
     mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}
     # a forked worker also holds the connections its parent had opened: its own are the others
     theirs = {c.laddr.port for w in workers for c in w.net_connections(kind="tcp")} - mine
