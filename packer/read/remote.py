@@ -245,6 +245,7 @@ class Remote:
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
+        self._lead: PerProcess[list[concurrent.futures.Future]] = PerProcess(list)  # a prefetch fetched alone
         self._infos: PerProcess[dict[str, ObjectInfo]] = PerProcess(dict)  # object key -> its HEAD
         # per unit number: [announcement, records of it still to read] of the sampler's next
         # blocks announced so far, oldest first; the announcements counted; this epoch's unread records
@@ -375,15 +376,19 @@ class Remote:
             order.sort(key=lambda u: _never if (rank := self._rank(u)) is None else rank)  # the next needed first
         wanted = [units.keys[u] for u in order]
         # nothing in flight (an epoch's start, the fetches fallen behind): the unit needed next goes
-        # first, alone, its bandwidth not shared with those needed after it
-        head: Optional[concurrent.futures.Future] = None
+        # first, alone, its bandwidth not shared with the next blocks' (those wait for it to end)
+        lead = self._lead.get()
+        if lead and lead[0].done():
+            lead.clear()
         alone = not wait and not pending
         for name in wanted:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
-                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait, after=head)
-                head = pending[name] if alone and head is None else head
+                after = lead[0] if lead and not wait else None
+                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait, after=after)
+                if alone and not lead:
+                    lead.append(pending[name])
                 if not wait:  # forgotten once done (a batch's fetch is, once waited for)
                     pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:

@@ -62,6 +62,7 @@ class Proxy:
     received: Counter = field(default_factory=Counter)  # object name -> request body bytes received whole
     ranges: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> GET Range headers
     peers: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> client ports of its GETs
+    gotten: list = field(default_factory=list)  # (object name, Range) of every GET, in the order they came
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: int = 0  # requests being answered
 
@@ -79,6 +80,7 @@ class Proxy:
             self.received.clear()
             self.ranges.clear()
             self.peers.clear()
+            self.gotten.clear()
 
     def fetched(self, name: str) -> int:
         """Body bytes sent for objects whose key ends with ``name``."""
@@ -141,6 +143,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                 if self.command == "GET":
                     proxy.ranges[key].append(self.headers.get("Range", ""))
                     proxy.peers[key].append(self.client_address[1])
+                    proxy.gotten.append((key, self.headers.get("Range", "")))
                 applies = self.command if writing else "GET"
                 rule = next((f for f in proxy.faults if f.match in key and f.method == applies), None)
                 rule = rule if self.command != "HEAD" else None

@@ -412,6 +412,7 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     ds = ShardDataset(url, crop_size=16, seed=2, cache_dir=tmp_path / "cache")
     units = ds._remote._units
     assert units is not None and ds._remote.per_unit == 2
+    names = data_files(ds.manifest)
 
     def sampler(d: ShardDataset) -> ShardSampler:
         return ShardSampler(d, order="block", block_size=2, window=1, prefetch=2, seed=4)
@@ -429,8 +430,13 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     theirs = {c.laddr.port for w in workers for c in w.net_connections(kind="tcp")} - mine
     gets = [(k, p) for k, peers in proxy.peers.items() if "/shard-" in k for p in peers]
     assert len(gets) == len(units.keys) and {p for _, p in gets} <= mine | theirs  # one GET per unit, each placed
-    first_batches = {int(units.of[int(d)]) for d in list(sampler(here))[:4]}  # each worker's first
+    order = list(sampler(here))
+    first_batches = {int(units.of[int(d)]) for d in order[:4]}  # each worker's first
     assert sum(p in theirs for _, p in gets) <= len(first_batches), gets
+    key, span = next((k, r) for k, r in proxy.gotten if "/shard-" in k)  # the first batch's unit first
+    first = int(units.of[int(order[0])])
+    file, start = names[int(units.shard[first])], int(units.starts[first])
+    assert key.endswith("/" + file) and span.startswith(f"bytes={start}-"), (key, span, file, start)
     for name, size in _files(local).items():
         assert proxy.fetched(name) == size  # each byte once
 
