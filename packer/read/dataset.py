@@ -360,9 +360,10 @@ class ShardDataset(Dataset):
         A dataset in object storage fetches their data files here, in this process's background
         threads, so that downloads take no CPU from the DataLoader workers that decode (they find
         the units fetched, or wait for the fetch in flight: docs/PERFORMANCE.md, "A cold first epoch
-        from S3"); eviction takes this rank's draws of ``epoch`` before ``read`` as read. False for
-        a local dataset: the worker that reads the draws asks its disk for the blocks."""
-        if self._remote is None:
+        from S3"); eviction takes this rank's draws of ``epoch`` before ``read`` as read. False
+        where the reader of the draws asks for the blocks itself, after its batch's own: a local
+        dataset (its disk), a process that reads the batches (its cache)."""
+        if self._remote is None or self._remote.reads_here:
             return False
         self._remote.prefetch(locality.records(ranges, len(self.index)), epoch=epoch, read=read)
         return True

@@ -33,7 +33,8 @@ reaches them.
   (with DataLoader workers: the training process), in its background threads, the unit needed
   next first; the workers that decode find their units cached or wait for the fetch in flight, so
   a download's receiving, writing and checking take no CPU from them. A batch whose unit is neither
-  (the first ones, a sampler that announces nothing) is fetched by the process reading it.
+  (the first ones, a sampler that announces nothing) is fetched by the process reading it; a
+  process that reads its batches itself (no workers) fetches the next blocks after each batch's own.
 - **cache_limit**: units no reader holds are evicted before a download would take the cache (every
   dataset under ``cache_dir``) past the limit; a download reserves its whole size first, so
   concurrent fetches never overshoot. Eviction takes first the units this process knows no next use
@@ -360,9 +361,9 @@ class Remote:
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
         every record of this epoch is not needed again in it. ``read``: the draws of the planned
         ``epoch`` read by now in other processes (the sampler's, whose DataLoader workers read
-        them), for eviction by next use."""
+        them), for eviction by next use; a process that reads batches itself counts them instead."""
         assert self._units is not None, "pin() first"
-        if read is not None and self._plan is not None and epoch == self._plan[0]:
+        if read is not None and not self.reads_here and self._plan is not None and epoch == self._plan[0]:
             self._at = max(self._at, read)
         units = self._units
         root = self.home / _VERSIONS / self.version
@@ -411,6 +412,11 @@ class Remote:
         fd = self._fetch_unit(root, name, demand=demand)
         if fd is not None:
             os.close(fd)
+
+    @property
+    def reads_here(self) -> bool:
+        """Whether this process has read batches of a ShardSampler (else its DataLoader workers do)."""
+        return self._left[0] is not None
 
     def plan(self, epoch: int, records: np.ndarray) -> None:
         """The records this process will read in ``epoch``, in order (ShardSampler's, told when it
