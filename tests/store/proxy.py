@@ -136,6 +136,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                     proxy.active -= 1
 
         def _forward(self) -> None:
+            asked = time.monotonic()
             key = unquote(urlsplit(self.path).path)
             writing = self.command in ("PUT", "POST", "DELETE")
             with proxy.lock:
@@ -158,8 +159,8 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             response = conn.getresponse()
             body = response.read() if self.command == "GET" else b""
             conn.close()
-            if rule is not None and rule.delay:
-                time.sleep(rule.delay)
+            if rule is not None and rule.delay:  # from the request: the store's time to its first byte
+                time.sleep(max(0.0, asked + rule.delay - time.monotonic()))
             if rule is not None and n < rule.stall:  # silent until the client gives up on it
                 time.sleep(rule.stall_s)
                 self.close_connection = True
