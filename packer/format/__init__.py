@@ -18,6 +18,7 @@ import os
 import re
 import stat
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -365,6 +366,21 @@ def fd_path(fd: int) -> Optional[str]:
     return None
 
 
+#: numpy parses an .npy header with ast.literal_eval, whose recursion-depth count CPython 3.11 keeps
+#: per interpreter, unlocked: two threads parsing at once can fail with "SystemError: AST constructor
+#: recursion depth mismatch" (python/cpython#106905). Headers are parsed one at a time.
+_NPY_HEADERS = threading.Lock()
+
+
+def read_npy_header(head: io.BytesIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The (shape, fortran order, dtype) of the .npy file whose start ``head`` holds, parsed by numpy
+    (no pickle, no code), its position left at the data."""
+    version = np.lib.format.read_magic(head)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    with _NPY_HEADERS:
+        return read_header(head)
+
+
 def map_npy(fd: int, path: str | os.PathLike) -> np.ndarray:
     """The array of the .npy file open as ``fd``, memory-mapped read-only (a descriptor, not a path:
     the file a reader pinned, even after it was deleted). The header is parsed by numpy's own
@@ -372,9 +388,7 @@ def map_npy(fd: int, path: str | os.PathLike) -> np.ndarray:
     allocates nothing."""
     try:
         head = io.BytesIO(os.pread(fd, 1 << 16, 0))
-        version = np.lib.format.read_magic(head)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read_header(head)
+        shape, fortran, dtype = read_npy_header(head)
         if dtype.hasobject or fortran:
             raise ValueError(f"dtype {dtype} (fortran order {fortran}) is not a plain array")
         start, size = head.tell(), os.fstat(fd).st_size

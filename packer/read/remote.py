@@ -960,10 +960,17 @@ def _metadata_problem(manifest: Manifest, arrays: dict[str, np.ndarray]) -> str:
 def _checked_for(unit: Path, rows: np.ndarray) -> bool:
     """Whether ``unit`` is in the cache and was checked for every record of ``rows`` (a version
     that keeps an old segment names the same records, or fewer, of it)."""
+    sidecar = unit.with_name(unit.name + _SIDECAR)
     try:
-        known = np.load(unit.with_name(unit.name + _SIDECAR), allow_pickle=False)
-    except (OSError, ValueError):
+        fd = open_regular(sidecar)
+    except (OSError, DatasetError):
         return False
+    try:
+        known = map_npy(fd, sidecar)  # its header parsed under map_npy's lock (threads fetch at once)
+    except DatasetError:
+        return False
+    finally:
+        os.close(fd)
     if not unit.exists() or known.dtype != _ROWS_DTYPE:
         return False
     if not len(rows):
