@@ -1006,9 +1006,7 @@ def _evict(unit: Path) -> bool:
     except FileNotFoundError:
         return True
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_now(fd):
             return False
         ino = os.fstat(fd).st_ino
         name = unit.name.rsplit(".", 2)[0]
@@ -1019,7 +1017,7 @@ def _evict(unit: Path) -> bool:
         _remove(unit, unit.with_name(unit.name + _SIDECAR))
         return True
     finally:
-        os.close(fd)
+        _let_go(fd)
 
 
 def _drop_partial(part: Path) -> bool:
@@ -1031,14 +1029,25 @@ def _drop_partial(part: Path) -> bool:
     except FileNotFoundError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_now(fd):
             return False
         _remove(part, part.with_name(part.name + ".parts"))
         return True
     finally:
-        os.close(fd)
+        _let_go(fd)
+
+
+def _lock_now(fd: int) -> bool:
+    """Take the exclusive flock at ``fd`` if no process holds the file's lock (False: one does). Let
+    go of with _let_go: a child forked meanwhile closes its copy (_after_fork), and the lock is
+    released before the close, so no copy keeps it (the training process, which evicts for its
+    prefetches, forks DataLoader workers)."""
+    _LOCKING.add(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _evicted(name: str) -> DatasetError:
