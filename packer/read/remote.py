@@ -248,6 +248,8 @@ class Remote:
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
         self._lead: PerProcess[list[concurrent.futures.Future]] = PerProcess(list)  # a prefetch fetched alone
         self._infos: PerProcess[dict[str, ObjectInfo]] = PerProcess(dict)  # object key -> its HEAD
+        # version directory -> (manifest, index, each record's file and position): _places
+        self._versions: PerProcess[dict[Path, tuple[Manifest, np.ndarray, np.ndarray, np.ndarray]]] = PerProcess(dict)
         # per unit number: [announcement, records of it still to read] of the sampler's next
         # blocks announced so far, oldest first; the announcements counted; this epoch's unread records
         self._soon: dict[int, collections.deque[list[int]]] = {}
@@ -610,16 +612,10 @@ class Remote:
         A reader's fetch (``demand``) returns a descriptor of it, held; a prefetch of the sampler's
         next blocks returns None and leaves it to eviction by next use, or skips it when there is no
         room for it without evicting what is needed sooner."""
-        manifest = Manifest.load(root)
-        fd = open_regular(root / INDEX)
-        try:
-            index = map_npy(fd, root / INDEX)
-        finally:
-            os.close(fd)
+        manifest, index, files, positions = self._places(root)
         file, span = _span(name)
         k = data_files(manifest).index(file)
         backend = BACKENDS[manifest.backend]
-        files, positions = record_places(manifest, index)
         inside = files == k
         if span is not None:
             inside &= (positions >= span[0]) & (positions < span[1])
@@ -661,6 +657,21 @@ class Remote:
                 return os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC)
         raise _evicted(self._named(name))
 
+    def _places(self, root: Path) -> tuple[Manifest, np.ndarray, np.ndarray, np.ndarray]:
+        """The manifest and index of the version at ``root`` and each record's data file and byte
+        position, read once per process (a version never changes): every unit's fetch selects its
+        rows from them."""
+        known = self._versions.get()
+        if root not in known:
+            manifest = Manifest.load(root)
+            fd = open_regular(root / INDEX)
+            try:
+                index = map_npy(fd, root / INDEX)
+            finally:
+                os.close(fd)
+            known[root] = (manifest, index, *record_places(manifest, index))
+        return known[root]
+
     def _fetch_held(
         self, root: Path, name: str, k: int, expected: _Expected, *, demand: bool
     ) -> Optional[tuple[int, Path]]:
@@ -668,7 +679,7 @@ class Remote:
         checked unless a version already has it, holding its shared flock since before it had its
         name there (so no process can evict it between its arrival and its use); None when a
         prefetch found no room."""
-        manifest = Manifest.load(root)
+        manifest = self._places(root)[0]
         file = _span(name)[0]
         try:
             info = self._head(self._key(file))
