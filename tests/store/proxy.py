@@ -21,6 +21,11 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 
+#: The bandwidth cap's bucket, in seconds of its rate: what a response may send at once after the
+#: cap's line went idle (a sleep that overslept), so that the cap is met on average, not undercut.
+BURST_S = 0.002
+
+
 @dataclass
 class Faults:
     """What to do to responses of objects whose key contains ``match`` ("" for all): the first
@@ -107,6 +112,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: object) -> None:
             pass
@@ -243,9 +249,10 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                 if rule is not None and rule.rate:  # wait for this piece's share of the bandwidth
                     with proxy.lock:
                         now = time.monotonic()
-                        rule.free_at = max(now, rule.free_at) + len(piece) / rule.rate
+                        # a bucket of BURST_S: a sleep that overslept is made up (the cap holds on average)
+                        rule.free_at = max(now - BURST_S, rule.free_at) + len(piece) / rule.rate
                         wait = rule.free_at - now
-                    time.sleep(wait)
+                    time.sleep(max(0.0, wait))
                 self.wfile.write(piece)
             self.wfile.flush()
             key = unquote(urlsplit(self.path).path)
