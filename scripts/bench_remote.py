@@ -93,7 +93,7 @@ def cpu_seconds(*others: int) -> list[float]:
 
 def rank_epoch(url: str, cache: str, rank: int, args: argparse.Namespace, block: int, env: dict[str, str]) -> None:
     os.environ.update(env)
-    remote.UNIT_BYTES = args.unit_bytes
+    remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
     ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache)
     for _ in loader(ds, args, block, 2, num_replicas=2, rank=rank):
         pass
@@ -286,6 +286,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs of each measurement (medians reported)")
     p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
     p.add_argument("--unit-bytes", type=int, default=remote.UNIT_BYTES, help="about the bytes of a memmap unit")
+    p.add_argument("--unit-streams", type=int, default=remote.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
     p.add_argument("--prefetch", type=int, default=4, help="windows (blocks) fetched ahead (ShardSampler)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
@@ -294,7 +295,7 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=1.25, help="bandwidth cap as a multiple of the warm consumption")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench-remote")
     args = p.parse_args()
-    remote.UNIT_BYTES = args.unit_bytes
+    remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
 
     raw = args.work / f"raw-{args.images}"
     make_folder(raw, args.images, size=(480, 360), workers=2)

@@ -15,9 +15,10 @@ reaches them.
   per shard, so that a unit is evicted, held and counted as a file (unlink, flock, size) with
   no byte-range locks or hole punching, and a unit never exists in part. The reader maps each
   unit as it first reads a record of it (:class:`_RangedShard`). A unit is downloaded in
-  parallel ranged parts (packer.store.base) into ``partial/``, then renamed into ``units/``. A
-  broken part is resumed from the byte it reached (``If-Match`` pins the object's version);
-  parts already written by a process that died are kept and skipped (``.parts`` lists them).
+  :data:`UNIT_STREAMS` parallel ranged parts (packer.store.base; parts of at most its
+  ``PART_BYTES``) into ``partial/``, then renamed into ``units/``. A broken part is resumed from
+  the byte it reached (``If-Match`` pins the object's version); parts already written by a process
+  that died are kept and skipped (``.parts`` lists them, after the part size they were cut at).
 - **Checked before any decoder sees a byte**: the size against the manifest, then every record the
   version's index names in the unit by length and CRC-32 (LMDB files after their page tree is
   checked, as ``packer verify`` does); a mismatch is fetched again, up to :data:`VERIFY_ATTEMPTS`
@@ -32,7 +33,11 @@ reaches them.
 - **Who fetches**: ShardSampler's next blocks are fetched by the process that iterates the sampler
   (with DataLoader workers: the training process), in its background threads, the unit needed
   next first; the workers that decode find their units cached or wait for the fetch in flight, so
-  a download's receiving, writing and checking take no CPU from them. A batch whose unit is neither
+  a download's receiving, writing and checking take no CPU from them. The prefetches of a process
+  receive one unit at a time, in the order they are needed (:class:`_Turns`): the next one's
+  requests go out as the one before it is a first-byte wait from its end, so the store's latency
+  is covered and the unit needed next never shares the bandwidth with ones needed after it (four
+  at once, the first of them came when all four did). A batch whose unit is neither
   (the first ones, a sampler that announces nothing) is fetched by the process reading it; a
   process that reads its batches itself (no workers) fetches the next blocks after each batch's own.
 - **cache_limit**: units no reader holds are evicted before a download would take the cache (every
@@ -107,12 +112,18 @@ from ..format import (
 )
 from ..format.label_arrays import arrays_digest
 from ..store import ObjectChanged, ObjectNotFound, Store, open_store
+from ..store import base as store_base
 from ..store.base import ObjectInfo, PerProcess
 from ..store.published import FILES, files_json, parse_files, read_files, read_pointer, version_id, version_key
 
-#: Units fetched at once in the background per process (each in parallel parts itself): enough
-#: requests in flight to cover the store's first-byte latency times its bandwidth.
+#: Units a process prepares at once in the background (the HEAD, the cache's room, the check);
+#: their downloads take turns (:class:`_Turns`).
 PREFETCH_UNITS = 4
+#: Ranged GETs a unit is downloaded in at once (parts of at most packer.store.base.PART_BYTES;
+#: larger units, LMDB files, in more): one fills a node's bandwidth alone, and more cost the store
+#: and this process CPU (docs/PERFORMANCE.md, "A cold first epoch from S3"); more are for a store
+#: whose one stream is slower than the readers consume.
+UNIT_STREAMS = 1
 #: About the bytes of a memmap unit: a range of a shard of a power of two records (AWS advises
 #: 8-16 MB ranges), whole shards when they are smaller.
 UNIT_BYTES = 8 << 20
@@ -246,7 +257,6 @@ class Remote:
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, _close_held, self._held)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
-        self._lead: PerProcess[list[concurrent.futures.Future]] = PerProcess(list)  # a prefetch fetched alone
         self._infos: PerProcess[dict[str, ObjectInfo]] = PerProcess(dict)  # object key -> its HEAD
         # version directory -> (manifest, index, each record's file and position): _places
         self._versions: PerProcess[dict[Path, tuple[Manifest, np.ndarray, np.ndarray, np.ndarray]]] = PerProcess(dict)
@@ -378,20 +388,11 @@ class Remote:
             self._count(numbers, wait, epoch)
             order.sort(key=lambda u: _never if (rank := self._rank(u)) is None else rank)  # the next needed first
         wanted = [units.keys[u] for u in order]
-        # nothing in flight (an epoch's start, the fetches fallen behind): the unit needed next goes
-        # first, alone, its bandwidth not shared with the next blocks' (those wait for it to end)
-        lead = self._lead.get()
-        if lead and lead[0].done():
-            lead.clear()
-        alone = not wait and not pending
         for name in wanted:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
-                after = lead[0] if lead and not wait else None
-                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait, after=after)
-                if alone and not lead:
-                    lead.append(pending[name])
+                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait)
                 if not wait:  # forgotten once done (a batch's fetch is, once waited for)
                     pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
@@ -404,14 +405,18 @@ class Remote:
         if wait:  # read from now on: until its units are in, the batch is what comes next (_needed_before)
             self._count(numbers, wait, epoch)
 
-    def _fetch_into(
-        self, root: Path, name: str, *, demand: bool, after: Optional[concurrent.futures.Future] = None
-    ) -> None:
-        """:meth:`_fetch_unit` in the background, once fetch ``after`` has ended (done or failed): the
-        unit stays held (a batch's) or not (a prefetch)."""
-        if after is not None:
-            concurrent.futures.wait([after])
-        fd = self._fetch_unit(root, name, demand=demand)
+    def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
+        """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a
+        prefetch, whose download waits for its turn: :class:`_Turns`)."""
+        turns = _turns.get()
+        if not demand:
+            k = self._units.numbers.get(name) if self._units is not None else None
+            rank = self._rank(k) if k is not None else None
+            turns.enter(name, _never if rank is None else rank)
+        try:
+            fd = self._fetch_unit(root, name, demand=demand)
+        finally:
+            turns.leave(name)
         if fd is not None:
             os.close(fd)
 
@@ -747,16 +752,24 @@ class Remote:
         number a line."""
         file, span = _span(name)
         start, end = span if span is not None else (0, info.size)
+        part_bytes = max(1, min(store_base.PART_BYTES, -(-(end - start) // UNIT_STREAMS)))
+        header = b"part_bytes %d\n" % part_bytes  # the parts' numbers count parts of this size
         done_file = part.with_name(part.name + ".parts")
         done: frozenset[int] = frozenset()
         if part.exists() and part.stat().st_size == end - start and done_file.exists():
-            done = frozenset(int(n) for n in done_file.read_text().split() if n.isdigit())
+            listed = done_file.read_bytes()
+            if listed.startswith(header):
+                done = frozenset(int(n) for n in listed[len(header) :].split() if n.isdigit())
         else:
             _remove(part, done_file)
             self._make_room(end - start, part, name, demand=demand)
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        arrival = _turns.get().turn(name, end - start)
         try:
+            if not done:
+                os.ftruncate(log, 0)
+                os.write(log, header)
             os.ftruncate(fd, end - start)
             try:
                 self.store.download(
@@ -765,8 +778,10 @@ class Remote:
                     info,
                     skip=done,
                     part_done=lambda n: os.write(log, b"%d\n" % n),
+                    progress=arrival,
                     start=start,
                     end=end,
+                    part_bytes=part_bytes,
                 )
             except ObjectChanged:
                 _remove(part, done_file)
@@ -776,6 +791,7 @@ class Remote:
                 ) from None
             os.fsync(fd)
         finally:
+            arrival.end()
             os.close(fd)
             os.close(log)
 
@@ -944,6 +960,84 @@ _never = 1 << 62  # a rank after every known next use
 _prefetcher = PerProcess(
     lambda: concurrent.futures.ThreadPoolExecutor(PREFETCH_UNITS, thread_name_prefix="packer-prefetch")
 )
+
+
+class _Turns:
+    """The downloads of a process's prefetches, one unit at a time in the order they are needed
+    (the lowest rank first, among the prefetches this process has begun: :meth:`enter`): one
+    that waits for its turn (:meth:`turn`) starts once the one receiving is finishing, a
+    first-byte wait from its end at the rate it receives (:class:`_Arrival`), so its requests'
+    first bytes come as that one's last do. A batch's own download (not entered) never waits."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._waiting: dict[str, tuple[int, int]] = {}  # unit name -> (rank, order entered)
+        self._entered = 0
+        self._busy = False  # a unit is receiving and not finishing yet
+
+    def enter(self, name: str, rank: int) -> None:
+        with self._changed:
+            self._entered += 1
+            self._waiting[name] = (rank, self._entered)
+
+    def leave(self, name: str) -> None:
+        """``name``'s prefetch has ended (fetched, found cached, no room, failed)."""
+        with self._changed:
+            if self._waiting.pop(name, None) is not None:
+                self._changed.notify_all()
+
+    def turn(self, name: str, size: int) -> _Arrival:
+        """Wait for prefetch ``name``'s turn to download its ``size`` bytes (none for one not
+        entered, or downloading again): what its download reports its progress to."""
+        with self._changed:
+            if name not in self._waiting:
+                return _Arrival(None, size)
+            while self._busy or min(self._waiting.values()) != self._waiting[name]:
+                self._changed.wait()
+            del self._waiting[name]
+            self._busy = True
+        return _Arrival(self, size)
+
+    def finishing(self) -> None:
+        with self._changed:
+            self._busy = False
+            self._changed.notify_all()
+
+
+class _Arrival:
+    """A download's progress (called with each piece's bytes, from its parts' threads): it tells
+    its :class:`_Turns` when it is finishing (its bytes left would take no longer than its first
+    byte did, at the rate it has received since), or has ended (:meth:`end`)."""
+
+    def __init__(self, turns: Optional[_Turns], size: int) -> None:
+        self._turns, self._left = turns, size
+        self._asked = time.monotonic()
+        self._first = 0.0
+        self._since = 0  # bytes received after the first piece
+        self._lock = threading.Lock()
+
+    def __call__(self, got: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._left -= got
+            if self._turns is None:
+                return
+            if not self._first:
+                self._first = now
+                return
+            self._since += got
+            if self._left * (now - self._first) <= (self._first - self._asked) * self._since:
+                self._turns.finishing()
+                self._turns = None
+
+    def end(self) -> None:
+        with self._lock:
+            if self._turns is not None:
+                self._turns.finishing()
+                self._turns = None
+
+
+_turns = PerProcess(_Turns)
 
 
 def _close_held(held: dict[str, int]) -> None:

@@ -176,24 +176,28 @@ class Store(abc.ABC):
         *,
         skip: frozenset[int] = frozenset(),
         part_done: Callable[[int], object] = lambda part: None,
+        progress: Callable[[int], object] = lambda got: None,
         start: int = 0,
         end: Optional[int] = None,
+        part_bytes: int = PART_BYTES,
     ) -> None:
         """The object (``info``: its size and version), or its bytes ``start`` to ``end``, written
-        into the open file ``fd`` from its offset 0, in parts of :data:`PART_BYTES` fetched by up to
+        into the open file ``fd`` from its offset 0, in parts of ``part_bytes`` fetched by up to
         :data:`PART_THREADS` threads; parts numbered in ``skip`` are already there (a download
-        resumed), ``part_done(n)`` is told of each one written."""
+        resumed), ``part_done(n)`` is told of each one written, ``progress(bytes)`` of each piece
+        (from the parts' threads)."""
         end = info.size if end is None else end
-        parts = [n for n in range(-(-(end - start) // PART_BYTES)) if n not in skip]
+        parts = [n for n in range(-(-(end - start) // part_bytes)) if n not in skip]
 
         def one(n: int) -> None:
-            offset = [n * PART_BYTES]
+            offset = [n * part_bytes]
 
             def write(piece: bytes) -> None:
                 os.pwrite(fd, piece, offset[0])
                 offset[0] += len(piece)
+                progress(len(piece))
 
-            self.fetch(key, start + n * PART_BYTES, min(end, start + (n + 1) * PART_BYTES), info.etag, write)
+            self.fetch(key, start + n * part_bytes, min(end, start + (n + 1) * part_bytes), info.etag, write)
             part_done(n)
 
         if len(parts) <= 1:

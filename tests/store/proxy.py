@@ -20,7 +20,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-
 #: The bandwidth cap's bucket, in seconds of its rate: what a response may send at once after the
 #: cap's line went idle (a sleep that overslept), so that the cap is met on average, not undercut.
 BURST_S = 0.002
@@ -68,6 +67,8 @@ class Proxy:
     ranges: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> GET Range headers
     peers: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> client ports of its GETs
     gotten: list = field(default_factory=list)  # (object name, Range) of every GET, in the order they came
+    # (object name, client port, when its first body byte went, when its last did) of every GET answered
+    spans: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: int = 0  # requests being answered
 
@@ -86,6 +87,7 @@ class Proxy:
             self.ranges.clear()
             self.peers.clear()
             self.gotten.clear()
+            self.spans.clear()
 
     def fetched(self, name: str) -> int:
         """Body bytes sent for objects whose key ends with ``name``."""
@@ -244,6 +246,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             self.end_headers()
             out = body if cut is None else body[:cut]
             step = 64 << 10
+            began = time.monotonic()
             for at in range(0, len(out), step):
                 piece = out[at : at + step]
                 if rule is not None and rule.rate:  # wait for this piece's share of the bandwidth
@@ -258,6 +261,8 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             key = unquote(urlsplit(self.path).path)
             with proxy.lock:
                 proxy.sent[key] += len(out)
+                if self.command == "GET":
+                    proxy.spans.append((key, self.client_address[1], began, time.monotonic()))
             if cut is not None:
                 if then is not None:
                     then()

@@ -441,6 +441,43 @@ def test_sampler_process_fetches_ahead_not_the_workers(
         assert proxy.fetched(name) == size  # each byte once
 
 
+def test_prefetches_take_turns_in_the_order_needed(
+    built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
+):
+    """The sampler's process downloads its prefetches one unit at a time (the next one's GET once
+    the one before is finishing), in the order the sampler reads them: behind a bandwidth cap, the
+    unit needed next does not share it with those needed after it."""
+    local = built("memmap", "jpeg")  # 3 shards of 7, 7 and 4 records
+    here = ShardDataset(local, crop_size=16, seed=2)
+    monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))  # 2 records
+    url = s3_server.upload(local, "turns/memmap")
+    proxy.faults.append(Faults(match="shard-", delay=0.05, rate=sum(_files(local).values()) / 2))  # 2 s for all
+    ds = ShardDataset(url, crop_size=16, seed=2, cache_dir=tmp_path / "cache")
+    units = ds._remote._units
+    assert units is not None and ds._remote.per_unit == 2
+    names = data_files(ds.manifest)
+
+    def sampler(d: ShardDataset) -> ShardSampler:
+        return ShardSampler(d, order="block", block_size=2, window=1, prefetch=4, seed=4)
+
+    loader = DataLoader(ds, batch_size=2, sampler=sampler(ds), num_workers=1, persistent_workers=True)
+    got = list(loader)
+    want = list(DataLoader(here, batch_size=2, sampler=sampler(here)))
+    assert len(got) == len(want) == 9 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    needed = []  # the units in the order of their first draw
+    for d in sampler(here):
+        u = int(units.of[int(d)])
+        needed += [] if u in needed else [u]
+    wanted = [(names[int(units.shard[u])], int(units.starts[u])) for u in needed]
+    gotten = [(k.rsplit("/", 1)[1], int(r.split("=")[1].split("-")[0])) for k, r in proxy.gotten if "/shard-" in k]
+    assert gotten == wanted  # every unit once, in the order needed
+    mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}  # a worker opens its own
+    spans = [(a, b) for k, port, a, b in proxy.spans if "/shard-" in k and port in mine]
+    assert len(spans) >= len(needed) - 2  # the worker fetched its first batch's units at most
+    most = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    assert most <= 2, spans  # the one receiving, and the next one's as it finishes
+
+
 def test_https_range_server(built, tmp_path: Path) -> None:
     """A dataset folder served by a plain web server (Range, ETag) reads as the local dataset."""
     local = built("lmdb", "jpeg")
@@ -464,6 +501,13 @@ ds[0]
 """
 
 
+def _parts_done(listed: Path) -> list[int]:
+    """The parts a download's ``.parts`` file lists as written (after its line of the part size)."""
+    header, *lines = listed.read_text().splitlines() or [""]
+    assert header == f"part_bytes {32 << 10}" or not lines
+    return sorted(int(n) for n in lines if n.isdigit())
+
+
 def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A reader killed (-9) mid-download leaves the parts it finished; the next reader fetches only the
     rest (and its lock was released by the kernel), and the samples equal the local ones."""
@@ -476,14 +520,14 @@ def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, t
     try:
         deadline = time.monotonic() + 60
         parts: list[Path] = []
-        while time.monotonic() < deadline and not (parts and len(parts[0].read_text().split()) >= 3):
+        while time.monotonic() < deadline and not (parts and len(_parts_done(parts[0])) >= 3):
             parts = list(cache.glob("*/partial/shard-00000.bin*.parts"))
             time.sleep(0.05)
         assert parts, "the child never started its download"
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    done = sorted(int(n) for n in parts[0].read_text().split())
+    done = _parts_done(parts[0])
     proxy.settle()
     proxy.clear()
     monkeypatch.setattr("packer.store.base.PART_BYTES", 32 << 10)
