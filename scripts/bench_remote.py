@@ -200,7 +200,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     locals_ = [epoch(local)[:2] for _ in range(args.runs)]
     local_s = [t for _, t in locals_]
     consumption = data / min(local_s)  # the cap must cover the fastest consumption
-    rule = Faults(delay=args.delay, rate=args.cap * consumption)
+    rule = Faults(delay=args.delay, rate=args.cap * consumption, stream_rate=args.stream_cap * consumption)
     proxy.rule(rule)
 
     store = open_store(url)
@@ -293,6 +293,7 @@ def main() -> None:
     p.add_argument("--crop-size", type=int, default=112)
     p.add_argument("--delay", type=float, default=0.02, help="first-byte delay per request, seconds")
     p.add_argument("--cap", type=float, default=1.25, help="bandwidth cap as a multiple of the warm consumption")
+    p.add_argument("--stream-cap", type=float, default=0.0, help="the same, per GET (0: none)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench-remote")
     args = p.parse_args()
     remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
@@ -306,6 +307,7 @@ def main() -> None:
     print(
         f"{args.images} JPEG records, batch {args.batch_size}, {args.workers} workers, {args.runs} runs (medians); "
         f"proxy {args.delay * 1e3:.0f} ms first byte, cap {args.cap}x the warm local consumption"
+        + (f", {args.stream_cap}x per GET" if args.stream_cap else "")
     )
     print(
         "| backend | data files | units | warm local, samples/s (MB/s) | cold remote / warm local (from the first "

@@ -34,10 +34,11 @@ reaches them.
   (with DataLoader workers: the training process), in its background threads, the unit needed
   next first; the workers that decode find their units cached or wait for the fetch in flight, so
   a download's receiving, writing and checking take no CPU from them. The prefetches of a process
-  receive one unit at a time, in the order they are needed (:class:`_Turns`): the next one's
-  requests go out as the one before it is a first-byte wait from its end, so the store's latency
-  is covered and the unit needed next never shares the bandwidth with ones needed after it (four
-  at once, the first of them came when all four did). A batch whose unit is neither
+  receive in the order they are needed, one unit at a time while one stream alone outpaces the
+  readers (:class:`_Turns`): the next one's GET goes out as the one before it is a first-byte
+  wait from its end, so the store's latency is covered and the unit needed next does not share
+  the bandwidth with ones needed after it (four at once, the first of them came when all four
+  did); where one stream is slower than the readers consume, as many receive at once as they need. A batch whose unit is neither
   (the first ones, a sampler that announces nothing) is fetched by the process reading it; a
   process that reads its batches itself (no workers) fetches the next blocks after each batch's own.
 - **cache_limit**: units no reader holds are evicted before a download would take the cache (every
@@ -79,6 +80,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import math
 import mmap
 import os
 import re
@@ -268,6 +270,7 @@ class Remote:
         self._unread = 0  # records of this epoch not read yet
         self._plan: Optional[tuple[int, list[np.ndarray]]] = None  # (epoch, per unit: its draws' places)
         self._at = 0  # draws of the planned epoch read so far
+        self._pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=_PACE)  # (when, _at)
         self._left: tuple[Optional[int], np.ndarray] = (None, np.zeros(0, np.int64))
         self._pinned: Optional[weakref.ReferenceType[Pinned]] = None  # the reader's, to drop its mappings
         # set by pin(): the version's units (not the Pinned: that refers back to this object, and a
@@ -377,6 +380,11 @@ class Remote:
         assert self._units is not None, "pin() first"
         if read is not None and not self.reads_here and self._plan is not None and epoch == self._plan[0]:
             self._at = max(self._at, read)
+            self._pace.append((time.monotonic(), self._at))
+            (t0, at0), (t1, at1) = self._pace[0], self._pace[-1]
+            if len(self._pace) >= _PACE // 2 and t1 > t0 and self._units is not None and len(self._units.of):
+                per_record = float(self._units.sizes.sum()) / len(self._units.of)
+                _turns.get().consumed((at1 - at0) / (t1 - t0) * per_record)
         units = self._units
         root = self.home / _VERSIONS / self.version
         pending = self._pending.get()
@@ -408,15 +416,15 @@ class Remote:
     def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
         """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a
         prefetch, whose download waits for its turn: :class:`_Turns`)."""
-        turns = _turns.get()
+        turns, key = _turns.get(), (str(self.home), name)
         if not demand:
             k = self._units.numbers.get(name) if self._units is not None else None
             rank = self._rank(k) if k is not None else None
-            turns.enter(name, _never if rank is None else rank)
+            turns.enter(key, _never if rank is None else rank)
         try:
             fd = self._fetch_unit(root, name, demand=demand)
         finally:
-            turns.leave(name)
+            turns.leave(key)
         if fd is not None:
             os.close(fd)
 
@@ -435,6 +443,7 @@ class Remote:
         bounds = np.searchsorted(numbers[order], np.arange(count + 1))
         self._plan = (epoch, [order[bounds[u] : bounds[u + 1]] for u in range(count)])
         self._at = 0
+        self._pace.clear()
 
     def _count(self, files: np.ndarray, read: bool, epoch: Optional[int]) -> None:
         """Keep this process's view of the future: records of units ``files`` announced by the
@@ -765,7 +774,7 @@ class Remote:
             self._make_room(end - start, part, name, demand=demand)
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        arrival = _turns.get().turn(name, end - start)
+        arrival = _turns.get().turn((str(self.home), name), end - start)
         try:
             if not done:
                 os.ftruncate(log, 0)
@@ -963,81 +972,128 @@ _prefetcher = PerProcess(
 
 
 class _Turns:
-    """The downloads of a process's prefetches, one unit at a time in the order they are needed
-    (the lowest rank first, among the prefetches this process has begun: :meth:`enter`): one
-    that waits for its turn (:meth:`turn`) starts once the one receiving is finishing, a
-    first-byte wait from its end at the rate it receives (:class:`_Arrival`), so its requests'
-    first bytes come as that one's last do. A batch's own download (not entered) never waits."""
+    """The downloads of a process's prefetches, in the order they are needed (the lowest rank
+    first, among the prefetches this process has begun: :meth:`enter`), as few receiving at once
+    as keep up with the readers: one that waits for its turn (:meth:`turn`) starts once fewer
+    than ``width`` are receiving and not finishing (a first-byte wait from their end at the rate
+    they receive: :class:`_Arrival`), so its first bytes come as their last do and the unit needed
+    next does not share the bandwidth with those needed after it. ``width`` is 1 while one stream
+    alone (its rate measured while it received alone) is faster than the readers consume; where
+    it is not (a store whose GETs are capped, as S3's are), enough for their consumption, up to
+    :data:`PREFETCH_UNITS`. A batch's own download (not entered) never waits."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._waiting: dict[str, tuple[int, int]] = {}  # unit name -> (rank, order entered)
+        self._waiting: dict[tuple[str, str], tuple[int, int]] = {}  # (dataset, unit) -> (rank, order entered)
         self._entered = 0
-        self._busy = False  # a unit is receiving and not finishing yet
+        self._busy = 0  # downloads receiving and not finishing yet
+        self.receiving = 0  # downloads between their turn and their end
+        self._width = 1
+        self._alone = 0.0  # bytes/s of one stream receiving alone (0.0: not measured yet)
+        self._consumed = 0.0  # bytes/s the readers consume (0.0: not known yet)
 
-    def enter(self, name: str, rank: int) -> None:
+    def enter(self, key: tuple[str, str], rank: int) -> None:
         with self._changed:
             self._entered += 1
-            self._waiting[name] = (rank, self._entered)
+            self._waiting[key] = (rank, self._entered)
 
-    def leave(self, name: str) -> None:
-        """``name``'s prefetch has ended (fetched, found cached, no room, failed)."""
+    def leave(self, key: tuple[str, str]) -> None:
+        """``key``'s prefetch has ended (fetched, found cached, no room, failed)."""
         with self._changed:
-            if self._waiting.pop(name, None) is not None:
+            if self._waiting.pop(key, None) is not None:
                 self._changed.notify_all()
 
-    def turn(self, name: str, size: int) -> _Arrival:
-        """Wait for prefetch ``name``'s turn to download its ``size`` bytes (none for one not
+    def consumed(self, rate: float) -> None:
+        """The readers consume ``rate`` bytes/s (the sampler's pace)."""
+        with self._changed:
+            self._consumed = rate
+            self._widen()
+
+    def alone(self, rate: float) -> None:
+        """A stream received ``rate`` bytes/s alone."""
+        with self._changed:
+            self._alone = rate if not self._alone else (self._alone + rate) / 2
+            self._widen()
+
+    def _widen(self) -> None:
+        if self._alone and self._consumed:
+            need = math.ceil(_HEADROOM * self._consumed / self._alone)
+            self._width = max(1, min(PREFETCH_UNITS, need))
+            self._changed.notify_all()
+
+    def turn(self, key: tuple[str, str], size: int) -> _Arrival:
+        """Wait for prefetch ``key``'s turn to download its ``size`` bytes (none for one not
         entered, or downloading again): what its download reports its progress to."""
         with self._changed:
-            if name not in self._waiting:
+            mine = self._waiting.get(key)
+            if mine is None:
                 return _Arrival(None, size)
-            while self._busy or min(self._waiting.values()) != self._waiting[name]:
+            while self._busy >= self._width or min(self._waiting.values()) != mine:
                 self._changed.wait()
-            del self._waiting[name]
-            self._busy = True
+            del self._waiting[key]
+            self._busy += 1
+            self.receiving += 1
         return _Arrival(self, size)
 
     def finishing(self) -> None:
         with self._changed:
-            self._busy = False
+            self._busy -= 1
             self._changed.notify_all()
+
+    def ended(self) -> None:
+        with self._changed:
+            self.receiving -= 1
 
 
 class _Arrival:
     """A download's progress (called with each piece's bytes, from its parts' threads): it tells
     its :class:`_Turns` when it is finishing (its bytes left would take no longer than its first
-    byte did, at the rate it has received since), or has ended (:meth:`end`)."""
+    byte did, at the rate it has received since) and has ended (:meth:`end`), and the rate it
+    received at while no other download of the turns received."""
 
     def __init__(self, turns: Optional[_Turns], size: int) -> None:
         self._turns, self._left = turns, size
-        self._asked = time.monotonic()
+        self._finished = turns is None
+        self._asked = self._last = time.monotonic()
         self._first = 0.0
         self._since = 0  # bytes received after the first piece
+        self._alone = [0, 0.0]  # bytes and seconds received alone, after the first piece
         self._lock = threading.Lock()
 
     def __call__(self, got: int) -> None:
         now = time.monotonic()
         with self._lock:
             self._left -= got
+            last, self._last = self._last, now
             if self._turns is None:
                 return
             if not self._first:
                 self._first = now
                 return
             self._since += got
-            if self._left * (now - self._first) <= (self._first - self._asked) * self._since:
+            if self._turns.receiving == 1:
+                self._alone[0] += got
+                self._alone[1] += now - last
+            if not self._finished and self._left * (now - self._first) <= (self._first - self._asked) * self._since:
+                self._finished = True
                 self._turns.finishing()
-                self._turns = None
 
     def end(self) -> None:
         with self._lock:
-            if self._turns is not None:
-                self._turns.finishing()
-                self._turns = None
+            turns, self._turns = self._turns, None
+            if turns is None:
+                return
+            if not self._finished:
+                turns.finishing()
+            turns.ended()
+            if self._alone[1] >= _ALONE_S:
+                turns.alone(self._alone[0] / self._alone[1])
 
 
 _turns = PerProcess(_Turns)
+_PACE = 8  # the sampler's last announcements its pace is measured over
+_HEADROOM = 1.1  # streams enough for this much more than the readers consume
+_ALONE_S = 0.01  # the shortest time alone a stream's rate is measured over
 
 
 def _close_held(held: dict[str, int]) -> None:

@@ -32,7 +32,8 @@ class Faults:
     ``fail`` get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
     next ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte
     flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte, ``rate``
-    bytes/s at most (all its responses together); ``then()``, when given, runs after each reset or
+    bytes/s at most (all its responses together), ``stream_rate`` bytes/s at most per response (a
+    store whose one GET is capped, as S3's are); ``then()``, when given, runs after each reset or
     cut body is sent and before its connection closes, so before the client can resume (an object
     replaced right there).
 
@@ -51,6 +52,7 @@ class Faults:
     corrupt: int = 0
     delay: float = 0.0
     rate: float = 0.0
+    stream_rate: float = 0.0
     then: Callable[[], object] | None = None
     seen: int = 0
     free_at: float = 0.0  # when the bandwidth ``rate`` shares across all its responses is free again
@@ -247,14 +249,18 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             out = body if cut is None else body[:cut]
             step = 64 << 10
             began = time.monotonic()
+            mine = began  # when this response's own cap (stream_rate) is free again
             for at in range(0, len(out), step):
                 piece = out[at : at + step]
-                if rule is not None and rule.rate:  # wait for this piece's share of the bandwidth
+                if rule is not None and (rule.rate or rule.stream_rate):  # wait for this piece's share
                     with proxy.lock:
                         now = time.monotonic()
-                        # a bucket of BURST_S: a sleep that overslept is made up (the cap holds on average)
-                        rule.free_at = max(now - BURST_S, rule.free_at) + len(piece) / rule.rate
-                        wait = rule.free_at - now
+                        # buckets of BURST_S: a sleep that overslept is made up (the caps hold on average)
+                        if rule.rate:
+                            rule.free_at = max(now - BURST_S, rule.free_at) + len(piece) / rule.rate
+                        if rule.stream_rate:
+                            mine = max(now - BURST_S, mine) + len(piece) / rule.stream_rate
+                        wait = max(rule.free_at if rule.rate else now, mine) - now
                     time.sleep(max(0.0, wait))
                 self.wfile.write(piece)
             self.wfile.flush()

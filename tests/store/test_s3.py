@@ -444,9 +444,10 @@ def test_sampler_process_fetches_ahead_not_the_workers(
 def test_prefetches_take_turns_in_the_order_needed(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
-    """The sampler's process downloads its prefetches one unit at a time (the next one's GET once
-    the one before is finishing), in the order the sampler reads them: behind a bandwidth cap, the
-    unit needed next does not share it with those needed after it."""
+    """The sampler's process downloads its prefetches in the order the sampler reads them, and
+    one at a time while one stream is not known to be too slow for the readers (the next one's GET
+    once the one before is finishing, and a unit this small finishes in one piece): behind a
+    bandwidth cap, the first batch's unit does not share it with those needed after it."""
     local = built("memmap", "jpeg")  # 3 shards of 7, 7 and 4 records
     here = ShardDataset(local, crop_size=16, seed=2)
     monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))  # 2 records
@@ -472,10 +473,43 @@ def test_prefetches_take_turns_in_the_order_needed(
     gotten = [(k.rsplit("/", 1)[1], int(r.split("=")[1].split("-")[0])) for k, r in proxy.gotten if "/shard-" in k]
     assert gotten == wanted  # every unit once, in the order needed
     mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}  # a worker opens its own
-    spans = [(a, b) for k, port, a, b in proxy.spans if "/shard-" in k and port in mine]
+    spans = sorted((a, b) for k, port, a, b in proxy.spans if "/shard-" in k and port in mine)
     assert len(spans) >= len(needed) - 2  # the worker fetched its first batch's units at most
-    most = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
-    assert most <= 2, spans  # the one receiving, and the next one's as it finishes
+    assert spans[1][0] >= spans[0][1], spans  # the first unit received alone
+
+
+def test_turns_widen_only_where_one_stream_is_too_slow():
+    """One prefetch receives at a time (the next waits for it to finish) while one stream alone
+    outpaces the readers; where it does not, as many as their consumption needs receive at once,
+    up to PREFETCH_UNITS, and the lowest rank goes first."""
+    turns = remote._Turns()
+    turns.alone(100e6)
+    turns.consumed(80e6)  # a node's capped bandwidth that one stream fills
+    assert turns._width == 1
+    for key, rank in (("a", 1), ("c", 3), ("b", 2)):
+        turns.enter(("d", key), rank)
+    first = turns.turn(("d", "a"), 10)
+    order: list[str] = []
+
+    def take(key: str) -> None:
+        turns.turn(("d", key), 10)
+        order.append(key)
+
+    waiting = [threading.Thread(target=take, args=(k,)) for k in "cb"]
+    for t in waiting:
+        t.start()
+    time.sleep(0.2)
+    assert order == []  # both wait for the one receiving
+    first.end()
+    time.sleep(0.2)
+    assert order == ["b"]  # the lower rank, alone
+    turns.consumed(190e6)  # readers held back near two streams' worth: widen
+    assert turns._width == 3
+    for t in waiting:
+        t.join(5)
+    assert order == ["b", "c"]
+    turns.consumed(1e9)
+    assert turns._width == remote.PREFETCH_UNITS
 
 
 def test_https_range_server(built, tmp_path: Path) -> None:
