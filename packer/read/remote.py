@@ -38,9 +38,10 @@ reaches them.
   readers (:class:`_Turns`): the next one's GET goes out as the one before it is a first-byte
   wait from its end, so the store's latency is covered and the unit needed next does not share
   the bandwidth with ones needed after it (four at once, the first of them came when all four
-  did); where one stream is slower than the readers consume, as many receive at once as they need. A batch whose unit is neither
-  (the first ones, a sampler that announces nothing) is fetched by the process reading it; a
-  process that reads its batches itself (no workers) fetches the next blocks after each batch's own.
+  did); where one stream is slower than the readers consume, as many receive at once as they
+  need. A batch whose unit is neither (the first ones, a sampler that announces nothing) is
+  fetched by the process reading it; a process that reads its batches itself (no workers)
+  fetches the next blocks after each batch's own.
 - **cache_limit**: units no reader holds are evicted before a download would take the cache (every
   dataset under ``cache_dir``) past the limit; a download reserves its whole size first, so
   concurrent fetches never overshoot. Eviction takes first the units this process knows no next use
@@ -519,7 +520,7 @@ class Remote:
             pointer = read_pointer(self.store)
             if pointer is None:
                 raise DatasetError(f"{self.url}: not a packer dataset (no {MANIFEST}; wrong URL?)")
-            text = pointer[0]
+            text = pointer.text
             version = version_id(text)
             root = self.home / _VERSIONS / version
             if (root / MANIFEST).is_file():
@@ -527,14 +528,15 @@ class Remote:
             with _locked(self.home / _LOCKS / f"version-{version}"):
                 if (root / MANIFEST).is_file():
                     return version
-                problem = self._fetch_metadata(text, root)
+                problem = self._fetch_metadata(text, root, published=pointer.published)
                 if not problem:
                     return version
         raise DatasetError(f"{self.url}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
-    def _fetch_metadata(self, text: bytes, root: Path) -> str:
+    def _fetch_metadata(self, text: bytes, root: Path, *, published: bool) -> str:
         """Manifest ``text``'s index and label arrays downloaded and checked into ``root`` (renamed
-        into place whole); what did not match ("" when all did)."""
+        into place whole); what did not match ("" when all did). ``published``: the pointer says
+        its version is under ``versions/<id>/`` (packer.store.published.LAYOUT_META)."""
         staging = self.home / _PARTIAL / f"{root.name}.{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -550,13 +552,21 @@ class Remote:
             names = [INDEX, SOURCES]
             names += [LABELS] if manifest.label_kind == "multi" else []
             names += [TARGETS] if manifest.targets else []
-            listed = read_files(self.store, root.name)  # None: a synced copy, everything at the top level
-            if listed is not None:  # published (packer.tools.publish): the version's folder and files.json
-                (staging / FILES).write_bytes(files_json(listed))
-            arrays = {}
-            with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:  # one first-byte wait, not four
-                keys = [version_key(root.name, name) if listed is not None else name for name in names]
+            # asked together (one first-byte wait): the version's files.json (None: a synced copy) and
+            # the arrays where the pointer says they are, or (it does not say) where a synced copy has them
+            with concurrent.futures.ThreadPoolExecutor(2 * len(names) + 1) as pool:
+                listing = pool.submit(read_files, self.store, root.name)
+                keys = [version_key(root.name, name) if published else name for name in names]
                 bodies = [pool.submit(self.store.get, key) for key in keys]
+                listed = listing.result()
+                if listed is None and published:
+                    return f"{version_key(root.name, FILES)} is missing (the pointer says it was published)"
+                if listed is not None:  # published (packer.tools.publish): the version's folder and files.json
+                    (staging / FILES).write_bytes(files_json(listed))
+                    if not published:  # by a packer that did not mark the pointer: the arrays are there too
+                        keys = [version_key(root.name, name) for name in names]
+                        bodies = [pool.submit(self.store.get, key) for key in keys]
+            arrays = {}
             for name, key, body in zip(names, keys, bodies):
                 try:
                     (staging / name).write_bytes(body.result())

@@ -32,11 +32,13 @@ from .base import ObjectInfo, Store
 
 __all__ = [
     "FILES",
+    "LAYOUT_META",
     "LEASE",
     "POINTER",
     "VERSIONS",
     "FileEntry",
     "Lease",
+    "Pointer",
     "VersionFiles",
     "file_sha256",
     "files_json",
@@ -55,6 +57,10 @@ FILES = "files.json"
 LEASE = ".packer-lease"
 FILES_FORMAT = 1
 POINTER_READS = 5  # reads of a pointer replaced at every resume of a broken GET, before ObjectChanged
+#: The pointer's user metadata (``x-amz-meta-packer-layout``) where a publish wrote it: its version is
+#: under ``versions/<id>/`` (a reader asks for its files.json and arrays at once). A copy synced as it
+#: is, or one published before this was written, has none: a reader tries both places then.
+LAYOUT_META = {"packer-layout": VERSIONS}
 #: A lease not renewed for this long is its dead holder's, and the next writer takes it over.
 LEASE_TTL_S = 120.0
 DATE_RESOLUTION_S = 1.0  # of Last-Modified and Date
@@ -90,7 +96,17 @@ def version_id(manifest_bytes: bytes) -> str:
     return hashlib.sha256(manifest_bytes).hexdigest()[:32]
 
 
-def read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
+@dataclass(frozen=True)
+class Pointer:
+    """One version of the pointer: its bytes (the current version's manifest), its ETag, and whether
+    a publish wrote it (:data:`LAYOUT_META`)."""
+
+    text: bytes
+    etag: str
+    published: bool
+
+
+def read_pointer(store: Store) -> Optional[Pointer]:
     """The pointer's bytes and ETag, one version of it (None: no dataset there), from one plain GET
     (:meth:`Store.read`), which answers both together: a publish replacing it meanwhile is seen
     before or after, whole. Only a GET whose body broke and whose resume found the pointer
@@ -102,12 +118,13 @@ def read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
     return _read_pointer(store)
 
 
-def _read_pointer(store: Store) -> Optional[tuple[bytes, str]]:
+def _read_pointer(store: Store) -> Optional[Pointer]:
     try:
         data, info = store.read(POINTER)
     except ObjectNotFound:
         return None
-    return data, info.etag
+    published = all(info.metadata.get(k) == v for k, v in LAYOUT_META.items())
+    return Pointer(data, info.etag, published)
 
 
 def version_key(version: str, name: str) -> str:

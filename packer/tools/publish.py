@@ -50,6 +50,7 @@ from ..read.remote import Remote, default_cache_dir
 from ..store import ObjectNotFound, Store, open_store
 from ..store.published import (
     FILES,
+    LAYOUT_META,
     FileEntry,
     Lease,
     file_sha256,
@@ -134,7 +135,7 @@ class _Pointer:
 def _pointer(store: Store) -> Optional[_Pointer]:
     """The pointer as it is now (None: no dataset there yet)."""
     got = read_pointer(store)
-    return None if got is None else _Pointer(*got)
+    return None if got is None else _Pointer(got.text, got.etag)
 
 
 def _load_record(path: Path) -> Optional[dict[str, Any]]:
@@ -307,7 +308,9 @@ def _publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> O
         _upload(t.store, version_key(version, FILES), files_json(entries, parent=parent), done)
         lease.check()  # still ours (a renewal refused: another writer took it over)
         try:
-            t.store.put(MANIFEST, text, if_match=seen.etag if seen else "", if_none_match=seen is None)
+            t.store.put(
+                MANIFEST, text, if_match=seen.etag if seen else "", if_none_match=seen is None, metadata=LAYOUT_META
+            )
         except PreconditionFailed:
             return None
         done.uploaded += 1

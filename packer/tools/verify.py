@@ -179,7 +179,7 @@ def _verify_url(url: str, limit: int, version: str) -> Verification:
         pointer = read_pointer(store)  # a publish may replace it meanwhile: read again
         if pointer is None:
             raise DatasetError(f"{url}: no dataset there")
-        text = pointer[0]
+        text = pointer.text
     pinned, version = version, version or version_id(text)
     listed = read_files(store, version)  # None: a copy synced as it is, everything at U/NAME
     if pinned and listed is None:

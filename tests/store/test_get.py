@@ -20,7 +20,7 @@ from packer.format import INDEX, SOURCES
 from packer.store import base, open_store
 from packer.store.base import Store
 from packer.store.http import HttpStore
-from packer.store.published import FILES, POINTER, read_pointer
+from packer.store.published import FILES, LAYOUT_META, POINTER, read_pointer
 
 from ..tools.published import publish
 from .proxy import Faults, Proxy, _Server
@@ -110,7 +110,7 @@ def test_object_replaced_before_the_resume_is_never_spliced(s3_server: S3Server,
     proxy.faults.append(Faults(match=f"{prefix}/{POINTER}", reset=1, then=lambda: replace(POINTER)))
     got = read_pointer(store)
     etag = s3_server.client.head_object(Bucket=s3_server.bucket, Key=f"{prefix}/{POINTER}")["ETag"]
-    assert got is not None and got == (new, etag)
+    assert got is not None and (got.text, got.etag) == (new, etag)
     path = _path(s3_server, prefix, POINTER)
     assert list(proxy.requests) == [("GET", path)] and proxy.requests["GET", path] == 3  # cut, refused resume, whole
     assert proxy.ranges[path][0] == proxy.ranges[path][2] == ""
@@ -134,20 +134,26 @@ def test_missing_at_once_and_503_retried(s3_server: S3Server, proxy: Proxy, fast
 
 
 def test_opening_a_dataset_asks_no_head(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
-    """Opening a dataset URL reads the pointer, files.json (absent in a synced copy) and the index
-    arrays with one GET each and no HEAD: 4 requests, where a HEAD before each GET made 7 (synced)
-    and 8 (published)."""
+    """Opening a dataset URL reads the pointer, then at once files.json (absent in a synced copy)
+    and the index arrays where the pointer says they are, one GET each and no HEAD: 4 requests,
+    where a HEAD before each GET made 7 (synced) and 8 (published). A pointer without the publish's
+    layout mark (an older packer's) has the arrays asked in both places."""
     local = built("memmap", "jpeg")
     synced = s3_server.upload(local, "get/open-synced")
     published = _store(s3_server, "get/open-published")
     version = publish(published, local)
-    for url, prefix in [(synced, ""), (published.url, f"versions/{version}/")]:
+    unmarked = _store(s3_server, "get/open-unmarked")
+    assert publish(unmarked, local) == version
+    pointer = unmarked.read(POINTER)
+    assert pointer[1].metadata == LAYOUT_META
+    unmarked.put(POINTER, pointer[0], if_match=pointer[1].etag)  # as a publish before the mark wrote it
+    inside = [f"versions/{version}/{name}" for name in (INDEX, SOURCES)]
+    for url, arrays in [(synced, [INDEX, SOURCES]), (published.url, inside), (unmarked.url, [INDEX, SOURCES, *inside])]:
         proxy.clear()
         ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / url.rsplit("/", 1)[1])
         where = url.removeprefix("s3:/")
         assert sorted(proxy.requests.elements()) == sorted(
-            ("GET", f"{where}/{key}")
-            for key in [POINTER, f"versions/{version}/{FILES}", prefix + INDEX, prefix + SOURCES]
+            ("GET", f"{where}/{key}") for key in [POINTER, f"versions/{version}/{FILES}", *arrays]
         )
 
 

@@ -83,8 +83,8 @@ def test_pointer_read_whole_while_publishes_replace_it(s3_server: S3Server) -> N
         seen = set()
         while thread.is_alive():
             got = read_pointer(store)
-            assert got is not None and got[0] in versions
-            seen.add(got[0])
+            assert got is not None and got.text in versions
+            seen.add(got.text)
     finally:
         stop.set()
         thread.join()

@@ -11,7 +11,16 @@ from packer.backends import data_files
 from packer.format import INDEX, LABELS, MANIFEST, SOURCES, TARGETS, Manifest
 from packer.store import ObjectNotFound
 from packer.store.base import Store
-from packer.store.published import FILES, POINTER, FileEntry, files_json, read_files, version_id, version_key
+from packer.store.published import (
+    FILES,
+    LAYOUT_META,
+    POINTER,
+    FileEntry,
+    files_json,
+    read_files,
+    version_id,
+    version_key,
+)
 
 
 def publish(store: Store, local: Path) -> str:
@@ -37,5 +46,7 @@ def publish(store: Store, local: Path) -> str:
         if (local / name).exists():
             store.put(version_key(version, name), (local / name).read_bytes())
     store.put(version_key(version, FILES), files_json(entries, parent=parent))
-    store.put(POINTER, text, **({"if_match": pointer.etag} if pointer else {"if_none_match": True}))
+    store.put(
+        POINTER, text, metadata=LAYOUT_META, **({"if_match": pointer.etag} if pointer else {"if_none_match": True})
+    )
     return version
