@@ -246,7 +246,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                     self.send_header(k, v)
             self.send_header("Content-Length", length if length is not None else str(len(body)))
             self.end_headers()
-            out = body if cut is None else body[:cut]
+            out = memoryview(body if cut is None else body[:cut])  # pieces sliced without copies
             step = 64 << 10
             began = time.monotonic()
             mine = began  # when this response's own cap (stream_rate) is free again
