@@ -396,6 +396,19 @@ def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy
     assert any(r != "bytes=0-" and not r.startswith("bytes=0-") for rs in proxy.ranges.values() for r in rs)
 
 
+def _units_of_two(
+    local: Path, s3_server: S3Server, prefix: str, tmp_path: Path, monkeypatch
+) -> tuple[ShardDataset, ShardDataset, Any]:
+    """The dataset at ``local`` (3 shards of 7, 7 and 4 records), uploaded under ``prefix`` and opened
+    from there with memmap units of 2 records: the local dataset, the remote one and its units."""
+    here = ShardDataset(local, crop_size=16, seed=2)
+    monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))
+    ds = ShardDataset(s3_server.upload(local, prefix), crop_size=16, seed=2, cache_dir=tmp_path / "cache")
+    units = ds._remote._units
+    assert units is not None and ds._remote.per_unit == 2
+    return here, ds, units
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_sampler_process_fetches_ahead_not_the_workers(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch, context
@@ -404,14 +417,9 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     the sampler (its background threads), not by the workers that decode: their connections to the
     store served at most the first window's units (a batch whose unit is not in flight yet is
     fetched by its reader), and the batches equal a local run's."""
-    local = built("memmap", "jpeg")  # 3 shards of 7, 7 and 4 records
-    here = ShardDataset(local, crop_size=16, seed=2)
-    monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))  # 2 records
-    url = s3_server.upload(local, f"ahead/{context}")
+    local = built("memmap", "jpeg")
+    here, ds, units = _units_of_two(local, s3_server, f"ahead/{context}", tmp_path, monkeypatch)
     proxy.faults.append(Faults(match="shard-", delay=0.05))
-    ds = ShardDataset(url, crop_size=16, seed=2, cache_dir=tmp_path / "cache")
-    units = ds._remote._units
-    assert units is not None and ds._remote.per_unit == 2
     names = data_files(ds.manifest)
 
     def sampler(d: ShardDataset) -> ShardSampler:
@@ -448,14 +456,9 @@ def test_prefetches_take_turns_in_the_order_needed(
     one at a time while one stream is not known to be too slow for the readers (the next one's GET
     once the one before is finishing, and a unit this small finishes in one piece): behind a
     bandwidth cap, the first batch's unit does not share it with those needed after it."""
-    local = built("memmap", "jpeg")  # 3 shards of 7, 7 and 4 records
-    here = ShardDataset(local, crop_size=16, seed=2)
-    monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))  # 2 records
-    url = s3_server.upload(local, "turns/memmap")
+    local = built("memmap", "jpeg")
+    here, ds, units = _units_of_two(local, s3_server, "turns/memmap", tmp_path, monkeypatch)
     proxy.faults.append(Faults(match="shard-", delay=0.05, rate=sum(_files(local).values()) / 2))  # 2 s for all
-    ds = ShardDataset(url, crop_size=16, seed=2, cache_dir=tmp_path / "cache")
-    units = ds._remote._units
-    assert units is not None and ds._remote.per_unit == 2
     names = data_files(ds.manifest)
 
     def sampler(d: ShardDataset) -> ShardSampler:
