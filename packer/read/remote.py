@@ -775,44 +775,47 @@ class Remote:
         header = b"part_bytes %d\n" % part_bytes  # the parts' numbers count parts of this size
         done_file = part.with_name(part.name + ".parts")
         done: frozenset[int] = frozenset()
-        if part.exists() and part.stat().st_size == end - start and done_file.exists():
-            listed = done_file.read_bytes()
-            if listed.startswith(header):
-                done = frozenset(int(n) for n in listed[len(header) :].split() if n.isdigit())
-        else:
-            _remove(part, done_file)
-            self._make_room(end - start, part, name, demand=demand)
-        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        # a prefetch waits for its turn before it reserves room (a reservation holds the room empty)
         arrival = _turns.get().turn((str(self.home), name), end - start)
         try:
-            if not done:
-                os.ftruncate(log, 0)
-                os.write(log, header)
-            os.ftruncate(fd, end - start)
-            try:
-                self.store.download(
-                    self._key(file),
-                    fd,
-                    info,
-                    skip=done,
-                    part_done=lambda n: os.write(log, b"%d\n" % n),
-                    progress=arrival,
-                    start=start,
-                    end=end,
-                    part_bytes=part_bytes,
-                )
-            except ObjectChanged:
+            if part.exists() and part.stat().st_size == end - start and done_file.exists():
+                listed = done_file.read_bytes()
+                if listed.startswith(header):
+                    done = frozenset(int(n) for n in listed[len(header) :].split() if n.isdigit())
+            else:
                 _remove(part, done_file)
-                raise DatasetError(
-                    f"{self.store.name(self._key(file))}: replaced in the store while it was read (the dataset "
-                    f"was refreshed: open it again)"
-                ) from None
-            os.fsync(fd)
+                self._make_room(end - start, part, name, demand=demand)
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            try:
+                if not done:
+                    os.ftruncate(log, 0)
+                    os.write(log, header)
+                os.ftruncate(fd, end - start)
+                try:
+                    self.store.download(
+                        self._key(file),
+                        fd,
+                        info,
+                        skip=done,
+                        part_done=lambda n: os.write(log, b"%d\n" % n),
+                        progress=arrival,
+                        start=start,
+                        end=end,
+                        part_bytes=part_bytes,
+                    )
+                except ObjectChanged:
+                    _remove(part, done_file)
+                    raise DatasetError(
+                        f"{self.store.name(self._key(file))}: replaced in the store while it was read (the dataset "
+                        f"was refreshed: open it again)"
+                    ) from None
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.close(log)
         finally:
             arrival.end()
-            os.close(fd)
-            os.close(log)
 
     def _make_room(self, need: int, part: Path, name: str, *, demand: bool) -> None:
         """Evict units no reader holds (see the module docstring for the order) until ``need`` more
