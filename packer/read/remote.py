@@ -401,7 +401,14 @@ class Remote:
             if wait and self.limit is not None and name not in pending:
                 self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
-                pending[name] = _prefetcher.get().submit(self._fetch_into, root, name, demand=wait)
+                pool, fetch = _prefetcher.get(), functools.partial(self._fetch_into, root, name, demand=wait)
+                if wait:
+                    pending[name] = pool.submit(fetch)
+                else:  # entered as it is submitted: its turn is known before its thread starts
+                    rank = _never if (r := self._rank(units.numbers[name])) is None else r
+                    pending[name] = _turns.get().enter(
+                        (str(self.home), name), rank, functools.partial(pool.submit, fetch)
+                    )
                 if not wait:  # forgotten once done (a batch's fetch is, once waited for)
                     pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
@@ -416,16 +423,11 @@ class Remote:
 
     def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
         """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a
-        prefetch, whose download waits for its turn: :class:`_Turns`)."""
-        turns, key = _turns.get(), (str(self.home), name)
-        if not demand:
-            k = self._units.numbers.get(name) if self._units is not None else None
-            rank = self._rank(k) if k is not None else None
-            turns.enter(key, _never if rank is None else rank)
+        prefetch, entered in the turns when submitted, whose download waits for its turn)."""
         try:
             fd = self._fetch_unit(root, name, demand=demand)
         finally:
-            turns.leave(key)
+            _turns.get().leave((str(self.home), name))
         if fd is not None:
             os.close(fd)
 
@@ -985,15 +987,18 @@ _prefetcher = PerProcess(
 
 
 class _Turns:
-    """The downloads of a process's prefetches, in the order they are needed (the lowest rank
-    first, among the prefetches this process has begun: :meth:`enter`), as few receiving at once
+    """The downloads of a process's prefetches, in the order they are needed, as few receiving at once
     as keep up with the readers: one that waits for its turn (:meth:`turn`) starts once fewer
     than ``width`` are receiving and not finishing (a first-byte wait from their end at the rate
     they receive: :class:`_Arrival`), so its first bytes come as their last do and the unit needed
     next does not share the bandwidth with those needed after it. ``width`` is 1 while one stream
     alone (its rate measured while it received alone) is faster than the readers consume; where
     it is not (a store whose GETs are capped, as S3's are), enough for their consumption, up to
-    :data:`PREFETCH_UNITS`. A batch's own download (not entered) never waits."""
+    :data:`PREFETCH_UNITS`. A prefetch is entered when it is submitted to this process's threads
+    (:meth:`enter`, with its rank: its next use); one waits for every one entered before it with a
+    rank as low or lower (entered before, its thread has started: the threads take prefetches in
+    the order submitted, so no wait is for one still queued behind it). A batch's own download
+    (not entered) never waits."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
@@ -1005,10 +1010,15 @@ class _Turns:
         self._alone = 0.0  # bytes/s of one stream receiving alone (0.0: not measured yet)
         self._consumed = 0.0  # bytes/s the readers consume (0.0: not known yet)
 
-    def enter(self, key: tuple[str, str], rank: int) -> None:
+    def enter(
+        self, key: tuple[str, str], rank: int, submit: Callable[[], concurrent.futures.Future]
+    ) -> concurrent.futures.Future:
+        """Prefetch ``key`` of ``rank``, entered and ``submit``-ted to the threads in one step (so
+        the order entered is the order the threads take them, whatever thread submits)."""
         with self._changed:
             self._entered += 1
             self._waiting[key] = (rank, self._entered)
+            return submit()
 
     def leave(self, key: tuple[str, str]) -> None:
         """``key``'s prefetch has ended (fetched, found cached, no room, failed)."""
@@ -1041,7 +1051,7 @@ class _Turns:
             mine = self._waiting.get(key)
             if mine is None:
                 return _Arrival(None, size)
-            while self._busy >= self._width or min(self._waiting.values()) != mine:
+            while self._busy >= self._width or any(w[1] < mine[1] and w[0] <= mine[0] for w in self._waiting.values()):
                 self._changed.wait()
             del self._waiting[key]
             self._busy += 1

@@ -69,7 +69,7 @@ class Proxy:
     ranges: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> GET Range headers
     peers: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> client ports of its GETs
     gotten: list = field(default_factory=list)  # (object name, Range) of every GET, in the order they came
-    # (object name, client port, when its first body byte went, when its last did) of every GET answered
+    # (object name, Range, client port, when its first body byte went, when its last did) of every GET answered
     spans: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: int = 0  # requests being answered
@@ -268,7 +268,9 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             with proxy.lock:
                 proxy.sent[key] += len(out)
                 if self.command == "GET":
-                    proxy.spans.append((key, self.client_address[1], began, time.monotonic()))
+                    proxy.spans.append(
+                        (key, self.headers.get("Range", ""), self.client_address[1], began, time.monotonic())
+                    )
             if cut is not None:
                 if then is not None:
                     then()

@@ -441,10 +441,11 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     order = list(sampler(here))
     first_batches = {int(units.of[int(d)]) for d in order[:4]}  # each worker's first
     assert sum(p in theirs for _, p in gets) <= len(first_batches), gets
-    key, span = next((k, r) for k, r in proxy.gotten if "/shard-" in k)  # the first batch's unit first
-    first = int(units.of[int(order[0])])
-    file, start = names[int(units.shard[first])], int(units.starts[first])
-    assert key.endswith("/" + file) and span.startswith(f"bytes={start}-"), (key, span, file, start)
+    needed = list(dict.fromkeys(int(units.of[int(d)]) for d in order))  # units in the order first read
+    wanted = [(names[int(units.shard[u])], int(units.starts[u])) for u in needed]
+    answered = sorted((a, k, r) for k, r, p, a, _ in proxy.spans if "/shard-" in k and p in mine)
+    ours = [(k.rsplit("/", 1)[1], int(r.split("=")[1].split("-")[0])) for _, k, r in answered]
+    assert ours == [w for w in wanted if w in ours], ours  # the sampler's process fetched in the order needed
     for name, size in _files(local).items():
         assert proxy.fetched(name) == size  # each byte once
 
@@ -476,21 +477,21 @@ def test_prefetches_take_turns_in_the_order_needed(
     gotten = [(k.rsplit("/", 1)[1], int(r.split("=")[1].split("-")[0])) for k, r in proxy.gotten if "/shard-" in k]
     assert gotten == wanted  # every unit once, in the order needed
     mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}  # a worker opens its own
-    spans = sorted((a, b) for k, port, a, b in proxy.spans if "/shard-" in k and port in mine)
+    spans = sorted((a, b) for k, _, port, a, b in proxy.spans if "/shard-" in k and port in mine)
     assert len(spans) >= len(needed) - 2  # the worker fetched its first batch's units at most
     assert spans[1][0] >= spans[0][1], spans  # the first unit received alone
 
 
 def test_turns_widen_only_where_one_stream_is_too_slow():
-    """One prefetch receives at a time (the next waits for it to finish) while one stream alone
-    outpaces the readers; where it does not, as many as their consumption needs receive at once,
-    up to PREFETCH_UNITS, and the lowest rank goes first."""
+    """One prefetch receives at a time (the next waits for it to finish, lower ranks entered before
+    first) while one stream alone outpaces the readers; where it does not, as many as their
+    consumption needs receive at once, up to PREFETCH_UNITS."""
     turns = remote._Turns()
     turns.alone(100e6)
     turns.consumed(80e6)  # a node's capped bandwidth that one stream fills
     assert turns._width == 1
-    for key, rank in (("a", 1), ("c", 3), ("b", 2)):
-        turns.enter(("d", key), rank)
+    for key, rank in (("a", 1), ("b", 2), ("c", 3)):
+        turns.enter(("d", key), rank, concurrent.futures.Future)
     first = turns.turn(("d", "a"), 10)
     order: list[str] = []
 
@@ -498,21 +499,26 @@ def test_turns_widen_only_where_one_stream_is_too_slow():
         turns.turn(("d", key), 10)
         order.append(key)
 
-    waiting = [threading.Thread(target=take, args=(k,)) for k in "cb"]
-    for t in waiting:
-        t.start()
-    time.sleep(0.2)
-    assert order == []  # both wait for the one receiving
-    first.end()
-    time.sleep(0.2)
-    assert order == ["b"]  # the lower rank, alone
-    turns.consumed(190e6)  # readers held back near two streams' worth: widen
-    assert turns._width == 3
-    for t in waiting:
-        t.join(5)
-    assert order == ["b", "c"]
-    turns.consumed(1e9)
-    assert turns._width == remote.PREFETCH_UNITS
+    waiting = [threading.Thread(target=take, args=(k,), daemon=True) for k in "cb"]
+    try:
+        for t in waiting:
+            t.start()
+        time.sleep(0.2)
+        assert order == []  # both wait for the one receiving
+        first.end()
+        deadline = time.monotonic() + 10
+        while not order and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert order == ["b"]  # the lower rank, alone: c waits for it to finish
+        turns.consumed(190e6)  # readers held back near two streams' worth: widen
+        assert turns._width == 3
+        waiting[0].join(10)
+        assert order == ["b", "c"]
+        turns.consumed(1e9)
+        assert turns._width == remote.PREFETCH_UNITS
+    finally:
+        turns.consumed(1e9)  # none left waiting, whatever failed
 
 
 def test_https_range_server(built, tmp_path: Path) -> None:
