@@ -117,7 +117,7 @@ from ..format.label_arrays import arrays_digest
 from ..store import ObjectChanged, ObjectNotFound, Store, open_store
 from ..store import base as store_base
 from ..store.base import ObjectInfo, PerProcess
-from ..store.published import FILES, files_json, parse_files, read_files, read_pointer, version_id, version_key
+from ..store.published import FILES, files_json, parse_files, read_files, read_pointer, version_key
 
 #: Units a process prepares at once in the background (the HEAD, the cache's room, the check);
 #: their downloads take turns (:class:`_Turns`).
@@ -383,9 +383,8 @@ class Remote:
             self._at = max(self._at, read)
             self._pace.append((time.monotonic(), self._at))
             (t0, at0), (t1, at1) = self._pace[0], self._pace[-1]
-            if len(self._pace) >= _PACE // 2 and t1 > t0 and self._units is not None and len(self._units.of):
-                per_record = float(self._units.sizes.sum()) / len(self._units.of)
-                _turns.get().consumed((at1 - at0) / (t1 - t0) * per_record)
+            if len(self._pace) >= _PACE // 2 and t1 > t0:
+                _turns.get().consumed((at1 - at0) / (t1 - t0) * self._units.record_bytes)
         units = self._units
         root = self.home / _VERSIONS / self.version
         pending = self._pending.get()
@@ -404,12 +403,11 @@ class Remote:
                 pool, fetch = _prefetcher.get(), functools.partial(self._fetch_into, root, name, demand=wait)
                 if wait:
                     pending[name] = pool.submit(fetch)
-                else:  # entered as it is submitted: its turn is known before its thread starts
+                else:  # entered as it is submitted (its turn known before its thread starts); forgotten once done
                     rank = _never if (r := self._rank(units.numbers[name])) is None else r
                     pending[name] = _turns.get().enter(
-                        (str(self.home), name), rank, functools.partial(pool.submit, fetch)
+                        self._turn_key(name), rank, functools.partial(pool.submit, fetch)
                     )
-                if not wait:  # forgotten once done (a batch's fetch is, once waited for)
                     pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
                 futures[name] = pending[name]
@@ -427,9 +425,13 @@ class Remote:
         try:
             fd = self._fetch_unit(root, name, demand=demand)
         finally:
-            _turns.get().leave((str(self.home), name))
+            _turns.get().leave(self._turn_key(name))
         if fd is not None:
             os.close(fd)
+
+    def _turn_key(self, name: str) -> tuple[str, str]:
+        """Unit ``name`` of this dataset, as the process's turns know it (they serve every dataset)."""
+        return str(self.home), name
 
     @property
     def reads_here(self) -> bool:
@@ -522,8 +524,7 @@ class Remote:
             pointer = read_pointer(self.store)
             if pointer is None:
                 raise DatasetError(f"{self.url}: not a packer dataset (no {MANIFEST}; wrong URL?)")
-            text = pointer.text
-            version = version_id(text)
+            text, version = pointer.text, pointer.version
             root = self.home / _VERSIONS / version
             if (root / MANIFEST).is_file():
                 return version
@@ -778,7 +779,7 @@ class Remote:
         done_file = part.with_name(part.name + ".parts")
         done: frozenset[int] = frozenset()
         # a prefetch waits for its turn before it reserves room (a reservation holds the room empty)
-        arrival = _turns.get().turn((str(self.home), name), end - start)
+        arrival = _turns.get().turn(self._turn_key(name), end - start)
         try:
             if part.exists() and part.stat().st_size == end - start and done_file.exists():
                 listed = done_file.read_bytes()
@@ -908,7 +909,8 @@ class _Units:
     blocks of a power of two records up to ``per_unit`` never straddle two units) at record
     boundaries; for LMDB (``per_unit`` 0) the data files. ``of``: each record's unit; ``keys``:
     each unit's name (a whole shard is named as its file, so it is the file ``packer verify``
-    fetches); ``sizes``: its bytes (memmap; 0 for LMDB); ``numbers``: name -> unit."""
+    fetches); ``sizes``: its bytes (memmap; 0 for LMDB); ``numbers``: name -> unit; ``record_bytes``:
+    the mean bytes of a record (memmap; 0.0 for LMDB)."""
 
     def __init__(self, manifest: Manifest, index: np.ndarray, per_unit: int) -> None:
         names = data_files(manifest)
@@ -934,6 +936,7 @@ class _Units:
             self.sizes = stops - starts
             self.shard, self.starts, self.stops = shard_of, starts, stops
         self.numbers = {key: u for u, key in enumerate(self.keys)}
+        self.record_bytes = float(self.sizes.sum()) / max(1, len(index))
 
 
 class _RangedShard:

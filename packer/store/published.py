@@ -105,6 +105,10 @@ class Pointer:
     etag: str
     published: bool
 
+    @property
+    def version(self) -> str:
+        return version_id(self.text)
+
 
 def read_pointer(store: Store) -> Optional[Pointer]:
     """The pointer's bytes and ETag, one version of it (None: no dataset there), from one plain GET

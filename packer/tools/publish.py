@@ -53,6 +53,7 @@ from ..store.published import (
     LAYOUT_META,
     FileEntry,
     Lease,
+    Pointer,
     file_sha256,
     files_json,
     read_files,
@@ -120,24 +121,6 @@ def _work_folder(url: str, staging: Optional[str | os.PathLike]) -> Path:
     return root / Remote(url, cache_dir=root).home.name
 
 
-@dataclass(frozen=True)
-class _Pointer:
-    """The store's current version: its manifest bytes (the pointer's) and the pointer's ETag."""
-
-    text: bytes
-    etag: str
-
-    @property
-    def version(self) -> str:
-        return version_id(self.text)
-
-
-def _pointer(store: Store) -> Optional[_Pointer]:
-    """The pointer as it is now (None: no dataset there yet)."""
-    got = read_pointer(store)
-    return None if got is None else _Pointer(got.text, got.etag)
-
-
 def _load_record(path: Path) -> Optional[dict[str, Any]]:
     try:
         return dict(json.loads(path.read_text(encoding="utf-8")))
@@ -150,7 +133,7 @@ def _inode(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size]
 
 
-def _seed(t: _Target, current: _Pointer) -> None:
+def _seed(t: _Target, current: Pointer) -> None:
     """Make ``t.local`` the store's current version ``current``: its metadata from the read cache, its
     data files left in the store, each listed in the record with its object (a synced copy's, with no
     files.json: at U/NAME, no sha256)."""
@@ -205,10 +188,10 @@ def _fetch(targets: dict[Path, _Target]) -> Fetch:
     return fetch
 
 
-def _prepare(t: _Target, options: BuildOptions) -> Optional[_Pointer]:
+def _prepare(t: _Target, options: BuildOptions) -> Optional[Pointer]:
     """Before the build: the store's current version, with ``t.local`` made the copy the build
     refreshes (kept when it is that version or a staged one built on it, else seeded from the store)."""
-    current = _pointer(t.store)
+    current = read_pointer(t.store)
     record = _load_record(t.record)
     if current is None:
         if record is not None:  # the store's dataset was deleted: everything is uploaded again
@@ -267,7 +250,7 @@ def _overtaken(t: _Target) -> BuildError:
     return BuildError(f"{t.url} was published by another writer while this build ran; {t.local} is kept: run it again")
 
 
-def _publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> Optional[Published]:
+def _publish(t: _Target, seen: Optional[Pointer], wait: bool, quiet: bool) -> Optional[Published]:
     """Upload the local copy's version to ``t.url`` and make it current, under the store's lease;
     ``seen``: the pointer the build started from. None, with nothing committed, where another writer
     published since (:func:`_overtaken`)."""
@@ -280,7 +263,7 @@ def _publish(t: _Target, seen: Optional[_Pointer], wait: bool, quiet: bool) -> O
     record = _load_record(t.record) or {"files": {}}
     known: dict[str, Any] = record["files"]
     with Lease(t.store, wait=wait, quiet=quiet) as lease:
-        current = _pointer(t.store)
+        current = read_pointer(t.store)
         if (current.etag if current else None) != (seen.etag if seen else None):
             return None
         manifest = Manifest.load(t.local)
