@@ -284,7 +284,10 @@ class Remote:
         """This process's client (a forked child makes its own)."""
         mine = self._store
         if mine is None or mine[0] != os.getpid():
-            mine = self._store = (os.getpid(), open_store(self.url, settings=self._settings))
+            # a forked child's from the parent's resolution: resolving again reads the AWS config and
+            # credential chain (~15 ms of a DataLoader worker's first batch)
+            settings = mine[1].settings() if mine is not None else self._settings
+            mine = self._store = (os.getpid(), open_store(self.url, settings=settings))
         return mine[1]
 
     def _head(self, key: str) -> ObjectInfo:
@@ -745,8 +748,11 @@ class Remote:
         rows = expected[2]
         problem = ""
         for _ in range(VERIFY_ATTEMPTS):
-            self._download(part, name, info, demand=demand)
-            problem = _unit_problem(part, expected)
+            # a concatenated backend's records are checked as their bytes arrive (the check after
+            # the download re-reads only those that did not arrive whole in one stream)
+            received = _Received(rows) if expected[0].concatenated else None
+            self._download(part, name, info, demand=demand, received=received)
+            problem = _unit_problem(part, expected, received)
             if not problem:
                 np.save(part.with_name(part.name + _SIDECAR), rows)
                 os.replace(part.with_name(part.name + _SIDECAR), unit.with_name(unit.name + _SIDECAR))
@@ -768,10 +774,12 @@ class Remote:
             _remove(part, part.with_name(part.name + ".parts"))
         raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
-    def _download(self, part: Path, name: str, info: ObjectInfo, *, demand: bool = True) -> None:
+    def _download(
+        self, part: Path, name: str, info: ObjectInfo, *, demand: bool = True, received: Optional[_Received] = None
+    ) -> None:
         """Unit ``name`` of its object (``info``) downloaded into ``part``, resuming the parts a
         previous attempt (of any process) finished: ``part``'s ``.parts`` file lists them, one
-        number a line."""
+        number a line; ``received`` is given each piece written."""
         file, span = _span(name)
         start, end = span if span is not None else (0, info.size)
         part_bytes = max(1, min(store_base.PART_BYTES, -(-(end - start) // UNIT_STREAMS)))
@@ -780,6 +788,12 @@ class Remote:
         done: frozenset[int] = frozenset()
         # a prefetch waits for its turn before it reserves room (a reservation holds the room empty)
         arrival = _turns.get().turn(self._turn_key(name), end - start)
+
+        def progress(at: int, piece: bytes) -> None:
+            arrival(at, piece)
+            if received is not None:
+                received(at, piece)
+
         try:
             if part.exists() and part.stat().st_size == end - start and done_file.exists():
                 listed = done_file.read_bytes()
@@ -802,7 +816,7 @@ class Remote:
                         info,
                         skip=done,
                         part_done=lambda n: os.write(log, b"%d\n" % n),
-                        progress=arrival,
+                        progress=progress,
                         start=start,
                         end=end,
                         part_bytes=part_bytes,
@@ -1086,8 +1100,9 @@ class _Arrival:
         self._alone = [0, 0.0]  # bytes and seconds received alone, after the first piece
         self._lock = threading.Lock()
 
-    def __call__(self, got: int) -> None:
+    def __call__(self, at: int, piece: bytes) -> None:
         now = time.monotonic()
+        got = len(piece)
         with self._lock:
             self._left -= got
             last, self._last = self._last, now
@@ -1100,7 +1115,10 @@ class _Arrival:
             if self._turns.receiving == 1:
                 self._alone[0] += got
                 self._alone[1] += now - last
-            if not self._finished and self._left * (now - self._first) <= (self._first - self._asked) * self._since:
+            # the rate over at least a first-byte wait: the pieces buffered while the first was read
+            # come at once, and the rate of those few alone would call any download finishing
+            wait = self._first - self._asked
+            if not self._finished and self._left * max(now - self._first, wait) <= wait * self._since:
                 self._finished = True
                 self._turns.finishing()
 
@@ -1168,13 +1186,56 @@ def _checked_for(unit: Path, rows: np.ndarray) -> bool:
     return bool((known[at] == rows).all())
 
 
-def _unit_problem(path: Path, expected: _Expected) -> str:
-    """What in the downloaded data file ``path`` does not match its records' index rows ("" if nothing)."""
+class _Received:
+    """The CRC-32s of a concatenated backend's records (``rows``: their positions in the unit's
+    file, sorted) computed from the bytes a download writes, as it writes them (called with each
+    piece and its offset, from the parts' threads): the check after the download then reads back
+    only the records whose bytes did not all come in order in one stream (cut by two parts, or in
+    a part a resumed download already had, or written twice)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self._starts = rows["position"].astype(np.int64)
+        self._ends = self._starts + rows["length"]
+        self._at = self._starts.tolist()  # each record's next byte expected
+        self._crcs = [0] * len(rows)
+        self._spliced = [False] * len(rows)  # bytes came out of order: read back
+        self._lock = threading.Lock()
+
+    def __call__(self, at: int, piece: bytes) -> None:
+        end = at + len(piece)
+        view = memoryview(piece)
+        first = int(np.searchsorted(self._ends, at, "right"))  # records ending after ``at``
+        last = int(np.searchsorted(self._starts, end, "left"))  # and starting before ``end``
+        with self._lock:
+            for r in range(first, last):
+                a, b = max(at, int(self._starts[r])), min(end, int(self._ends[r]))
+                if a != self._at[r]:
+                    self._spliced[r] = True
+                else:
+                    self._crcs[r] = zlib.crc32(view[a - at : b - at], self._crcs[r])
+                    self._at[r] = b
+
+    def checked(self) -> tuple[np.ndarray, np.ndarray]:
+        """Which records came whole, in order (the others are to be read back), and their CRC-32s."""
+        whole = (np.array(self._at, np.int64) == self._ends) & ~np.array(self._spliced, bool)
+        return whole, np.array(self._crcs, np.uint32)
+
+
+def _unit_problem(path: Path, expected: _Expected, received: Optional[_Received] = None) -> str:
+    """What in the downloaded data file ``path`` does not match its records' index rows ("" if
+    nothing): the records ``received`` saw arrive whole by the CRC-32s it computed, the others read back."""
     backend, mine, rows = expected
+    todo = np.arange(len(rows))
+    if received is not None:
+        whole, crcs = received.checked()
+        damaged = np.flatnonzero(whole & (crcs != rows["crc32"]))
+        if len(damaged):
+            return f"record {int(mine[damaged[0]])}: CRC-32 differs from the index's (damaged bytes)"
+        todo = np.flatnonzero(~whole)
     try:
         backend.check_walkable(path)
-        walked = backend.walk_file(path, mine, rows["position"], rows["length"], None)
-        for j, (i, data) in enumerate(walked):
+        walked = backend.walk_file(path, mine[todo], rows["position"][todo], rows["length"][todo], None)
+        for j, (i, data) in zip(todo.tolist(), walked):
             if data is None:
                 return f"record {i} is missing"
             if len(data) != int(rows["length"][j]):

@@ -176,7 +176,7 @@ class Store(abc.ABC):
         *,
         skip: frozenset[int] = frozenset(),
         part_done: Callable[[int], object] = lambda part: None,
-        progress: Callable[[int], object] = lambda got: None,
+        progress: Callable[[int, bytes], object] = lambda at, piece: None,
         start: int = 0,
         end: Optional[int] = None,
         part_bytes: int = PART_BYTES,
@@ -184,8 +184,8 @@ class Store(abc.ABC):
         """The object (``info``: its size and version), or its bytes ``start`` to ``end``, written
         into the open file ``fd`` from its offset 0, in parts of ``part_bytes`` fetched by up to
         :data:`PART_THREADS` threads; parts numbered in ``skip`` are already there (a download
-        resumed), ``part_done(n)`` is told of each one written, ``progress(bytes)`` of each piece
-        (from the parts' threads)."""
+        resumed), ``part_done(n)`` is told of each one written, ``progress(at, piece)`` of each piece
+        written at offset ``at`` of ``fd`` (from the parts' threads)."""
         end = info.size if end is None else end
         parts = [n for n in range(-(-(end - start) // part_bytes)) if n not in skip]
 
@@ -193,9 +193,11 @@ class Store(abc.ABC):
             offset = [n * part_bytes]
 
             def write(piece: bytes) -> None:
-                os.pwrite(fd, piece, offset[0])
+                written = 0
+                while written < len(piece):  # a short write (a full disk) is not the piece written
+                    written += os.pwrite(fd, memoryview(piece)[written:], offset[0] + written)
+                progress(offset[0], piece)
                 offset[0] += len(piece)
-                progress(len(piece))
 
             self.fetch(key, start + n * part_bytes, min(end, start + (n + 1) * part_bytes), info.etag, write)
             part_done(n)

@@ -30,6 +30,22 @@ DEFAULT_REGION = "us-east-1"
 LIST_PAGE = 1000  # keys per listing request (S3's most)
 
 
+def _session() -> Any:
+    """This process's botocore session for the AWS environment variables as they are now (one
+    costs ~6 ms to make, each dataset opened paid it), so a profile's files are read once per
+    process and environment; a forked child makes its own (a session's credential providers hold
+    locks a fork could copy held)."""
+    aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = (os.getpid(), aws)
+    if key not in _SESSIONS:
+        _SESSIONS.clear()
+        _SESSIONS[key] = _botocore().session.get_session()
+    return _SESSIONS[key]
+
+
+_SESSIONS: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = {}
+
+
 def _botocore() -> Any:
     try:
         import botocore.auth
@@ -61,9 +77,9 @@ class S3Store(HttpStore):
                 self._credentials: Optional[Any] = botocore.credentials.Credentials(*keys)
             else:
                 anonymous = settings["anonymous"]
-                self._credentials = None if anonymous else botocore.session.get_session().get_credentials()
+                self._credentials = None if anonymous else _session().get_credentials()
             return
-        session = botocore.session.get_session()
+        session = _session()
         self.region = session.get_config_variable("region") or DEFAULT_REGION
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if not endpoint:

@@ -31,7 +31,8 @@ class Faults:
     ``stall`` GETs get no answer for ``stall_s`` seconds, then a closed connection; the next
     ``fail`` get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
     next ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte
-    flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte, ``rate``
+    flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte (a HEAD's
+    answer waits as long, and meets no other fault), ``rate``
     bytes/s at most (all its responses together), ``stream_rate`` bytes/s at most per response (a
     store whose one GET is capped, as S3's are); ``then()``, when given, runs after each reset or
     cut body is sent and before its connection closes, so before the client can resume (an object
@@ -157,7 +158,8 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                     proxy.gotten.append((key, self.headers.get("Range", "")))
                 applies = self.command if writing else "GET"
                 rule = next((f for f in proxy.faults if f.match in key and f.method == applies), None)
-                rule = rule if self.command != "HEAD" else None
+                delay = rule.delay if rule is not None else 0.0  # a HEAD waits for its first byte too
+                rule = rule if self.command != "HEAD" else None  # and meets no other fault
                 n = -1
                 if rule is not None:
                     n, rule.seen = rule.seen, rule.seen + 1
@@ -169,8 +171,8 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             response = conn.getresponse()
             body = response.read() if self.command == "GET" else b""
             conn.close()
-            if rule is not None and rule.delay:  # from the request: the store's time to its first byte
-                time.sleep(max(0.0, asked + rule.delay - time.monotonic()))
+            if delay:  # from the request: the store's time to its first byte
+                time.sleep(max(0.0, asked + delay - time.monotonic()))
             if rule is not None and n < rule.stall:  # silent until the client gives up on it
                 time.sleep(rule.stall_s)
                 self.close_connection = True

@@ -14,16 +14,18 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from packer import ShardDataset, ShardSampler, build
-from packer.backends import data_files
+from packer.backends import BACKENDS, data_files
 from packer.format import DatasetError, Manifest
 from packer.read import remote
 from packer.read.remote import _locked as cache_lock
@@ -483,6 +485,37 @@ def test_prefetches_take_turns_in_the_order_needed(
     # time predicts (longer under load than this delay): its body starts after most of the first's
     (a, b), (c, _) = spans[:2]
     assert c - a >= (b - a) / 2, spans  # four at once (no turns) would start together
+
+
+def test_records_checked_as_their_bytes_arrive(tmp_path: Path) -> None:
+    """A memmap unit's records are checked by the CRC-32s of the bytes as a download writes them;
+    the check after it reads back only those whose bytes did not all come in order in one stream
+    (cut by two parts, in a part already there, written twice), so damage is caught either way."""
+    records = [bytes([i]) * (100 + 37 * i) for i in range(6)]
+    rows = np.zeros(len(records), remote._ROWS_DTYPE)
+    rows["length"] = [len(r) for r in records]
+    rows["position"] = np.concatenate([[0], np.cumsum(rows["length"])[:-1]]) + 3  # 3 bytes no row covers
+    rows["crc32"] = [zlib.crc32(r) for r in records]
+    data = b"pad" + b"".join(records)
+    path = tmp_path / "unit"
+    path.write_bytes(data)
+    expected = (BACKENDS["memmap"], np.arange(len(records)), rows)
+    cut = int(rows["position"][3]) + 50  # a part boundary inside record 3
+    received = remote._Received(rows)
+    for at in range(cut, len(data), 64):  # the second part first, in pieces
+        received(at, data[at : at + 64])
+    received(0, data[:cut])  # then the first, in one piece
+    received(int(rows["position"][1]), records[1])  # record 1 written again
+    whole, crcs = received.checked()
+    assert whole.tolist() == [True, False, True, False, True, True]  # 1: twice; 3: cut by the parts
+    assert (crcs[whole] == rows["crc32"][whole]).all()
+    assert remote._unit_problem(path, expected, received) == ""
+    path.write_bytes(data[:cut] + b"X" + data[cut + 1 :])  # damage read back: record 3
+    assert "record 3: CRC-32 differs" in remote._unit_problem(path, expected, received)
+    damaged = remote._Received(rows)
+    damaged(0, data[:200] + b"X" + data[201:])  # damage as it arrived: record 1
+    assert "record 1: CRC-32 differs" in remote._unit_problem(tmp_path / "unit", expected, damaged)
+    assert "record 0 is missing" in remote._unit_problem(tmp_path / "none", expected, remote._Received(rows))
 
 
 def test_turns_widen_only_where_one_stream_is_too_slow():
