@@ -80,6 +80,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import functools
+import glob
 import hashlib
 import math
 import mmap
@@ -92,7 +93,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Optional, TypeVar, cast
 
 import numpy as np
 
@@ -140,6 +141,7 @@ _SIDECAR = ".rows.npy"  # per unit: (position, length, crc32) of the records it 
 _ROWS_DTYPE = np.dtype([("position", "<i8"), ("length", "<u8"), ("crc32", "<u4")])
 #: A unit's backend, the index rows it holds, and their (position, length, crc32) sorted by position.
 _Expected = tuple[Backend, np.ndarray, np.ndarray]
+T = TypeVar("T")
 _UNITS_LIMIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -708,52 +710,86 @@ class Remote:
         """A descriptor and the path of the unit of data file ``name`` (number ``k``) in ``units/``, downloaded and
         checked unless a version already has it, holding its shared flock since before it had its
         name there (so no process can evict it between its arrival and its use); None when a
-        prefetch found no room."""
+        prefetch found no room. A unit is named by its object's size and version: where the
+        manifest lists the size (memmap), the version of an object this process has not asked yet
+        comes with its first unit's GET (no HEAD first: one first-byte wait less, the first
+        batch's among them), and a cached unit is found by the records it was checked for."""
         manifest = self._places(root)[0]
-        file = _span(name)[0]
-        try:
-            info = self._head(self._key(file))
-        except ObjectNotFound:
-            raise DatasetError(f"{self.store.name(self._key(file))}: missing (the manifest names it)") from None
+        key = self._key(_span(name)[0])
         listed = int(manifest.shards[k]["bytes"]) if expected[0].lists_files(manifest) else None
-        if listed is not None and info.size != listed:
-            raise DatasetError(
-                f"{self.store.name(self._key(file))}: {info.size} bytes, the manifest says {listed} (the dataset "
-                f"was replaced since this version was opened: open it again)"
-            )
-        unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
-        if _checked_for(unit, expected[2]):
+        info = self._infos.get().get(key)
+        if info is None and listed is None:
+            info = self._missing_named(key, lambda: self._head(key))
+        if info is not None:
+            self._same_size(key, info, listed)
+            cached = [self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"]
+        else:
+            found = (self.home / _UNITS).glob(f"{glob.escape(name)}.{listed}.*")
+            cached = sorted(p for p in found if not p.name.endswith(_SIDECAR))
+        for unit in (u for u in cached if _checked_for(u, expected[2])):
             try:
                 fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                _LOCKING.add(fd)  # until it is kept or closed: a child forked meanwhile closes its copy
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                if os.fstat(fd).st_nlink >= 1:
-                    os.utime(fd)
-                    return fd, unit
-                _let_go(fd)  # evicted before the lock was taken: download it again
+                continue
+            _LOCKING.add(fd)  # until it is kept or closed: a child forked meanwhile closes its copy
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.fstat(fd).st_nlink >= 1:
+                os.utime(fd)
+                return fd, unit
+            _let_go(fd)  # evicted before the lock was taken: download it again
         try:
-            return self._download_checked(unit, name, info, expected, demand=demand), unit
+            return self._download_checked(name, key, info or ObjectInfo(cast(int, listed), ""), expected, demand=demand)
         except _NoRoom:
             return None
 
+    def _missing_named(self, key: str, ask: Callable[[], T]) -> T:
+        """``ask()`` about object ``key``, which missing is a DatasetError that says the manifest names it."""
+        try:
+            return ask()
+        except ObjectNotFound:
+            raise DatasetError(f"{self.store.name(key)}: missing (the manifest names it)") from None
+
+    def _same_size(self, key: str, info: ObjectInfo, listed: Optional[int]) -> None:
+        if listed is not None and info.size != listed:
+            raise DatasetError(
+                f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset "
+                f"was replaced since this version was opened: open it again)"
+            )
+
     def _download_checked(
-        self, unit: Path, name: str, info: ObjectInfo, expected: _Expected, *, demand: bool = True
-    ) -> int:
-        """Object ``name`` downloaded into ``unit`` once its bytes match what ``expected`` says; a
-        descriptor of it with its shared flock, taken before it was renamed into ``units/``."""
-        part = self.home / _PARTIAL / unit.name
+        self, name: str, key: str, info: ObjectInfo, expected: _Expected, *, demand: bool = True
+    ) -> tuple[int, Path]:
+        """Unit ``name`` of object ``key`` (``info``: its size, and its version unless "") downloaded
+        and renamed into ``units/`` once its bytes match what ``expected`` says; a descriptor of it
+        with its shared flock, taken before the rename, and its path. A concatenated backend's
+        partial download is named by the records it is for (a process that knows the version and
+        one that learns it from its GET resume the same one), another's by the version."""
         rows = expected[2]
+        tag = hashlib.sha256(rows.tobytes()).hexdigest()[:16] if expected[0].concatenated else _digest(info.etag)
+        part = self.home / _PARTIAL / f"{name}.{info.size}.{tag}"
+        learned = [info]
+
+        def seen(found: ObjectInfo) -> None:  # the version the GET's response gives (info.etag "")
+            self._same_size(key, found, info.size)
+            learned[0] = found
+            self._infos.get().setdefault(key, found)  # its other units ask If-Match it
+
         problem = ""
         for _ in range(VERIFY_ATTEMPTS):
             # a concatenated backend's records are checked as their bytes arrive (the check after
             # the download re-reads only those that did not arrive whole in one stream)
             received = _Received(rows) if expected[0].concatenated else None
-            self._download(part, name, info, demand=demand, received=received)
+            self._missing_named(
+                key,
+                functools.partial(
+                    self._download, part, name, key, learned[0], demand=demand, received=received, seen=seen
+                ),
+            )
             problem = _unit_problem(part, expected, received)
             if not problem:
+                if not learned[0].etag and not info.etag:  # resumed whole: no GET told the version
+                    seen(self._missing_named(key, lambda: self._head(key)))
+                unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(learned[0].etag)}"
                 np.save(part.with_name(part.name + _SIDECAR), rows)
                 os.replace(part.with_name(part.name + _SIDECAR), unit.with_name(unit.name + _SIDECAR))
                 hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
@@ -770,17 +806,26 @@ class Remote:
                     raise
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(part.with_name(part.name + ".parts"))
-                return hold
+                return hold, unit
             _remove(part, part.with_name(part.name + ".parts"))
         raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
     def _download(
-        self, part: Path, name: str, info: ObjectInfo, *, demand: bool = True, received: Optional[_Received] = None
+        self,
+        part: Path,
+        name: str,
+        key: str,
+        info: ObjectInfo,
+        *,
+        demand: bool = True,
+        received: Optional[_Received] = None,
+        seen: Optional[Callable[[ObjectInfo], object]] = None,
     ) -> None:
-        """Unit ``name`` of its object (``info``) downloaded into ``part``, resuming the parts a
+        """Unit ``name`` of object ``key`` (``info``) downloaded into ``part``, resuming the parts a
         previous attempt (of any process) finished: ``part``'s ``.parts`` file lists them, one
-        number a line; ``received`` is given each piece written."""
-        file, span = _span(name)
+        number a line; ``received`` is given each piece written, ``seen`` the object's version
+        where ``info`` has none."""
+        span = _span(name)[1]
         start, end = span if span is not None else (0, info.size)
         part_bytes = max(1, min(store_base.PART_BYTES, -(-(end - start) // UNIT_STREAMS)))
         header = b"part_bytes %d\n" % part_bytes  # the parts' numbers count parts of this size
@@ -811,7 +856,7 @@ class Remote:
                 os.ftruncate(fd, end - start)
                 try:
                     self.store.download(
-                        self._key(file),
+                        key,
                         fd,
                         info,
                         skip=done,
@@ -820,11 +865,12 @@ class Remote:
                         start=start,
                         end=end,
                         part_bytes=part_bytes,
+                        seen=seen,
                     )
                 except ObjectChanged:
                     _remove(part, done_file)
                     raise DatasetError(
-                        f"{self.store.name(self._key(file))}: replaced in the store while it was read (the dataset "
+                        f"{self.store.name(key)}: replaced in the store while it was read (the dataset "
                         f"was refreshed: open it again)"
                     ) from None
                 os.fsync(fd)

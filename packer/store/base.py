@@ -119,9 +119,12 @@ class Store(abc.ABC):
         bytes than that size raise Passing."""
 
     @abc.abstractmethod
-    def _stream(self, key: str, start: int, end: int, etag: str) -> Iterator[bytes]:
+    def _stream(
+        self, key: str, start: int, end: int, etag: str, seen: Optional[Callable[[ObjectInfo], object]] = None
+    ) -> Iterator[bytes]:
         """Bytes ``start`` to ``end`` (exclusive) of the object, in pieces as they arrive; only the
-        version ``etag`` when it is not empty. Fewer bytes than asked for raise Passing."""
+        version ``etag`` when it is not empty. ``seen`` is told the object's size and version as the
+        response gives them, before its first piece. Fewer bytes than asked for raise Passing."""
 
     def head(self, key: str) -> ObjectInfo:
         return self._retrying(key, lambda: self._head(key))
@@ -156,13 +159,29 @@ class Store(abc.ABC):
         self.fetch(key, sum(map(len, pieces)), info.size, info.etag, pieces.append)
         return b"".join(pieces), info
 
-    def fetch(self, key: str, start: int, end: int, etag: str, sink: Callable[[bytes], object]) -> None:
+    def fetch(
+        self,
+        key: str,
+        start: int,
+        end: int,
+        etag: str,
+        sink: Callable[[bytes], object],
+        *,
+        seen: Optional[Callable[[ObjectInfo], object]] = None,
+    ) -> None:
         """Bytes ``start`` to ``end`` of version ``etag`` of the object, given to ``sink`` in order;
-        a transfer that breaks is resumed from the byte it reached."""
-        at = [start]
+        a transfer that breaks is resumed from the byte it reached. ``etag`` "": the version the
+        first response gives (told to ``seen``, with the object's size), pinned for the resumptions."""
+        at, pinned = [start], [etag]
+
+        def learned(info: ObjectInfo) -> None:
+            if not pinned[0]:
+                pinned[0] = info.etag
+                if seen is not None:
+                    seen(info)
 
         def attempt() -> None:
-            for piece in self._stream(key, at[0], end, etag):
+            for piece in self._stream(key, at[0], end, pinned[0], learned if not pinned[0] else None):
                 sink(piece)
                 at[0] += len(piece)
 
@@ -180,14 +199,23 @@ class Store(abc.ABC):
         start: int = 0,
         end: Optional[int] = None,
         part_bytes: int = PART_BYTES,
+        seen: Optional[Callable[[ObjectInfo], object]] = None,
     ) -> None:
         """The object (``info``: its size and version), or its bytes ``start`` to ``end``, written
         into the open file ``fd`` from its offset 0, in parts of ``part_bytes`` fetched by up to
         :data:`PART_THREADS` threads; parts numbered in ``skip`` are already there (a download
         resumed), ``part_done(n)`` is told of each one written, ``progress(at, piece)`` of each piece
-        written at offset ``at`` of ``fd`` (from the parts' threads)."""
+        written at offset ``at`` of ``fd`` (from the parts' threads). ``info.etag`` "": the version
+        the first response gives (told to ``seen``; a HEAD's first-byte wait saved), pinned for the
+        other parts, which follow the first."""
         end = info.size if end is None else end
         parts = [n for n in range(-(-(end - start) // part_bytes)) if n not in skip]
+        etag = [info.etag]
+
+        def learned(found: ObjectInfo) -> None:
+            etag[0] = found.etag
+            if seen is not None:
+                seen(found)
 
         def one(n: int) -> None:
             offset = [n * part_bytes]
@@ -199,9 +227,12 @@ class Store(abc.ABC):
                 progress(offset[0], piece)
                 offset[0] += len(piece)
 
-            self.fetch(key, start + n * part_bytes, min(end, start + (n + 1) * part_bytes), info.etag, write)
+            ask = etag[0]  # "" for the first part only (the others follow it)
+            self.fetch(key, start + n * part_bytes, min(end, start + (n + 1) * part_bytes), ask, write, seen=learned)
             part_done(n)
 
+        if parts and not etag[0]:  # the version from the first part's response, then the others
+            one(parts.pop(0))
         if len(parts) <= 1:
             for n in parts:
                 one(n)

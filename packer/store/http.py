@@ -7,7 +7,7 @@ background threads, so they are safe under fork, spawn and forkserver alike (doc
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
 from typing import Any, Optional
 from urllib.parse import quote
@@ -134,7 +134,9 @@ class HttpStore(Store):
         response.release_conn()
         return self._info(key, response, len(data)), iter([data])
 
-    def _stream(self, key: str, start: int, end: int, etag: str) -> Iterator[bytes]:
+    def _stream(
+        self, key: str, start: int, end: int, etag: str, seen: Optional[Callable[[ObjectInfo], object]] = None
+    ) -> Iterator[bytes]:
         if end <= start:
             return
         headers = {"Range": f"bytes={start}-{end - 1}"}
@@ -143,6 +145,8 @@ class HttpStore(Store):
         response = self._request("GET", key, headers)
         try:
             skip = self._skip(key, response, start)
+            if seen is not None:
+                seen(self._info(key, response, self._total(key, response)))
         except BaseException:
             response.release_conn()
             raise
@@ -169,6 +173,16 @@ class HttpStore(Store):
                 raise Passing(f"the response ended {left} bytes short")
         finally:
             response.release_conn()
+
+    def _total(self, key: str, response: urllib3.BaseHTTPResponse) -> Optional[int]:
+        """The object's size as a ranged GET's response gives it (None: its Content-Length, a 200's
+        whole body); StoreError where a 206 does not say (``bytes A-B/*``)."""
+        if response.status == 200:
+            return None
+        found = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", ""))
+        if found is None or not found.group(3).isdigit():
+            raise StoreError(f"{self.name(key)}: the server gives no size (Content-Range)")
+        return int(found.group(3))
 
     def _skip(self, key: str, response: urllib3.BaseHTTPResponse, start: int) -> int:
         """Bytes before ``start`` in the body: 0 for a 206 from ``start``; ``start`` for a server

@@ -70,6 +70,7 @@ class Proxy:
     ranges: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> GET Range headers
     peers: defaultdict = field(default_factory=lambda: defaultdict(list))  # object name -> client ports of its GETs
     gotten: list = field(default_factory=list)  # (object name, Range) of every GET, in the order they came
+    pinned: Counter = field(default_factory=Counter)  # object name -> GETs asked If-Match (one version)
     # (object name, Range, client port, when its first body byte went, when its last did) of every GET answered
     spans: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -90,6 +91,7 @@ class Proxy:
             self.ranges.clear()
             self.peers.clear()
             self.gotten.clear()
+            self.pinned.clear()
             self.spans.clear()
 
     def fetched(self, name: str) -> int:
@@ -156,6 +158,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                     proxy.ranges[key].append(self.headers.get("Range", ""))
                     proxy.peers[key].append(self.client_address[1])
                     proxy.gotten.append((key, self.headers.get("Range", "")))
+                    proxy.pinned[key] += "If-Match" in self.headers
                 applies = self.command if writing else "GET"
                 rule = next((f for f in proxy.faults if f.match in key and f.method == applies), None)
                 delay = rule.delay if rule is not None else 0.0  # a HEAD waits for its first byte too

@@ -116,6 +116,26 @@ def test_object_replaced_before_the_resume_is_never_spliced(s3_server: S3Server,
     assert proxy.ranges[path][0] == proxy.ranges[path][2] == ""
 
 
+def test_download_learns_the_version_from_its_first_part(s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """A download whose version is not known (no HEAD first) takes it from its first part's
+    response, size and all, and asks the other parts If-Match it; a part cut short resumes pinned
+    to it too, so the parts are of one version."""
+    store = _store(s3_server, "get/learned")
+    data = os.urandom(300_000)
+    put = store.put("obj", data)
+    path = _path(s3_server, "get/learned", "obj")
+    proxy.clear()
+    proxy.faults.append(Faults(match="get/learned/obj", truncate=1))
+    seen: list[base.ObjectInfo] = []
+    with open(tmp_path / "out", "wb+") as f:
+        store.download("obj", f.fileno(), base.ObjectInfo(len(data), ""), part_bytes=64 << 10, seen=seen.append)
+        f.seek(0)
+        assert f.read() == data
+    assert [(i.size, i.etag) for i in seen] == [(len(data), put.etag)]
+    assert proxy.requests["GET", path] == 6 and proxy.pinned[path] == 5  # 5 parts, the first one cut and resumed
+    assert not proxy.requests["HEAD", path]
+
+
 def test_missing_at_once_and_503_retried(s3_server: S3Server, proxy: Proxy, fast: None) -> None:
     store = _store(s3_server, "get/faults")
     with pytest.raises(ObjectNotFound, match="get/faults/absent: not found"):

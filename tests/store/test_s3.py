@@ -158,7 +158,8 @@ def test_missing_and_forbidden_fail_at_once(built, s3_server: S3Server, proxy: P
     ds[0]
     with pytest.raises(DatasetError, match=r"missing/memmap/shard-00001\.bin: missing"):
         ds[10]
-    assert proxy.requests["HEAD", "/packer/missing/memmap/shard-00001.bin"] == 1  # no retries of a 404
+    missing = "/packer/missing/memmap/shard-00001.bin"
+    assert proxy.requests["GET", missing] == 1 and not proxy.requests["HEAD", missing]  # no retries of a 404
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(StoreError, match="access denied"):
         ShardDataset(url, cache_dir=tmp_path / "d")
@@ -409,6 +410,27 @@ def _units_of_two(
     units = ds._remote._units
     assert units is not None and ds._remote.per_unit == 2
     return here, ds, units
+
+
+def test_memmap_units_ask_no_head(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch) -> None:
+    """A memmap unit's object version comes with its first GET (the manifest gives the size: no
+    HEAD, a first-byte wait less before the first batch); the object's other units ask If-Match
+    that version, so an object replaced mid-epoch is refused, named, and never spliced in."""
+    local = built("memmap", "jpeg")
+    here, ds, _ = _units_of_two(local, s3_server, "nohead/memmap", tmp_path, monkeypatch)
+    names = data_files(ds.manifest)
+    for i in range(7):  # shard 0: records 0-6, units 0-1, 2-3, 4-5, 6
+        assert torch.equal(ds[i][0], here[i][0])
+    first = f"/packer/nohead/memmap/{names[0]}"
+    assert proxy.requests["GET", first] == 4 and proxy.pinned[first] == 3  # the first GET learned the version
+    assert not [key for method, key in proxy.requests if method == "HEAD" and "/shard-" in key]
+    ds[7]  # shard 1's first unit
+    key = f"nohead/memmap/{names[1]}"
+    body = bytearray((local / names[1]).read_bytes())
+    body[-1] ^= 0xFF  # the same size, another version
+    s3_server.client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(body))
+    with pytest.raises(DatasetError, match=rf"{key}: replaced in the store while it was read"):
+        ds[9]
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
