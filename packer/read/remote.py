@@ -767,11 +767,11 @@ class Remote:
         rows = expected[2]
         tag = hashlib.sha256(rows.tobytes()).hexdigest()[:16] if expected[0].concatenated else _digest(info.etag)
         part = self.home / _PARTIAL / f"{name}.{info.size}.{tag}"
-        learned = [info]
+        learned, told = [info], [False]
 
         def seen(found: ObjectInfo) -> None:  # the version the GET's response gives (info.etag "")
             self._same_size(key, found, info.size)
-            learned[0] = found
+            learned[0], told[0] = found, True
             self._infos.get().setdefault(key, found)  # its other units ask If-Match it
 
         problem = ""
@@ -787,7 +787,7 @@ class Remote:
             )
             problem = _unit_problem(part, expected, received)
             if not problem:
-                if not learned[0].etag and not info.etag:  # resumed whole: no GET told the version
+                if not info.etag and not told[0]:  # resumed whole: no GET told the version
                     seen(self._missing_named(key, lambda: self._head(key)))
                 unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(learned[0].etag)}"
                 np.save(part.with_name(part.name + _SIDECAR), rows)
