@@ -8,13 +8,14 @@ samples share a key), reads each member's share of a batch in one ``__getitems__
 ``set_epoch`` to every member. A batch drawing from several members is copied once into one batch
 tensor (the members' parts cannot be written there directly). Each member's share of an epoch's draws:
 ``ShardSampler(mix, proportions=...)``; without it, draws are spread as over one dataset of all the
-records.
+records. The sampler's plan of the epoch and its next blocks reach each member as its own records
+(a member in object storage fetches them in the process that iterates the sampler, as alone).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from torch.utils.data import Dataset, get_worker_info
@@ -62,6 +63,10 @@ class MixDataset(Dataset):
         self.sizes = np.array([len(d) for d in members], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.seed = first.seed
+        # the sampler's epoch and each draw's member (ShardSampler._iter's _will_read), and how many
+        # of the draws read by the last announcement were each member's (_fetch_ahead)
+        self._plan: Optional[tuple[int, np.ndarray]] = None
+        self._read = (0, np.zeros(len(members), np.int64))
 
     def __len__(self) -> int:
         return int(self.sizes.sum())
@@ -151,6 +156,35 @@ class MixDataset(Dataset):
         for k, s in enumerate(samples):
             batch[k].copy_(s.image)
         return [s._replace(image=batch[k]) for k, s in enumerate(samples)]
+
+    def _will_read(self, epoch: int, records: np.ndarray) -> None:
+        """ShardSampler's draws of ``epoch``, in order: each member told its own, in their order
+        (a member in object storage evicts its cache by them: ShardDataset._will_read)."""
+        records = np.asarray(records, np.int64)
+        member = np.searchsorted(self.offsets, records, side="right") - 1
+        self._plan = (epoch, member.astype(np.min_scalar_type(len(self.datasets))))
+        self._read = (0, np.zeros(len(self.datasets), np.int64))
+        for m, d in enumerate(self.datasets):
+            d._will_read(epoch, records[member == m] - self.offsets[m])
+
+    def _fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
+        """ShardSampler's next blocks, each member told its part and how many of its own draws the
+        ``read`` draws before it were (ShardDataset._fetch_ahead); True where every member with a
+        part fetches it in this process (else the workers are handed all of them, and a member's
+        fetched here is found fetched or in flight there)."""
+        if self._plan is not None and self._plan[0] == epoch:
+            at, counts = self._read
+            if read >= at:  # the draws read since the last announcement, by member
+                counts = counts + np.bincount(self._plan[1][at:read], minlength=len(self.datasets))
+                self._read = (read, counts)
+        else:
+            counts = np.zeros(len(self.datasets), np.int64)
+        told = [
+            d._fetch_ahead(epoch, int(counts[m]), mine)
+            for m, d in enumerate(self.datasets)
+            if (mine := self._member_ranges(m, ranges))
+        ]
+        return bool(told) and all(told)
 
     def _member_ranges(self, m: int, ranges: Ranges) -> Ranges:
         """The parts of mix index ranges ``(first, end)`` that lie in member ``m``, as its records."""

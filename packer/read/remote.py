@@ -19,10 +19,13 @@ reaches them.
   ``PART_BYTES``) into ``partial/``, then renamed into ``units/``. A broken part is resumed from
   the byte it reached (``If-Match`` pins the object's version); parts already written by a process
   that died are kept and skipped (``.parts`` lists them, after the part size they were cut at).
+  A memmap unit asks no HEAD first: the manifest lists its shard's size, and its GET's response
+  gives the version, which the shard's other units then ask ``If-Match``.
 - **Checked before any decoder sees a byte**: the size against the manifest, then every record the
-  version's index names in the unit by length and CRC-32 (LMDB files after their page tree is
-  checked, as ``packer verify`` does); a mismatch is fetched again, up to :data:`VERIFY_ATTEMPTS`
-  times, then a DatasetError names the object and the record.
+  version's index names in the unit by length and CRC-32 (a memmap unit's computed as its bytes
+  are written; LMDB files after their page tree is checked, as ``packer verify`` does); a mismatch
+  is fetched again, up to :data:`VERIFY_ATTEMPTS` times, then a DatasetError names the object and
+  the record.
 - **Versions**: the version directory is keyed by the manifest's sha256 and units by file name,
   size and ETag, so a refreshed dataset gets a new version directory that reuses every unchanged
   segment (a sidecar lists the records each unit was checked for) and never serves a byte of the
@@ -287,7 +290,7 @@ class Remote:
         mine = self._store
         if mine is None or mine[0] != os.getpid():
             # a forked child's from the parent's resolution: resolving again reads the AWS config and
-            # credential chain (~15 ms of a DataLoader worker's first batch)
+            # credential chain, in a worker's first batch (docs/PERFORMANCE.md, "A cold first epoch from S3")
             settings = mine[1].settings() if mine is not None else self._settings
             mine = self._store = (os.getpid(), open_store(self.url, settings=settings))
         return mine[1]

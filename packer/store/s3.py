@@ -31,10 +31,10 @@ LIST_PAGE = 1000  # keys per listing request (S3's most)
 
 
 def _session() -> Any:
-    """This process's botocore session for the AWS environment variables as they are now (one
-    costs ~6 ms to make, each dataset opened paid it), so a profile's files are read once per
-    process and environment; a forked child makes its own (a session's credential providers hold
-    locks a fork could copy held)."""
+    """This process's botocore session for the AWS environment variables as they are now (making
+    one is a part of a dataset's opening time: docs/PERFORMANCE.md, "A cold first epoch from S3"),
+    so a profile's files are read once per process and environment; a forked child makes its own
+    (a session's credential providers hold locks a fork could copy held)."""
     aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
     key = (os.getpid(), aws)
     if key not in _SESSIONS:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer import ShardDataset, ShardSampler, build
+from packer import MixDataset, ShardDataset, ShardSampler, build
 from packer.backends import BACKENDS, data_files
 from packer.format import DatasetError, Manifest
 from packer.read import remote
@@ -472,6 +472,39 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     assert ours == [w for w in wanted if w in ours], ours  # the sampler's process fetched in the order needed
     for name, size in _files(local).items():
         assert proxy.fetched(name) == size  # each byte once
+
+
+def test_mix_members_fetched_ahead_by_the_sampler_process(
+    built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
+):
+    """A MixDataset of datasets in object storage: ShardSampler's plan and next blocks reach each
+    member as its own records, and are downloaded by the process iterating the sampler, not by the
+    workers (theirs served at most their first batches' units); the batches equal a local mix's."""
+    local = built("memmap", "jpeg")
+    here, a, units = _units_of_two(local, s3_server, "mix/a", tmp_path, monkeypatch)
+    b = ShardDataset(s3_server.upload(local, "mix/b"), crop_size=16, seed=2, cache_dir=tmp_path / "cache")
+    proxy.faults.append(Faults(match="shard-", delay=0.05))
+    mix, local_mix = MixDataset([a, b]), MixDataset([here, ShardDataset(local, crop_size=16, seed=2)])
+
+    def sampler(d: MixDataset) -> ShardSampler:
+        return ShardSampler(d, order="block", block_size=2, window=1, prefetch=2, seed=4)
+
+    loader = DataLoader(mix, batch_size=2, sampler=sampler(mix), num_workers=2, persistent_workers=True)
+    got = list(loader)
+    want = list(DataLoader(local_mix, batch_size=2, sampler=sampler(local_mix)))
+    assert len(got) == len(want) == 18 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    running: Any = loader._iterator
+    mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}
+    theirs = {c.laddr.port for w in running._workers for c in psutil.Process(w.pid).net_connections(kind="tcp")}
+    theirs -= mine  # a forked worker also holds its parent's connections
+    gets = [p for k, peers in proxy.peers.items() if "/shard-" in k for p in peers]
+    assert len(gets) == 2 * len(units.keys)  # each unit of each member once
+    located = [mix.locate(int(d)) for d in list(sampler(local_mix))[:4]]  # each worker's first batch
+    assert sum(p in theirs for p in gets) <= len({(m, int(units.of[r])) for m, r in located}), gets
+    assert a._remote is not None and b._remote is not None
+    assert a._remote._plan is not None and b._remote._plan is not None  # each member told its draws
+    read = (a._remote._at, b._remote._at)  # the draws each member counts read: its own, not the mix's
+    assert mix._read[0] > len(a) >= max(read) and 0 < sum(read) <= mix._read[0]
 
 
 def test_prefetches_take_turns_in_the_order_needed(
