@@ -24,6 +24,7 @@ runs of:
 
     python scripts/bench_remote.py                       # 8,000 photos, memmap and LMDB JPEG, 3 runs
     python scripts/bench_remote.py --backends memmap --runs 5
+    python scripts/bench_remote.py --format raw --images 2000 --backends memmap   # uint8 pixel records
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ def half_cache(
 
 
 def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server: Any) -> dict[str, Any]:
-    out = args.work / f"jpeg-{args.images}-{args.shard_size}.{backend}"
+    out = args.work / f"{args.format}-{args.images}-{args.shard_size}.{backend}"
     if not (out / MANIFEST).exists():
-        build(raw, out, backend=backend, format="jpeg", shard_size=args.shard_size, workers=2, quiet=True)
+        build(raw, out, backend=backend, format=args.format, shard_size=args.shard_size, workers=2, quiet=True)
     names = data_files(Manifest.load(out))
     data = sum((out / n).stat().st_size for n in names)
     url = server.upload(out, f"bench/{backend}")
@@ -285,6 +286,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=8000)
     p.add_argument("--backends", default="memmap,lmdb")
+    p.add_argument("--format", choices=("jpeg", "raw"), default="jpeg", help="the records: JPEG or uint8 pixels")
     p.add_argument("--runs", type=int, default=3, help="runs of each measurement (medians reported)")
     p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
     p.add_argument("--unit-bytes", type=int, default=remote.UNIT_BYTES, help="about the bytes of a memmap unit")
@@ -307,7 +309,8 @@ def main() -> None:
         for backend in args.backends.split(","):
             rows.append(measure(backend, raw, args, Path(tmp), server))
     print(
-        f"{args.images} JPEG records, batch {args.batch_size}, {args.workers} workers, {args.runs} runs (medians); "
+        f"{args.images} {args.format} records, batch {args.batch_size}, {args.workers} workers, "
+        f"{args.runs} runs (medians); "
         f"proxy {args.delay * 1e3:.0f} ms first byte, cap {args.cap}x the warm local consumption"
         + (f", {args.stream_cap}x per GET" if args.stream_cap else "")
     )
