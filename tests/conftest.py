@@ -85,7 +85,9 @@ def _proxy_server(s3_server: S3Server) -> Iterator[Proxy]:
 
 @pytest.fixture
 def proxy(_proxy_server: Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Proxy]:
-    """The fault proxy in front of the server, as this test's (and its workers') S3 endpoint."""
+    """The fault proxy in front of the server, as this test's (and its workers') S3 endpoint; the
+    requests of an earlier test's background downloads are let finish before its counts clear."""
+    _proxy_server.settle()
     _proxy_server.clear()
     monkeypatch.setenv("AWS_ENDPOINT_URL", _proxy_server.url)
     yield _proxy_server

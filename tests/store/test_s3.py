@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +413,16 @@ def _units_of_two(
     return here, ds, units
 
 
+def _read_as_local(ds: Any, here: Any, sampler: Callable[[Any], ShardSampler], batches: int, **options: Any) -> Any:
+    """A DataLoader of ``ds`` (batches of 2, persistent workers, ``options``) read through, its
+    batches checked equal to those of ``here`` read in this process: the loader (its workers alive)."""
+    loader = DataLoader(ds, batch_size=2, sampler=sampler(ds), persistent_workers=True, **options)
+    got = list(loader)
+    want = list(DataLoader(here, batch_size=2, sampler=sampler(here)))
+    assert len(got) == len(want) == batches and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    return loader
+
+
 def test_memmap_units_ask_no_head(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch) -> None:
     """A memmap unit's object version comes with its first GET (the manifest gives the size: no
     HEAD, a first-byte wait less before the first batch); the object's other units ask If-Match
@@ -423,7 +434,7 @@ def test_memmap_units_ask_no_head(built, s3_server: S3Server, proxy: Proxy, tmp_
         assert torch.equal(ds[i][0], here[i][0])
     first = f"/packer/nohead/memmap/{names[0]}"
     assert proxy.requests["GET", first] == 4 and proxy.pinned[first] == 3  # the first GET learned the version
-    assert not [key for method, key in proxy.requests if method == "HEAD" and "/shard-" in key]
+    assert not [key for method, key in proxy.requests if method == "HEAD" and "/nohead/memmap/shard-" in key]
     ds[7]  # shard 1's first unit
     key = f"nohead/memmap/{names[1]}"
     body = bytearray((local / names[1]).read_bytes())
@@ -449,25 +460,20 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     def sampler(d: ShardDataset) -> ShardSampler:
         return ShardSampler(d, order="block", block_size=2, window=1, prefetch=2, seed=4)
 
-    loader = DataLoader(
-        ds, batch_size=2, sampler=sampler(ds), num_workers=2, multiprocessing_context=context, persistent_workers=True
-    )
-    got = list(loader)
-    want = list(DataLoader(here, batch_size=2, sampler=sampler(here)))
-    assert len(got) == len(want) == 9 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    loader = _read_as_local(ds, here, sampler, 9, num_workers=2, multiprocessing_context=context)
     running: Any = loader._iterator  # persistent: its workers alive, their pools open
     workers = [psutil.Process(w.pid) for w in running._workers]
     mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}
     # a forked worker also holds the connections its parent had opened: its own are the others
     theirs = {c.laddr.port for w in workers for c in w.net_connections(kind="tcp")} - mine
-    gets = [(k, p) for k, peers in proxy.peers.items() if "/shard-" in k for p in peers]
+    gets = [(k, p) for k, peers in proxy.peers.items() if f"/ahead/{context}/shard-" in k for p in peers]
     assert len(gets) == len(units.keys) and {p for _, p in gets} <= mine | theirs  # one GET per unit, each placed
     order = list(sampler(here))
     first_batches = {int(units.of[int(d)]) for d in order[:4]}  # each worker's first
     assert sum(p in theirs for _, p in gets) <= len(first_batches), gets
     needed = list(dict.fromkeys(int(units.of[int(d)]) for d in order))  # units in the order first read
     wanted = [(names[int(units.shard[u])], int(units.starts[u])) for u in needed]
-    answered = sorted((a, k, r) for k, r, p, a, _ in proxy.spans if "/shard-" in k and p in mine)
+    answered = sorted((a, k, r) for k, r, p, a, _ in proxy.spans if f"/ahead/{context}/shard-" in k and p in mine)
     ours = [(k.rsplit("/", 1)[1], int(r.split("=")[1].split("-")[0])) for _, k, r in answered]
     assert ours == [w for w in wanted if w in ours], ours  # the sampler's process fetched in the order needed
     for name, size in _files(local).items():
@@ -489,15 +495,12 @@ def test_mix_members_fetched_ahead_by_the_sampler_process(
     def sampler(d: MixDataset) -> ShardSampler:
         return ShardSampler(d, order="block", block_size=2, window=1, prefetch=2, seed=4)
 
-    loader = DataLoader(mix, batch_size=2, sampler=sampler(mix), num_workers=2, persistent_workers=True)
-    got = list(loader)
-    want = list(DataLoader(local_mix, batch_size=2, sampler=sampler(local_mix)))
-    assert len(got) == len(want) == 18 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    loader = _read_as_local(mix, local_mix, sampler, 18, num_workers=2)
     running: Any = loader._iterator
     mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}
     theirs = {c.laddr.port for w in running._workers for c in psutil.Process(w.pid).net_connections(kind="tcp")}
     theirs -= mine  # a forked worker also holds its parent's connections
-    gets = [p for k, peers in proxy.peers.items() if "/shard-" in k for p in peers]
+    gets = [p for k, peers in proxy.peers.items() if "/mix/" in k and "/shard-" in k for p in peers]
     assert len(gets) == 2 * len(units.keys)  # each unit of each member once
     located = [mix.locate(int(d)) for d in list(sampler(local_mix))[:4]]  # each worker's first batch
     assert sum(p in theirs for p in gets) <= len({(m, int(units.of[r])) for m, r in located}), gets
@@ -522,19 +525,17 @@ def test_prefetches_take_turns_in_the_order_needed(
     def sampler(d: ShardDataset) -> ShardSampler:
         return ShardSampler(d, order="block", block_size=2, window=1, prefetch=4, seed=4)
 
-    loader = DataLoader(ds, batch_size=2, sampler=sampler(ds), num_workers=1, persistent_workers=True)
-    got = list(loader)
-    want = list(DataLoader(here, batch_size=2, sampler=sampler(here)))
-    assert len(got) == len(want) == 9 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    _read_as_local(ds, here, sampler, 9, num_workers=1)
     needed = []  # the units in the order of their first draw
     for d in sampler(here):
         u = int(units.of[int(d)])
         needed += [] if u in needed else [u]
     wanted = [(names[int(units.shard[u])], int(units.starts[u])) for u in needed]
-    gotten = [(k.rsplit("/", 1)[1], int(r.split("=")[1].split("-")[0])) for k, r in proxy.gotten if "/shard-" in k]
+    ours = [(k, r) for k, r in proxy.gotten if "/turns/memmap/shard-" in k]
+    gotten = [(k.rsplit("/", 1)[1], int(r.split("=")[1].split("-")[0])) for k, r in ours]
     assert gotten == wanted  # every unit once, in the order needed
     mine = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")}  # a worker opens its own
-    spans = sorted((a, b) for k, _, port, a, b in proxy.spans if "/shard-" in k and port in mine)
+    spans = sorted((a, b) for k, _, port, a, b in proxy.spans if "/turns/memmap/shard-" in k and port in mine)
     assert len(spans) >= len(needed) - 2  # the worker fetched its first batch's units at most
     # the next GET goes out a first-byte wait before the first unit's end, as the first's own first-byte
     # time predicts (longer under load than this delay): its body starts after most of the first's
