@@ -31,10 +31,19 @@ from packer.format import DatasetError, Manifest
 from packer.read import remote
 from packer.read.remote import _locked as cache_lock
 from packer.store import StoreError
+from packer.store.base import PerProcess
 
 from .furthest import furthest_future_bytes
 from .proxy import Faults, Proxy, serve_folder
 from .seaweed import S3Server
+
+
+@pytest.fixture(autouse=True)
+def _fresh_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's prefetches take turns from a fresh start: the process's turns keep the stream
+    rates and the readers' pace they measured, and an earlier test's could widen this one's (two
+    released at once send their GETs in either order)."""
+    monkeypatch.setattr(remote, "_turns", PerProcess(remote._Turns))
 
 
 def _same(a: ShardDataset, b: ShardDataset) -> None:
