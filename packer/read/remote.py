@@ -123,7 +123,7 @@ from ..store import base as store_base
 from ..store.base import ObjectInfo, PerProcess
 from ..store.published import FILES, files_json, parse_files, read_files, read_pointer, version_key
 
-#: Units a process prepares at once in the background (the HEAD, the cache's room, the check);
+#: Units a process prepares at once in the background (the cache's room, the download, the check);
 #: their downloads take turns (:class:`_Turns`).
 PREFETCH_UNITS = 4
 #: Ranged GETs a unit is downloaded in at once (parts of at most packer.store.base.PART_BYTES;
@@ -224,8 +224,9 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+def _digest(data: str | bytes) -> str:
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 class Remote:
@@ -725,7 +726,7 @@ class Remote:
             info = self._missing_named(key, lambda: self._head(key))
         if info is not None:
             self._same_size(key, info, listed)
-            cached = [self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"]
+            cached = [self._unit_path(name, info)]
         else:
             found = (self.home / _UNITS).glob(f"{glob.escape(name)}.{listed}.*")
             cached = sorted(p for p in found if not p.name.endswith(_SIDECAR))
@@ -744,6 +745,10 @@ class Remote:
             return self._download_checked(name, key, info or ObjectInfo(cast(int, listed), ""), expected, demand=demand)
         except _NoRoom:
             return None
+
+    def _unit_path(self, name: str, info: ObjectInfo) -> Path:
+        """Where unit ``name`` of the object version ``info`` is kept in ``units/``."""
+        return self.home / _UNITS / f"{name}.{info.size}.{_digest(info.etag)}"
 
     def _missing_named(self, key: str, ask: Callable[[], T]) -> T:
         """``ask()`` about object ``key``, which missing is a DatasetError that says the manifest names it."""
@@ -768,13 +773,13 @@ class Remote:
         partial download is named by the records it is for (a process that knows the version and
         one that learns it from its GET resume the same one), another's by the version."""
         rows = expected[2]
-        tag = hashlib.sha256(rows.tobytes()).hexdigest()[:16] if expected[0].concatenated else _digest(info.etag)
+        tag = _digest(rows.tobytes() if expected[0].concatenated else info.etag)
         part = self.home / _PARTIAL / f"{name}.{info.size}.{tag}"
-        learned, told = [info], [False]
+        learned = [info]  # replaced by what a GET's response tells (info.etag "")
 
-        def seen(found: ObjectInfo) -> None:  # the version the GET's response gives (info.etag "")
+        def seen(found: ObjectInfo) -> None:
             self._same_size(key, found, info.size)
-            learned[0], told[0] = found, True
+            learned[0] = found
             self._infos.get().setdefault(key, found)  # its other units ask If-Match it
 
         problem = ""
@@ -790,9 +795,9 @@ class Remote:
             )
             problem = _unit_problem(part, expected, received)
             if not problem:
-                if not info.etag and not told[0]:  # resumed whole: no GET told the version
+                if not info.etag and learned[0] is info:  # resumed whole: no GET told the version
                     seen(self._missing_named(key, lambda: self._head(key)))
-                unit = self.home / _UNITS / f"{name}.{info.size}.{_digest(learned[0].etag)}"
+                unit = self._unit_path(name, learned[0])
                 np.save(part.with_name(part.name + _SIDECAR), rows)
                 os.replace(part.with_name(part.name + _SIDECAR), unit.with_name(unit.name + _SIDECAR))
                 hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
@@ -1270,6 +1275,10 @@ class _Received:
         return whole, np.array(self._crcs, np.uint32)
 
 
+def _crc_differs(record: int) -> str:
+    return f"record {record}: CRC-32 differs from the index's (damaged bytes)"
+
+
 def _unit_problem(path: Path, expected: _Expected, received: Optional[_Received] = None) -> str:
     """What in the downloaded data file ``path`` does not match its records' index rows ("" if
     nothing): the records ``received`` saw arrive whole by the CRC-32s it computed, the others read back."""
@@ -1279,7 +1288,7 @@ def _unit_problem(path: Path, expected: _Expected, received: Optional[_Received]
         whole, crcs = received.checked()
         damaged = np.flatnonzero(whole & (crcs != rows["crc32"]))
         if len(damaged):
-            return f"record {int(mine[damaged[0]])}: CRC-32 differs from the index's (damaged bytes)"
+            return _crc_differs(int(mine[damaged[0]]))
         todo = np.flatnonzero(~whole)
     try:
         backend.check_walkable(path)
@@ -1290,7 +1299,7 @@ def _unit_problem(path: Path, expected: _Expected, received: Optional[_Received]
             if len(data) != int(rows["length"][j]):
                 return f"record {i} is {len(data)} bytes, the index says {int(rows['length'][j])}"
             if zlib.crc32(data) != int(rows["crc32"][j]):
-                return f"record {i}: CRC-32 differs from the index's (damaged bytes)"
+                return _crc_differs(i)
     except DatasetError as e:
         return str(e).removeprefix(f"{path}: ")
     return ""

@@ -174,11 +174,10 @@ class Store(abc.ABC):
         first response gives (told to ``seen``, with the object's size), pinned for the resumptions."""
         at, pinned = [start], [etag]
 
-        def learned(info: ObjectInfo) -> None:
-            if not pinned[0]:
-                pinned[0] = info.etag
-                if seen is not None:
-                    seen(info)
+        def learned(info: ObjectInfo) -> None:  # asked only while no version is pinned
+            pinned[0] = info.etag
+            if seen is not None:
+                seen(info)
 
         def attempt() -> None:
             for piece in self._stream(key, at[0], end, pinned[0], learned if not pinned[0] else None):
