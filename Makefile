@@ -21,8 +21,9 @@ PYTEST_ARGS ?=
 SANITIZE_SECONDS ?= 60
 SANITIZE_SEED ?= 0
 SANITIZE_DIR := build/sanitize
+PACKAGE_DIR := build/package
 
-.PHONY: help system-deps setup demo lint test test-sanitize dataset dataset-verify dataset-clean bench clean
+.PHONY: help system-deps setup demo lint test test-sanitize package-check dataset dataset-verify dataset-clean bench clean
 
 help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
@@ -30,6 +31,7 @@ help:
 	@echo "make lint       ruff (lint + format check) and mypy over packer/ tests/ scripts/; the import layers"
 	@echo "make test       lint, the test suite, and a short fuzz of the C extension under ASan/UBSan"
 	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
+	@echo "make package-check  build the sdist and wheel, install the wheel in a fresh venv, build and verify a dataset"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
 	@echo "make dataset-verify OUT=out.lmdb   re-read and check OUT (each split dataset inside it, with --split)"
 	@echo "make dataset-clean OUT=out.lmdb    delete OUT and any interrupted build of it (packer's only)"
@@ -72,6 +74,22 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-sanitize SANITIZE_SECONDS=20
+	$(MAKE) --no-print-directory package-check
+
+# What `pip install packer-datasets` gives a user, checked from the files a release would upload: the sdist,
+# the wheel built from it (a file missing from the sdist fails there), and a wheel built without a C compiler
+# (the extension is optional). The wheel goes into a fresh venv (torch's CPU wheel first, as in setup), and
+# is run from outside the checkout, so nothing is imported from the source tree.
+package-check: setup
+	rm -rf $(PACKAGE_DIR) && mkdir -p $(PACKAGE_DIR)
+	$(PY) -m build --outdir $(PACKAGE_DIR)/dist . > $(PACKAGE_DIR)/build.log 2>&1 || { cat $(PACKAGE_DIR)/build.log; exit 1; }
+	CC=false $(PY) -m build --wheel --outdir $(PACKAGE_DIR)/no-compiler . > $(PACKAGE_DIR)/no-compiler.log 2>&1 \
+	  || { cat $(PACKAGE_DIR)/no-compiler.log; exit 1; }
+	$(PY) scripts/check_package.py --dist $(PACKAGE_DIR)/dist --no-compiler $(PACKAGE_DIR)/no-compiler
+	$(PYTHON) -m venv $(PACKAGE_DIR)/venv
+	$(PACKAGE_DIR)/venv/bin/pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PACKAGE_DIR)/venv/bin/pip install -q "$$(ls $(PACKAGE_DIR)/dist/*.whl)"
+	cd $(PACKAGE_DIR) && venv/bin/python "$(CURDIR)/scripts/check_package.py" --installed
 
 # packer/_native.c and _resize.c built with AddressSanitizer and UBSan (any report aborts), then fuzzed with
 # damaged and random JPEGs, crop boxes and buffer sizes (scripts/fuzz_native.py). Python itself is not

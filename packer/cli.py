@@ -15,6 +15,7 @@ from typing import Any
 import click
 import numpy as np
 
+from ._version import DISTRIBUTION, __version__
 from .builder.options import BuildOptions, cli_fields, flag, labelling_fields
 from .errors import PackerError, is_url
 from .format import json_text
@@ -126,7 +127,7 @@ codecs.register_error("packer-escape", _undecodable_as_escapes)
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for expected errors.")
-@click.version_option(package_name="packer")
+@click.version_option(__version__, prog_name="packer", message=f"%(prog)s %(version)s ({DISTRIBUTION})")
 def main(debug: bool) -> None:
     """Preprocess an image folder once; pack it into LMDB or memmap shards for fast training."""
     for stream in (sys.stdout, sys.stderr):
@@ -661,7 +662,7 @@ def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) 
     "plot_file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Also write a PNG of samples/s vs num_workers (needs matplotlib: packer[plot]).",
+    help="Also write a PNG of samples/s vs num_workers (needs matplotlib: the [plot] extra).",
 )
 @_friendly
 def bench(
@@ -682,7 +683,7 @@ def bench(
     from .tools.bench import plot, run_bench
 
     if plot_file is not None and importlib.util.find_spec("matplotlib") is None:
-        click.echo("packer: error: --plot needs matplotlib: pip install 'packer[plot]'", err=True)
+        click.echo(f"packer: error: --plot needs matplotlib: pip install '{DISTRIBUTION}[plot]'", err=True)
         sys.exit(1)
     result = run_bench(
         out,
@@ -698,6 +699,25 @@ def bench(
     if plot_file is not None:
         plot(result, plot_file)
     click.echo(json_text(result.to_json(), indent=1) if as_json else result.summary())
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(as_json: bool) -> None:
+    """What this install and machine give packer's fast paths, and the fix for each one missing."""
+    from .tools.doctor import as_dicts, diagnose
+
+    findings = diagnose()
+    if as_json:
+        click.echo(json_text(as_dicts(findings), indent=1))
+        return
+    width = max(len(f.name) for f in findings)
+    for f in findings:
+        click.echo(f"{ {True: 'ok', False: '!!', None: '--'}[f.ok] }  {f.name:<{width}}  {f.value}")
+        if f.fix:
+            click.echo(f"    {'':<{width}}  -> {f.fix}")
+    slow = sum(f.ok is False for f in findings)
+    click.echo(f"{slow} finding(s) to act on" if slow else "every fast path packer has is in use")
 
 
 if __name__ == "__main__":  # pragma: no cover

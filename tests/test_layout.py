@@ -49,6 +49,14 @@ def test_every_subpackage_is_packaged() -> None:
     assert set(packages) == found
 
 
+def test_distribution_name_is_written_once_in_code() -> None:
+    """pyproject's name is the one packer's messages tell users to install (packer._version.DISTRIBUTION)."""
+    from packer._version import DISTRIBUTION
+
+    name = re.search(r'^name = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert name and name.group(1) == DISTRIBUTION
+
+
 def _branches_on(names: str, allowed: list[Path]) -> list[str]:
     """Lines of packer/ outside ``allowed`` (files, or folders) that compare a string to one of
     ``names`` (a regex alternation)."""

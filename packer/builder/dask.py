@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from .._version import __version__
+from .._version import DISTRIBUTION, __version__
 from ..backends import BACKENDS
 from ..backends.write import fsync_path, write_atomic
 from ..codec import can_decode_region, codec_name
@@ -201,7 +201,7 @@ def _connect(address: str, workers: int, stack: ExitStack) -> Any:
     try:
         from distributed import Client, LocalCluster
     except ImportError:
-        raise BuildError("--dask needs Dask distributed: pip install 'packer[dask]'") from None
+        raise BuildError(f"--dask needs Dask distributed: pip install '{DISTRIBUTION}[dask]'") from None
     if address == "local":
         cluster = stack.enter_context(
             LocalCluster(
@@ -241,7 +241,8 @@ def _check_workers(client: Any, raw: str, fragments: Path, first: str, codec: st
         facts = client.run(probe, raw, str(fragments), first)
     except Exception as e:  # typically packer missing on a worker: the function cannot be unpickled
         raise BuildError(
-            f"a Dask worker could not run packer ({type(e).__name__}: {e}); install packer[dask] on every worker"
+            f"a Dask worker could not run packer ({type(e).__name__}: {e}); "
+            f"install {DISTRIBUTION}[dask] on every worker"
         ) from None
     for addr, f in sorted(facts.items()):
         where = f"Dask worker {addr} on {f['host']}"

@@ -25,13 +25,14 @@ import numpy as np
 from PIL import Image
 
 from .. import codec
+from .._version import DISTRIBUTION
 from ..codec import decode_jpeg, native_shrink, shrink_factor, turbojpeg
 from ..format.records import FORMATS
 from .scan import open_source
 
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
 HEIF_EXTENSIONS = frozenset((".heic", ".heif"))
-HEIF_MISSING = "HEIC/HEIF needs the optional extra: pip install 'packer[heif]'"
+HEIF_MISSING = f"HEIC/HEIF needs the optional extra: pip install '{DISTRIBUTION}[heif]'"
 
 
 def _register_heif() -> bool:

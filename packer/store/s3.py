@@ -23,6 +23,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import urllib3
 
+from .._version import DISTRIBUTION
 from .base import Listed, Passing, StoreError, Upload
 from .http import HttpStore
 
@@ -53,7 +54,7 @@ def _botocore() -> Any:
         import botocore.credentials
         import botocore.session
     except ImportError:
-        raise StoreError("s3:// URLs need botocore: pip install 'packer[s3]'") from None
+        raise StoreError(f"s3:// URLs need botocore: pip install '{DISTRIBUTION}[s3]'") from None
     return botocore
 
 

@@ -502,7 +502,7 @@ def run_bench(
 
 
 def plot(result: BenchResult, path: str | os.PathLike) -> None:
-    """samples/s against num_workers as a PNG (needs matplotlib: ``pip install 'packer[plot]'``)."""
+    """samples/s against num_workers as a PNG (needs matplotlib: the ``[plot]`` extra)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 distributed = pytest.importorskip(
-    "distributed", reason="Dask distributed is not installed (pip install 'packer[dask]')"
+    "distributed", reason="Dask distributed is not installed (pip install 'packer-datasets[dask]')"
 )
 
 from packer import BuildError, Labelling, build  # noqa: E402

@@ -292,7 +292,7 @@ def test_report_names_every_skipped_and_ignored_file_with_its_reason(messy) -> N
         assert any(part in report[rel]["reason"] for part in str(reason).split("|")), (rel, report[rel])
     assert "--max-pixels" in report["bad/bomb.png"]["reason"], "the bomb message must name the option"
     if not HEIF_AVAILABLE:
-        assert "packer[heif]" in report["good/phone.heic"]["reason"]
+        assert "packer-datasets[heif]" in report["good/phone.heic"]["reason"]
 
 
 def test_counts_add_up_in_manifest_info_and_summary(messy) -> None:

@@ -397,7 +397,7 @@ def test_split_and_synced_copy(raw: Path, s3_server: S3Server, proxy: Proxy, tmp
 def test_dask_publishes_the_same_way(raw: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
     """``--dask`` to a URL: staged on the cluster, published as a local build is; its --update from
     the store alone uploads only the new segment."""
-    pytest.importorskip("distributed", reason="Dask distributed is not installed (pip install 'packer[dask]')")
+    pytest.importorskip("distributed", reason="Dask distributed is not installed (pip install 'packer-datasets[dask]')")
     url = _url(s3_server, "dask")
     _publish(raw, url, dask_address="local", staging=tmp_path / "a")
     assert numbers(url, tmp_path / "r1") == list(range(10))
