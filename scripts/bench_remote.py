@@ -5,10 +5,11 @@ Starts SeaweedFS on 127.0.0.1 (tests/store/seaweed.py), uploads each packed data
 would, and puts the fault proxy (tests/store/proxy.py) in front of it with a first-byte delay and a
 bandwidth cap of ``--cap`` times what the warm local epoch consumes, in a process of its own (as a
 store is: its threads do not share this process's interpreter lock with the downloads). Then, with
-the same DataLoader settings and ShardSampler order (``order="block"``, blocks of one cache unit: a
-memmap unit's records, packer.read.remote.UNIT_BYTES), for each backend, the median of ``--runs``
-runs of:
+the same DataLoader settings and ShardSampler order (by default, the one ``ShardSampler(ds)`` takes for
+the dataset in the store: block order, blocks of one cache unit, a window sized to mix the labels;
+``--order``/``--window`` set them), for each backend, the median of ``--runs`` runs of:
 
+- the order's label mixing: its batches' mean label entropy / a global shuffle's (packer.read.sampler.label_entropy);
 - warm local epoch (the dataset in the page cache): samples/s, and the MB/s of records it consumes;
 - cold remote epoch (an empty cache each run): samples/s (and from the first batch on), time to
   the first batch, bytes fetched / data files (the cache fits), and (one more, untimed, cold epoch)
@@ -52,6 +53,7 @@ from packer import ShardDataset, ShardSampler, build  # noqa: E402
 from packer.backends import data_files  # noqa: E402
 from packer.format import INDEX, MANIFEST, Manifest  # noqa: E402
 from packer.read import remote  # noqa: E402
+from packer.read.sampler import label_entropy  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
 from tests.store.furthest import furthest_future_bytes  # noqa: E402
@@ -59,13 +61,23 @@ from tests.store.proxy import Faults, start  # noqa: E402
 from tests.store.seaweed import seaweed  # noqa: E402
 
 
-def sampler(ds: ShardDataset, args: argparse.Namespace, block: int, **more: int) -> ShardSampler:
-    return ShardSampler(ds, order="block", block_size=block, window=1, prefetch=args.prefetch, seed=1, **more)
+def chosen_order(url_dataset: ShardDataset, args: argparse.Namespace) -> dict[str, Any]:
+    """The order every epoch of the run uses, local or remote: what ShardSampler(ds) takes for the
+    dataset in the store, but for what --order, --window and --prefetch set."""
+    asked = {"order": None if args.order == "default" else args.order, "window": args.window or None}
+    s = ShardSampler(url_dataset, seed=1, **asked, **({} if args.prefetch is None else {"prefetch": args.prefetch}))
+    return {"order": s.order, "block_size": s.block_size, "window": s.window, "prefetch": s.prefetch}
 
 
-def loader(ds: ShardDataset, args: argparse.Namespace, block: int, workers: int = -1, **more: int) -> DataLoader:
+def sampler(ds: ShardDataset, order: dict[str, Any], **more: int) -> ShardSampler:
+    return ShardSampler(ds, seed=1, **order, **more)
+
+
+def loader(
+    ds: ShardDataset, args: argparse.Namespace, order: dict[str, Any], workers: int = -1, **more: int
+) -> DataLoader:
     workers = args.workers if workers < 0 else workers
-    return DataLoader(ds, batch_size=args.batch_size, sampler=sampler(ds, args, block, **more), num_workers=workers)
+    return DataLoader(ds, batch_size=args.batch_size, sampler=sampler(ds, order, **more), num_workers=workers)
 
 
 def epoch(make: Callable[[], DataLoader], keep: bool = False) -> tuple[float, float, list[str]]:
@@ -93,11 +105,13 @@ def cpu_seconds(*others: int) -> list[float]:
     return [*seconds, mine.user + mine.system, mine.children_user + mine.children_system]
 
 
-def rank_epoch(url: str, cache: str, rank: int, args: argparse.Namespace, block: int, env: dict[str, str]) -> None:
+def rank_epoch(
+    url: str, cache: str, rank: int, args: argparse.Namespace, order: dict[str, Any], env: dict[str, str]
+) -> None:
     os.environ.update(env)
     remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
     ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache)
-    for _ in loader(ds, args, block, 2, num_replicas=2, rank=rank):
+    for _ in loader(ds, args, order, 2, num_replicas=2, rank=rank):
         pass
 
 
@@ -156,7 +170,7 @@ def half_cache(
     url: str,
     draws: list[int],
     args: argparse.Namespace,
-    block: int,
+    order: dict[str, Any],
     proxy: ProxyProcess,
     rule: Faults,
     names: list[str],
@@ -171,7 +185,7 @@ def half_cache(
         proxy.rule(rule)
         limit = data // 2
         ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / f"half-{workers}", cache_limit=limit)
-        for _ in loader(ds, args, block, workers):
+        for _ in loader(ds, args, order, workers):
             pass
         units = ds._remote._units
         sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
@@ -192,10 +206,15 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     os.environ.update(env)
     probe = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / "probe")
     per_unit = probe._remote.per_unit
-    block = per_unit or args.shard_size  # LMDB: the unit is the whole file; blocks of a memmap shard's size
+    order = chosen_order(probe, args)
+    labels = probe.labels
+    sequence = sampler(probe, order).sequence(0)
+    mixing = label_entropy(labels, sequence, args.batch_size) / label_entropy(
+        labels, np.random.default_rng(0).permutation(len(labels)), args.batch_size
+    )
 
     def local() -> DataLoader:
-        return loader(ShardDataset(out, crop_size=args.crop_size, seed=1), args, block)
+        return loader(ShardDataset(out, crop_size=args.crop_size, seed=1), args, order)
 
     epoch(local)  # into the page cache
     _, _, local_batches = epoch(local, keep=True)
@@ -222,7 +241,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         floors.append(time.perf_counter() - t0)
 
     def cold_remote(cache: Path) -> DataLoader:
-        return loader(ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache), args, block)
+        return loader(ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache), args, order)
 
     cold, firsts, ratios, cpu = [], [], [], [0.0, 0.0, 0.0, 0.0]
     for run in range(args.runs):
@@ -243,13 +262,13 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.pid))]
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
-    draws = [int(d) for d in sampler(ShardDataset(out, crop_size=args.crop_size, seed=1), args, block)]
-    half = half_cache(url, draws, args, block, proxy, rule, names, data, tmp) if per_unit else []
+    draws = [int(d) for d in sampler(ShardDataset(out, crop_size=args.crop_size, seed=1), order)]
+    half = half_cache(url, draws, args, order, proxy, rule, names, data, tmp) if per_unit else []
 
     proxy.rule(rule)
     ctx = mp.get_context("spawn")
     ranks = [
-        ctx.Process(target=rank_epoch, args=(url, str(tmp / f"ranks-{backend}"), r, args, block, env)) for r in range(2)
+        ctx.Process(target=rank_epoch, args=(url, str(tmp / f"ranks-{backend}"), r, args, order, env)) for r in range(2)
     ]
     for r in ranks:
         r.start()
@@ -263,6 +282,9 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         "backend": backend,
         "files": f"{len(names)} x {data / len(names) / 1e6:.1f} MB",
         "units": f"{len(units.keys)} of {per_unit} records" if per_unit else f"{len(names)} whole files",
+        "order": f"{order['order']}"
+        + (f", {order['block_size']} x {order['window']}" if order["order"] == "block" else ""),
+        "mixing": mixing,
         "local": args.images / med(local_s),
         "consumption": consumption,
         "cold": med(local_s) / med(cold),
@@ -291,7 +313,9 @@ def main() -> None:
     p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
     p.add_argument("--unit-bytes", type=int, default=remote.UNIT_BYTES, help="about the bytes of a memmap unit")
     p.add_argument("--unit-streams", type=int, default=remote.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
-    p.add_argument("--prefetch", type=int, default=4, help="windows (blocks) fetched ahead (ShardSampler)")
+    p.add_argument("--order", choices=("default", "random", "block"), default="default", help="ShardSampler's order")
+    p.add_argument("--window", type=int, default=0, help="ShardSampler's window (0: its default)")
+    p.add_argument("--prefetch", type=int, default=None, help="windows fetched ahead (default: ShardSampler's)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--crop-size", type=int, default=112)
@@ -315,17 +339,19 @@ def main() -> None:
         + (f", {args.stream_cap}x per GET" if args.stream_cap else "")
     )
     print(
-        "| backend | data files | units | warm local, samples/s (MB/s) | cold remote / warm local (from the first "
+        "| backend | data files | units | order (block size x window), label mixing | warm local, samples/s (MB/s) "
+        "| cold remote / warm local (from the first "
         "batch on) | first batch (manifest + index + one unit; warm local's) "
         "| bytes fetched / data (cache fits) | half cache / optimum (in process, 2 workers) "
         "| 2 ranks x 2 workers: fetched / data, downloaded twice | warm remote / warm local | "
         "bit-identical |"
     )
-    print("|---|---|---|---:|---:|---|---:|---|---|---:|---|")
+    print("|---|---|---|---|---:|---:|---|---:|---|---|---:|---|")
     for r in rows:
         half = ", ".join(f"{h:.3f}x" for h in r["half"]) or "-"
         print(
-            f"| {r['backend']} | {r['files']} | {r['units']} | {r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "
+            f"| {r['backend']} | {r['files']} | {r['units']} | {r['order']}, {r['mixing']:.3f} | "
+            f"{r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "
             f"{r['cold']:.2f}x ({r['steady']:.2f}x) | "
             f"{r['first']:.2f} s ({r['floor']:.2f} s; {r['local_first']:.2f} s) | "
             f"{r['fetched']:.3f}x | {half} | "

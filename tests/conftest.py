@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from packer.backends import BACKENDS
@@ -92,3 +93,23 @@ def proxy(_proxy_server: Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pro
     monkeypatch.setenv("AWS_ENDPOINT_URL", _proxy_server.url)
     yield _proxy_server
     _proxy_server.clear()
+
+
+@pytest.fixture(scope="session")
+def class_sorted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real memmap dataset of 16 classes x 48 small photos, stored class by class (as every build
+    of a class-folder tree is)."""
+    from PIL import Image
+
+    from packer import build
+
+    raw = tmp_path_factory.mktemp("sorted") / "raw"
+    rng_ = np.random.default_rng(0)
+    for c in range(16):
+        (raw / f"c{c:02}").mkdir(parents=True)
+        for k in range(48):
+            pixels = rng_.integers(0, 256, (24, 32, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(raw / f"c{c:02}" / f"{k:03}.jpg", quality=80)
+    out = raw.parent / "sorted.memmap"
+    build(raw, out, backend="memmap", quiet=True, workers=1)
+    return out

@@ -309,6 +309,14 @@ class ShardDataset(Dataset):
             return labelling.SEPARATOR.join(self.manifest.classes[c] for c in np.flatnonzero(hot)) or "(none)"
         return self.manifest.classes[self._labels[i]] if self.label_kind == "class" else "unlabeled"
 
+    def fetch_unit(self) -> Optional[tuple[int, Optional[int]]]:
+        """A dataset in object storage: (records fetched together into the node cache, 0 where whole
+        data files are: LMDB; the cache limit in bytes or None); a local one: None. ShardSampler's
+        default order reads it unit by unit (docs/DATASET.md, "Order")."""
+        if self._remote is None:
+            return None
+        return self._remote.per_unit, self._remote.limit
+
     def source(self, i: int) -> str:
         """The original file's path relative to the raw folder."""
         return source_path(self._sources, self.index[self._check(i)])

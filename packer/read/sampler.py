@@ -41,6 +41,16 @@ from .draw import Draw, Ranges
 from .mix import MixDataset
 
 ORDERS = ("random", "sequential", "block")
+#: The batch size a default ``window`` is sized for (the sampler does not see the DataLoader's): a
+#: larger batch from the same window mixes less, relative to a global shuffle's.
+MIX_BATCH = 64
+#: A default ``window`` is the smallest power of two whose batches' label entropy is at least this
+#: fraction of a global shuffle's (:func:`label_entropy`; docs/PERFORMANCE.md, "Label mixing").
+MIX_TARGET = 0.95
+#: Batches of an epoch a candidate window's mixing is measured on (its first: every one is alike).
+MIX_PROBE_BATCHES = 512
+#: The window where labels cannot say how well batches mix (an unlabeled or multi-label dataset).
+UNLABELED_WINDOW = 16
 
 
 class ShardSampler(Sampler[Draw]):
@@ -49,10 +59,13 @@ class ShardSampler(Sampler[Draw]):
     ``DataLoader(ds, batch_size=B, sampler=ShardSampler(ds))``, then ``sampler.set_epoch(e)`` each
     epoch (it sets the dataset's epoch too). Options:
 
-    - ``shuffle``/``order``: ``"random"`` (default), ``"sequential"``, or ``"block"``: blocks of
-      ``block_size`` records stored together, in random block order, records shuffled within each
-      ``window`` of consecutive blocks (reads stay within a window's region of the files: for data
-      bigger than the page cache; docs/DATASET.md gives the shuffle quality measured);
+    - ``shuffle``/``order``: ``"random"`` (default for a local dataset), ``"sequential"``, or
+      ``"block"`` (default for a dataset in object storage): blocks of ``block_size`` records stored
+      together (default: a cache unit's records from object storage, else ~4 MiB), in random block
+      order, records shuffled within each ``window`` of consecutive blocks (reads stay within a
+      window's region of the files: for data bigger than the page cache, or fetched unit by unit).
+      The default window is the smallest whose batches' labels mix almost as well as a global
+      shuffle's (:data:`MIX_TARGET`), within a cache limit; docs/DATASET.md, "Order";
     - ``weights`` (one per record) or ``balanced=True`` (inverse class frequency): ``num_samples``
       picks (default: len(dataset)) with replacement;
     - ``num_samples`` unweighted: that many draws, from as many permutations as it takes (with
@@ -89,13 +102,14 @@ class ShardSampler(Sampler[Draw]):
         rank: Optional[int] = None,
         drop_last: bool = False,
         block_size: Optional[int] = None,
-        window: int = 16,
+        window: Optional[int] = None,
         prefetch: int = 1,
         pad: bool = True,
         proportions: Optional[Sequence[float]] = None,
     ) -> None:
         _refuse_concat(dataset)
-        order = order or ("random" if shuffle else "sequential")
+        units = _fetch_units(dataset)
+        order = order or ("sequential" if not shuffle else "block" if units else "random")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
         if not shuffle and order != "sequential":
@@ -115,14 +129,16 @@ class ShardSampler(Sampler[Draw]):
             if order == "block":
                 raise ValueError('order="block" draws every record once; it does not take weights')
             self.weights = w / w.sum()
-        repeats, window, prefetch = (
-            _integer("repeats", repeats),
-            _integer("window", window),
-            _integer("prefetch", prefetch),
-        )
+        repeats, prefetch = _integer("repeats", repeats), _integer("prefetch", prefetch)
+        window = None if window is None else _integer("window", window)
         num_samples = None if num_samples is None else _integer("num_samples", num_samples)
         block_size = None if block_size is None else _integer("block_size", block_size)
-        if repeats < 1 or (num_samples is not None and num_samples < 1) or window < 1 or prefetch < 0:
+        if (
+            repeats < 1
+            or (num_samples is not None and num_samples < 1)
+            or (window is not None and window < 1)
+            or prefetch < 0
+        ):
             raise ValueError("repeats, num_samples and window must be positive, prefetch not negative")
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be a positive number of records, not {block_size}")
@@ -152,9 +168,9 @@ class ShardSampler(Sampler[Draw]):
         self.repeats = repeats
         self.num_replicas, self.rank = num_replicas, rank
         self.drop_last, self.pad = drop_last, pad
-        self.block_size = block_size or _default_block(dataset)
-        self.window = window
+        self.block_size = block_size or min((u for u, _ in units if u), default=0) or _default_block(dataset)
         self.prefetch = prefetch
+        self.window = window or (_mixing_window(self, units) if order == "block" else UNLABELED_WINDOW)
         self.epoch = 0
         self._resume: Optional[int] = None  # global position the next iteration starts at
         self._base = 0  # global position the current iteration started at
@@ -187,7 +203,7 @@ class ShardSampler(Sampler[Draw]):
         elif self.order == "sequential":
             picks = np.arange(self.num_samples) % n
         elif self.order == "block":
-            parts = [self._block_permutation(rng) for _ in range(-(-self.num_samples // n))]
+            parts = [_block_permutation(rng, n, self.block_size, self.window) for _ in range(-(-self.num_samples // n))]
             per_round = -(-n // (self.block_size * self.window))  # windows in one permutation
             picks = np.concatenate([perm for perm, _ in parts])[: self.num_samples]
             windows = np.concatenate([w + k * per_round for k, (_, w) in enumerate(parts)])[: self.num_samples]
@@ -216,15 +232,6 @@ class ShardSampler(Sampler[Draw]):
                 parts.append(first + np.concatenate([rng.permutation(size) for _ in range(rounds)])[:count])
         picks = np.concatenate(parts)
         return picks if self.order == "sequential" else rng.permutation(picks)
-
-    def _block_permutation(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Blocks of ``block_size`` consecutive records in random order; records shuffled within
-        each run of ``window`` consecutive blocks of that order. Also each draw's window."""
-        records = np.arange(self.size)
-        block_rank = np.argsort(rng.permutation(-(-self.size // self.block_size)))
-        window_of = block_rank[records // self.block_size] // self.window
-        perm = np.lexsort((rng.random(self.size), window_of))
-        return perm, window_of[perm]
 
     def _ahead(self, records: np.ndarray, windows: np.ndarray, positions: np.ndarray) -> dict[int, Ranges]:
         """order="block": what the dataset should ask of the disk, by global position. This rank's
@@ -396,10 +403,76 @@ class ShardSampler(Sampler[Draw]):
 
 def _default_block(dataset: Any) -> int:
     """Records per block for order="block": about 4 MiB of records (at least 16)."""
-    indexes = [getattr(d, "index", None) for d in getattr(dataset, "datasets", [dataset])]  # a mix: its members'
-    lengths = [i["length"] for i in indexes if i is not None and len(i)]
+    lengths = [i["length"] for i in _indexes(dataset) if len(i)]
     mean = float(np.concatenate(lengths).mean()) if lengths else 65536.0
     return max(16, math.ceil((4 << 20) / max(mean, 1.0)))
+
+
+def _block_permutation(
+    rng: np.random.Generator, size: int, block_size: int, window: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of ``block_size`` consecutive records in random order; records shuffled within each
+    run of ``window`` consecutive blocks of that order. Also each draw's window."""
+    records = np.arange(size)
+    block_rank = np.argsort(rng.permutation(-(-size // block_size)))
+    window_of = block_rank[records // block_size] // window
+    perm = np.lexsort((rng.random(size), window_of))
+    return perm, window_of[perm]
+
+
+def _fetch_units(dataset: Any) -> list[tuple[int, Optional[int]]]:
+    """(records per cache unit, cache limit) of each member in object storage (ShardDataset.fetch_unit)."""
+    members = getattr(dataset, "datasets", [dataset])  # a mix: its members'
+    found = [m.fetch_unit() for m in members if hasattr(m, "fetch_unit")]
+    return [f for f in found if f is not None]
+
+
+def label_entropy(labels: np.ndarray, sequence: np.ndarray, batch_size: int) -> float:
+    """Mean Shannon entropy (bits) of the labels in each whole batch of ``sequence``: 0 where every
+    batch holds one class, log2(min(classes, batch_size)) at most. Labels below 0 (none) count as one."""
+    batches = len(sequence) // batch_size
+    if batches == 0:
+        return 0.0
+    drawn = np.asarray(labels, dtype=np.int64)[np.asarray(sequence)[: batches * batch_size]] + 1
+    kinds = int(drawn.max()) + 1
+    _, counts = np.unique(np.repeat(np.arange(batches), batch_size) * kinds + drawn, return_counts=True)
+    p = counts / batch_size  # each (batch, label) pair's share of its batch
+    return float(-(p * np.log2(p)).sum() / batches)
+
+
+def _mixing_window(sampler: ShardSampler, units: list[tuple[int, Optional[int]]]) -> int:
+    """The smallest power-of-two window whose batches (of :data:`MIX_BATCH`) have at least
+    :data:`MIX_TARGET` of a global shuffle's label entropy, measured on one epoch of each
+    candidate's order (seeded: a function of the dataset alone; more blocks a window never mix
+    less, so the powers are searched by bisection); no larger than the cache limit holds with the
+    windows fetched ahead. Unlabeled or multi-label: :data:`UNLABELED_WINDOW`."""
+    n, block = sampler.size, sampler.block_size
+    most = -(-n // block)
+    for per_unit, limit in units:
+        if limit is not None and per_unit:
+            lengths = np.concatenate([i["length"] for i in _indexes(sampler.dataset)])
+            unit_bytes = per_unit * max(1.0, float(lengths.mean()))
+            most = min(most, max(1, int(limit // (unit_bytes * (sampler.prefetch + 2)))))
+    labels = np.asarray(getattr(sampler.dataset, "labels", np.full(n, -1)))
+    if (labels < 0).all():
+        return min(UNLABELED_WINDOW, most)
+    batch = min(MIX_BATCH, n)
+    probe = batch * MIX_PROBE_BATCHES
+    target = MIX_TARGET * label_entropy(labels, np.random.default_rng(0).permutation(n)[:probe], batch)
+    lo, hi = 0, max(0, (most - 1).bit_length())  # exponents: 2**hi >= most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        order = _block_permutation(np.random.default_rng(0), n, block, 1 << mid)[0][:probe]
+        if label_entropy(labels, order, batch) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return min(1 << lo, most)
+
+
+def _indexes(dataset: Any) -> list[np.ndarray]:
+    """The index of the dataset (a mix: of each member)."""
+    return [d.index for d in getattr(dataset, "datasets", [dataset]) if getattr(d, "index", None) is not None]
 
 
 def _words(config: str) -> dict[str, str]:

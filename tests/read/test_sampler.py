@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from packer import ShardSampler
 from packer.read import rng
 from packer.read.dataset import ShardDataset
-from packer.read.sampler import Draw
+from packer.read.sampler import MIX_BATCH, MIX_TARGET, Draw, label_entropy
 
 from .. import _sampler_run as run
 from .._sampler_run import BATCH, CROP, jitter
@@ -526,3 +526,35 @@ def test_unshuffled_validation_iterated_twice_an_epoch_does_not_warn(built) -> N
     train = ShardSampler(ds)
     with pytest.warns(UserWarning, match="without set_epoch"):
         list(train), list(train)
+
+
+def test_label_entropy_counts_bits_per_batch() -> None:
+    labels = np.repeat(np.arange(64), 2)  # records 2c, 2c + 1: class c
+    assert label_entropy(labels, np.arange(128), 64) == pytest.approx(5.0)  # 32 classes, 2 each
+    assert label_entropy(labels, np.arange(0, 128, 2), 64) == pytest.approx(6.0)  # 64 classes once
+    assert label_entropy(np.zeros(128, dtype=np.int64), np.arange(128), 64) == 0.0
+    assert label_entropy(np.r_[np.zeros(32), np.ones(32)].astype(np.int64), np.arange(64), 64) == pytest.approx(1.0)
+    assert label_entropy(labels, np.arange(10), 64) == 0.0  # no whole batch
+
+
+def test_default_window_mixes_labels_like_a_global_shuffle(class_sorted: Path) -> None:
+    ds = ShardDataset(class_sorted, crop_size=16)
+    assert len(ds) == 768 and (np.diff(ds.labels) >= 0).all()  # stored class by class
+    shuffled = label_entropy(ds.labels, np.random.default_rng(5).permutation(len(ds)), MIX_BATCH)
+    for block in (4, 8, 32):  # a cache unit's records, say
+        s = ShardSampler(ds, order="block", block_size=block)
+        assert s.window & (s.window - 1) == 0 or s.window == len(ds) // block  # a power of two, or every block
+        mixing = [label_entropy(ds.labels, s.sequence(e), MIX_BATCH) / shuffled for e in range(4)]
+        assert min(mixing) >= MIX_TARGET - 0.03, (block, s.window, mixing)
+        # the smallest such window: half of it mixes less than the target asks
+        half = ShardSampler(ds, order="block", block_size=block, window=max(1, s.window // 2))
+        if s.window > 1:
+            assert label_entropy(ds.labels, half.sequence(0), MIX_BATCH) < MIX_TARGET * shuffled
+    # a window of one block is one class a batch: what the default avoids
+    assert label_entropy(ds.labels, ShardSampler(ds, order="block", block_size=48, window=1).sequence(0), 48) == 0.0
+    # an explicit window, and the window in the resume state's configuration
+    assert ShardSampler(ds, order="block", block_size=8, window=3).window == 3
+    assert (
+        f"window={ShardSampler(ds, order='block', block_size=8).window}"
+        in ShardSampler(ds, order="block", block_size=8).config()
+    )
