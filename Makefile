@@ -23,13 +23,14 @@ SANITIZE_SEED ?= 0
 SANITIZE_DIR := build/sanitize
 PACKAGE_DIR := build/package
 
-.PHONY: help system-deps setup demo lint test test-sanitize package-check dataset dataset-verify dataset-clean bench clean
+.PHONY: help system-deps setup demo lint docs test test-sanitize package-check dataset dataset-verify dataset-clean bench clean
 
 help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
 	@echo "make demo       generate 12 MP sample photos, pack them, show info, read them back"
 	@echo "make lint       ruff (lint + format check) and mypy over packer/ tests/ scripts/; the import layers"
-	@echo "make test       lint, the test suite, and a short fuzz of the C extension under ASan/UBSan"
+	@echo "make docs       build docs/ into a browsable site in build/site/ (mkdocs --strict: a broken link fails)"
+	@echo "make test       lint, the docs build, the test suite, and a short fuzz of the C extension under ASan/UBSan"
 	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
 	@echo "make package-check  build the sdist and wheel, install the wheel in a fresh venv, build and verify a dataset"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
@@ -71,7 +72,13 @@ lint: setup
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
-test: setup lint
+# docs/ as HTML (config: mkdocs.yml), in build/site/; --strict turns every warning (a broken link or
+# anchor, a page left out of the nav) into a failure, so `make test` (and CI) checks the docs too.
+# Not --quiet: it drops the warnings before --strict counts them, and a broken link then passes.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
+
+test: setup lint docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-sanitize SANITIZE_SECONDS=20
 	$(MAKE) --no-print-directory package-check

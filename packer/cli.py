@@ -223,7 +223,7 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | Non
 
     OUT may be an s3:// URL: the dataset is staged on this machine (see --staging), then published,
     the store's current version replaced last, in one step; interrupted or failed, the store keeps its
-    previous version and the same command finishes the job (README, "Publishing to object storage").
+    previous version and the same command finishes the job (docs/OBJECT-STORAGE.md, "Publishing").
     """
     from .builder.labels import Labelling
 

@@ -167,31 +167,27 @@ def units_of(ds: ShardDataset, records: list[int]) -> list[str]:
 
 
 def half_cache(
-    url: str,
-    draws: list[int],
-    args: argparse.Namespace,
-    order: dict[str, Any],
-    proxy: ProxyProcess,
-    rule: Faults,
-    names: list[str],
-    data: int,
-    tmp: Path,
-) -> list[float]:
-    """Bytes fetched / the offline optimum, a cache of half the data: read in this process (the
-    sampler's epoch order known), then by 2 DataLoader workers (its announcements only)."""
-    ratios = []
-    batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
+    url: str, args: argparse.Namespace, proxy: ProxyProcess, rule: Faults, names: list[str], data: int, tmp: Path
+) -> tuple[list[float], int]:
+    """Bytes fetched / the offline optimum, a cache of half the data, in the order ShardSampler takes
+    for the dataset with that limit: read in this process (the sampler's epoch order known), then by 2
+    DataLoader workers (its announcements only). Also the window that order has."""
+    ratios, window = [], 0
     for workers in (0, 2):
         proxy.rule(rule)
         limit = data // 2
         ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / f"half-{workers}", cache_limit=limit)
+        order = chosen_order(ds, args)
+        draws = sampler(ds, order).sequence(0).tolist()
+        batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
         for _ in loader(ds, args, order, workers):
             pass
         units = ds._remote._units
         sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
         best = furthest_future_bytes([units_of(ds, b) for b in batches], sizes, limit)
         ratios.append(fetched(proxy, names) / best)
-    return ratios
+        window = order["window"]
+    return ratios, window
 
 
 def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server: Any) -> dict[str, Any]:
@@ -262,8 +258,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.pid))]
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
-    draws = [int(d) for d in sampler(ShardDataset(out, crop_size=args.crop_size, seed=1), order)]
-    half = half_cache(url, draws, args, order, proxy, rule, names, data, tmp) if per_unit else []
+    half, half_window = half_cache(url, args, proxy, rule, names, data, tmp) if per_unit else ([], 0)
 
     proxy.rule(rule)
     ctx = mp.get_context("spawn")
@@ -297,6 +292,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         "fetched": med(ratios),
         "same": same,
         "half": half,
+        "half_window": half_window,
         "ranks": ranks_ratio,
         "twice": twice,
         "cpu": (sum(cold), *cpu),  # summed over the cold runs: wall seconds, server, proxy, this process, workers
@@ -348,7 +344,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---:|---:|---|---:|---|---|---:|---|")
     for r in rows:
-        half = ", ".join(f"{h:.3f}x" for h in r["half"]) or "-"
+        half = ", ".join(f"{h:.3f}x" for h in r["half"]) + f" (window {r['half_window']})" if r["half"] else "-"
         print(
             f"| {r['backend']} | {r['files']} | {r['units']} | {r['order']}, {r['mixing']:.3f} | "
             f"{r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "

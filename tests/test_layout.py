@@ -1,5 +1,5 @@
-"""The code layout as documented and packaged: README's table names every module in packer/, and
-pyproject.toml lists every subpackage (a wheel holds only the packages listed)."""
+"""The code layout as documented and packaged: docs/ARCHITECTURE.md's table names every module in
+packer/, and pyproject.toml lists every subpackage (a wheel holds only the packages listed)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def modules() -> set[str]:
     }
 
 
-def test_readme_layout_table_names_every_module() -> None:
-    text = (ROOT / "README.md").read_text()
+def test_architecture_layout_table_names_every_module() -> None:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     table = text[text.index("## Code layout") :]
     table = table[: table.index("\n## ", 1)]
     listed = set()
@@ -37,8 +37,8 @@ def test_readme_layout_table_names_every_module() -> None:
             else:
                 listed.add(f"{folder}/{name}")
     folders = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"}
-    assert modules() - listed == set(), "modules missing from README's code-layout table"
-    assert listed - modules() - folders == set(), "README's code-layout table names modules that do not exist"
+    assert modules() - listed == set(), "modules missing from the code-layout table"
+    assert listed - modules() - folders == set(), "the code-layout table names modules that do not exist"
 
 
 def test_every_subpackage_is_packaged() -> None:

@@ -129,7 +129,7 @@ class ReadOptions:
     cache_dir: Optional[str | os.PathLike] = _setting(
         None,
         "a URL path (`s3://...`, `https://...`): the node-local cache its files are fetched into, shared by "
-        'every rank and worker of the node (README, "Training from object storage")',
+        'every rank and worker of the node (docs/OBJECT-STORAGE.md, "Reading from a bucket")',
         shown="`$PACKER_CACHE_DIR`, else `~/.cache/packer`",
         keyword=True,
     )

@@ -289,7 +289,7 @@ def advice(
     batch_size: int,
     train: bool,
 ) -> dict[str, Any]:
-    """The README's training setup (ShardSampler, uint8 batches normalized on the GPU) with the
+    """The training setup docs/DATASET.md recommends (ShardSampler, uint8 batches normalized on the GPU) with the
     settings and notes that follow from the sweep, the profile and the dataset's size: ``count``
     records, batches of ``batch_size``, ``train`` or eval crops."""
     k = knee(points)
@@ -425,7 +425,7 @@ class BenchResult:
         kw = ", ".join(f"{k}={v}" for k, v in rec["dataloader"].items() if v is not None and k != "pin_memory")
         lines += [
             "",
-            'recommended (README, "Training with it"):',
+            'recommended (docs/DATASET.md, "Recommended DataLoader settings, and why"):',
             f"  ds = ShardDataset({self.path!r}, crop_size={self.crop_size}, train={self.train}, dtype=torch.uint8)",
             f"  sampler = {rec['sampler']}  # sampler.set_epoch(epoch) before each epoch",
             f"  loader = DataLoader(ds, sampler=sampler, {kw}, pin_memory=True)  # pin_memory on CUDA",

@@ -1,5 +1,5 @@
-"""Readers during a refresh: the README's nightly recipe rebuilds OUT (``--update`` or ``--force``) while
-a training job reads it. A ShardDataset keeps reading the version it opened, index and records
+"""Readers during a refresh: the nightly recipe (docs/REFRESHING.md) rebuilds OUT (``--update`` or
+``--force``) while a training job reads it. A ShardDataset keeps reading the version it opened, index and records
 together, for its whole life and its workers' (fork, spawn, persistent or not, lazily used memmap
 shards, LMDB and memmap, JPEG and raw), or refuses with one clear DatasetReplaced where the old
 version cannot be reached any more (a spawned worker after the old files were deleted).
