@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from packer import ShardDataset, ShardSampler, build  # noqa: E402
 from packer.backends import data_files  # noqa: E402
-from packer.format import INDEX, MANIFEST, Manifest  # noqa: E402
+from packer.format import INDEX, MANIFEST, DatasetError, Manifest  # noqa: E402
 from packer.read import remote  # noqa: E402
 from packer.read.sampler import label_entropy  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
@@ -171,7 +171,8 @@ def half_cache(
 ) -> tuple[list[float], int]:
     """Bytes fetched / the offline optimum, a cache of half the data, in the order ShardSampler takes
     for the dataset with that limit: read in this process (the sampler's epoch order known), then by 2
-    DataLoader workers (its announcements only). Also the window that order has."""
+    DataLoader workers (its announcements only); NaN where one batch's units alone exceed the limit
+    (``--order random``: no order of fetches fits). Also the window that order has."""
     ratios, window = [], 0
     for workers in (0, 2):
         proxy.rule(rule)
@@ -180,12 +181,20 @@ def half_cache(
         order = chosen_order(ds, args)
         draws = sampler(ds, order).sequence(0).tolist()
         batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
-        for _ in loader(ds, args, order, workers):
-            pass
+        try:
+            for _ in loader(ds, args, order, workers):
+                pass
+        except DatasetError as e:  # what a user of this order and limit meets
+            print(f"half cache, {workers} workers, order {order['order']}: {e}", file=sys.stderr)
+            ratios.append(float("nan"))
+            continue
         units = ds._remote._units
         sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
-        best = furthest_future_bytes([units_of(ds, b) for b in batches], sizes, limit)
-        ratios.append(fetched(proxy, names) / best)
+        needs = [units_of(ds, b) for b in batches]
+        if max(sum(sizes[u] for u in n) for n in needs) > limit:  # no schedule fits: a batch alone exceeds it
+            ratios.append(float("nan"))
+        else:
+            ratios.append(fetched(proxy, names) / furthest_future_bytes(needs, sizes, limit))
         window = order["window"]
     return ratios, window
 
