@@ -6,7 +6,7 @@ would, and puts the fault proxy (tests/store/proxy.py) in front of it with a fir
 bandwidth cap of ``--cap`` times what the warm local epoch consumes, in a process of its own (as a
 store is: its threads do not share this process's interpreter lock with the downloads). Then, with
 the same DataLoader settings and ShardSampler order (``order="block"``, blocks of one cache unit: a
-memmap unit's records, packer.read.remote.UNIT_BYTES), for each backend, the median of ``--runs``
+memmap unit's records, packer.read.remote.settings.UNIT_BYTES), for each backend, the median of ``--runs``
 runs of:
 
 - warm local epoch (the dataset in the page cache): samples/s, and the MB/s of records it consumes;
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from packer import ShardDataset, ShardSampler, build  # noqa: E402
 from packer.backends import data_files  # noqa: E402
 from packer.format import INDEX, MANIFEST, Manifest  # noqa: E402
-from packer.read import remote  # noqa: E402
+from packer.read.remote import settings as knobs  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
 from tests.store.furthest import furthest_future_bytes  # noqa: E402
@@ -95,7 +95,7 @@ def cpu_seconds(*others: int) -> list[float]:
 
 def rank_epoch(url: str, cache: str, rank: int, args: argparse.Namespace, block: int, env: dict[str, str]) -> None:
     os.environ.update(env)
-    remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
+    knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
     ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache)
     for _ in loader(ds, args, block, 2, num_replicas=2, rank=rank):
         pass
@@ -289,8 +289,8 @@ def main() -> None:
     p.add_argument("--format", choices=("jpeg", "raw"), default="jpeg", help="the records: JPEG or uint8 pixels")
     p.add_argument("--runs", type=int, default=3, help="runs of each measurement (medians reported)")
     p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
-    p.add_argument("--unit-bytes", type=int, default=remote.UNIT_BYTES, help="about the bytes of a memmap unit")
-    p.add_argument("--unit-streams", type=int, default=remote.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
+    p.add_argument("--unit-bytes", type=int, default=knobs.UNIT_BYTES, help="about the bytes of a memmap unit")
+    p.add_argument("--unit-streams", type=int, default=knobs.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
     p.add_argument("--prefetch", type=int, default=4, help="windows (blocks) fetched ahead (ShardSampler)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
@@ -300,7 +300,7 @@ def main() -> None:
     p.add_argument("--stream-cap", type=float, default=0.0, help="the same, per GET (0: none)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench-remote")
     args = p.parse_args()
-    remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
+    knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
 
     raw = args.work / f"raw-{args.images}"
     make_folder(raw, args.images, size=(480, 360), workers=2)

@@ -28,8 +28,9 @@ from torch.utils.data import DataLoader
 from packer import MixDataset, ShardDataset, ShardSampler, build
 from packer.backends import BACKENDS, data_files
 from packer.format import DatasetError, Manifest
-from packer.read import remote
-from packer.read.remote import _locked as cache_lock
+from packer.read.remote import checks, settings
+from packer.read.remote import turns as remote_turns
+from packer.read.remote.locks import locked as cache_lock
 from packer.store import StoreError
 from packer.store.base import PerProcess
 
@@ -43,7 +44,7 @@ def _fresh_turns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's prefetches take turns from a fresh start: the process's turns keep the stream
     rates and the readers' pace they measured, and an earlier test's could widen this one's (two
     released at once send their GETs in either order)."""
-    monkeypatch.setattr(remote, "_turns", PerProcess(remote._Turns))
+    monkeypatch.setattr(remote_turns, "process_turns", PerProcess(remote_turns.Turns))
 
 
 def _same(a: ShardDataset, b: ShardDataset) -> None:
@@ -142,7 +143,7 @@ def test_damaged_range_refetched_then_named(built, s3_server: S3Server, proxy: P
     fails with a DatasetError naming the object and the range, and no sample is served."""
     local = built("memmap", "jpeg")
     here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
-    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
+    monkeypatch.setattr(settings, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
     url = s3_server.upload(local, "damaged/memmap-ranges")
     proxy.faults.append(Faults(match="shard-00001", corrupt=1))
     ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "a")
@@ -203,8 +204,8 @@ def test_cache_limit_waits_for_holders_then_refuses(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
     """LMDB readers hold the segments they opened until they go: a download that finds no room waits
-    for them (remote.ROOM_WAIT) and then fails clearly; once they go, their units are evicted."""
-    monkeypatch.setattr(remote, "ROOM_WAIT", 0.5)
+    for them (settings.ROOM_WAIT) and then fails clearly; once they go, their units are evicted."""
+    monkeypatch.setattr(settings, "ROOM_WAIT", 0.5)
     local = built("lmdb", "jpeg")
     sizes = _files(local)
     url = s3_server.upload(local, "limit/lmdb")
@@ -374,13 +375,13 @@ def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch:
 
 
 def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
-    """memmap units are ranges of two records (remote.UNIT_BYTES), aligned to ShardSampler's blocks
+    """memmap units are ranges of two records (settings.UNIT_BYTES), aligned to ShardSampler's blocks
     of two: the first sample waits for its own unit, not its shard; the next window's unit is
     fetched in the background while the current one is read, so it is cached before its first
     draw; every byte is fetched once, and the samples equal the local ones."""
     local = built("memmap", "raw")  # 3 shards of 7, 7 and 4 records
     here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
-    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
+    monkeypatch.setattr(settings, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
     url = s3_server.upload(local, "prefetch/memmap")
     proxy.faults.append(Faults(match="shard-", delay=0.3))
     ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
@@ -415,7 +416,7 @@ def _units_of_two(
     """The dataset at ``local`` (3 shards of 7, 7 and 4 records), uploaded under ``prefix`` and opened
     from there with memmap units of 2 records: the local dataset, the remote one and its units."""
     here = ShardDataset(local, crop_size=16, seed=2)
-    monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))
+    monkeypatch.setattr(settings, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))
     ds = ShardDataset(s3_server.upload(local, prefix), crop_size=16, seed=2, cache_dir=tmp_path / "cache")
     units = ds._remote._units
     assert units is not None and ds._remote.per_unit == 2
@@ -514,8 +515,8 @@ def test_mix_members_fetched_ahead_by_the_sampler_process(
     located = [mix.locate(int(d)) for d in list(sampler(local_mix))[:4]]  # each worker's first batch
     assert sum(p in theirs for p in gets) <= len({(m, int(units.of[r])) for m, r in located}), gets
     assert a._remote is not None and b._remote is not None
-    assert a._remote._plan is not None and b._remote._plan is not None  # each member told its draws
-    read = (a._remote._at, b._remote._at)  # the draws each member counts read: its own, not the mix's
+    assert a._remote._next.planned is not None and b._remote._next.planned is not None  # each member told its draws
+    read = (a._remote._next.at, b._remote._next.at)  # the draws each member counts read: its own, not the mix's
     assert mix._read[0] > len(a) >= max(read) and 0 < sum(read) <= mix._read[0]
 
 
@@ -557,7 +558,7 @@ def test_records_checked_as_their_bytes_arrive(tmp_path: Path) -> None:
     the check after it reads back only those whose bytes did not all come in order in one stream
     (cut by two parts, in a part already there, written twice), so damage is caught either way."""
     records = [bytes([i]) * (100 + 37 * i) for i in range(6)]
-    rows = np.zeros(len(records), remote._ROWS_DTYPE)
+    rows = np.zeros(len(records), checks.ROWS_DTYPE)
     rows["length"] = [len(r) for r in records]
     rows["position"] = np.concatenate([[0], np.cumsum(rows["length"])[:-1]]) + 3  # 3 bytes no row covers
     rows["crc32"] = [zlib.crc32(r) for r in records]
@@ -566,7 +567,7 @@ def test_records_checked_as_their_bytes_arrive(tmp_path: Path) -> None:
     path.write_bytes(data)
     expected = (BACKENDS["memmap"], np.arange(len(records)), rows)
     cut = int(rows["position"][3]) + 50  # a part boundary inside record 3
-    received = remote._Received(rows)
+    received = checks.Received(rows)
     for at in range(cut, len(data), 64):  # the second part first, in pieces
         received(at, data[at : at + 64])
     received(0, data[:cut])  # then the first, in one piece
@@ -574,20 +575,20 @@ def test_records_checked_as_their_bytes_arrive(tmp_path: Path) -> None:
     whole, crcs = received.checked()
     assert whole.tolist() == [True, False, True, False, True, True]  # 1: twice; 3: cut by the parts
     assert (crcs[whole] == rows["crc32"][whole]).all()
-    assert remote._unit_problem(path, expected, received) == ""
+    assert checks.unit_problem(path, expected, received) == ""
     path.write_bytes(data[:cut] + b"X" + data[cut + 1 :])  # damage read back: record 3
-    assert "record 3: CRC-32 differs" in remote._unit_problem(path, expected, received)
-    damaged = remote._Received(rows)
+    assert "record 3: CRC-32 differs" in checks.unit_problem(path, expected, received)
+    damaged = checks.Received(rows)
     damaged(0, data[:200] + b"X" + data[201:])  # damage as it arrived: record 1
-    assert "record 1: CRC-32 differs" in remote._unit_problem(tmp_path / "unit", expected, damaged)
-    assert "record 0 is missing" in remote._unit_problem(tmp_path / "none", expected, remote._Received(rows))
+    assert "record 1: CRC-32 differs" in checks.unit_problem(tmp_path / "unit", expected, damaged)
+    assert "record 0 is missing" in checks.unit_problem(tmp_path / "none", expected, checks.Received(rows))
 
 
 def test_turns_widen_only_where_one_stream_is_too_slow():
     """One prefetch receives at a time (the next waits for it to finish, lower ranks entered before
     first) while one stream alone outpaces the readers; where it does not, as many as their
     consumption needs receive at once, up to PREFETCH_UNITS."""
-    turns = remote._Turns()
+    turns = remote_turns.Turns()
     turns.alone(100e6)
     turns.consumed(80e6)  # a node's capped bandwidth that one stream fills
     assert turns._width == 1
@@ -617,7 +618,7 @@ def test_turns_widen_only_where_one_stream_is_too_slow():
         waiting[0].join(10)
         assert order == ["b", "c"]
         turns.consumed(1e9)
-        assert turns._width == remote.PREFETCH_UNITS
+        assert turns._width == settings.PREFETCH_UNITS
     finally:
         turns.consumed(1e9)  # none left waiting, whatever failed
 
