@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from packer import MixDataset, ShardDataset, ShardSampler, build
 from packer.backends import BACKENDS, data_files
 from packer.format import DatasetError, Manifest
-from packer.read.remote import checks, settings
+from packer.read.remote import Remote, checks, settings
 from packer.read.remote import turns as remote_turns
 from packer.read.remote.locks import locked as cache_lock
 from packer.store import StoreError
@@ -319,6 +319,57 @@ def test_epoch_in_a_cache_of_three_units(
         watcher.join()
     assert 0 < highest[0] <= limit
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it had to evict and fetch again
+
+
+def test_fetched_unit_opened_before_another_thread_may_let_go_of_it(
+    small_shards: Path, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's units download in threads, and one that finds no room lets go of every unit the
+    process holds (Remote.release): a kept hold is another thread's to close at once. A fetch
+    that opened the descriptor it returns through ``/proc/self/fd/<hold>`` after keeping the hold
+    failed with FileNotFoundError when a release came between the two (or opened whatever file had
+    taken the number since). Deterministic: every hold is let go of the moment it is kept, as such
+    a thread may; every sample still equals the local one, through __getitem__ and a batch."""
+    limit = 3 * max(_files(small_shards).values())
+    url = s3_server.upload(small_shards, "race/keep")
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=limit)
+    local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
+    keep = Remote._keep
+
+    def keep_then_let_go(self: Remote, hold: int, path: Path) -> None:
+        keep(self, hold, path)
+        self.release()  # another thread's batch, out of room, letting go of this process's units
+
+    monkeypatch.setattr(Remote, "_keep", keep_then_let_go)
+    _same(remote, local)
+    batch = remote.__getitems__(list(range(0, len(local), 5)))
+    assert all(torch.equal(got[0], local[i][0]) for got, i in zip(batch, range(0, len(local), 5), strict=True))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_default_sampler_two_workers_many_evictions(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context: str
+) -> None:
+    """The plain recipe (ShardSampler's default order, two workers) through a cache of eight units
+    of eighteen: each batch touches most of the cached units, the workers' downloads evict what
+    the other just let go of, for two epochs; the batches equal a local run's, and units were
+    fetched again (the limit was felt)."""
+    sizes = _files(small_shards)
+    url = s3_server.upload(small_shards, f"race/loader-{context}")
+    remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=tmp_path / "cache", cache_limit=8 * max(sizes.values()))
+    local = ShardDataset(small_shards, crop_size=16, seed=5)
+    sampler, want_sampler = ShardSampler(remote, seed=0), ShardSampler(local, seed=0)
+    loader = DataLoader(
+        remote, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context, persistent_workers=True
+    )
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        want_sampler.set_epoch(epoch)
+        got, want = list(loader), list(DataLoader(local, batch_size=4, sampler=want_sampler))
+        assert len(got) == len(want) == 18
+        for g, w in zip(got, want):
+            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())
 
 
 @pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])

@@ -171,9 +171,10 @@ class Remote:
         return np.asarray(mapping)
 
     def release(self) -> None:
-        """Let go of the units this process holds, with a memmap reader (see packer.read.remote's docstring):
-        called after each batch, so that a cache of a few units serves an epoch. With a cache limit
-        their mappings go too (the disk space of an evicted unit is freed with its last mapping)."""
+        """Let go of the units this process holds, with a memmap reader (see packer.read.remote):
+        called after each batch, so that a cache of a few units serves an epoch, and by a batch's
+        download that finds no room (in any thread). With a cache limit their mappings go too (the
+        disk space of an evicted unit is freed with its last mapping)."""
         pinned = self._pinned() if self._pinned is not None else None
         if pinned is None or not pinned.shards or not isinstance(pinned.shards[0][0], RangedShard):
             return
@@ -300,15 +301,19 @@ class Remote:
             let_go(hold)
             return False
         self._keep(hold, path)
-        LOCKING.discard(hold)
         return True
 
     def _keep(self, hold: int, path: Path) -> None:
         """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release` (a child
-        forked from now on closes its copy: see _after_fork)."""
+        forked from now on closes its copy: see _after_fork). From here on the descriptor is
+        ``_held``'s: a batch's download in another thread that finds no room releases every unit
+        the process holds, so the caller must not use ``hold`` again (it may be closed, and its
+        number taken by another file: a reader reopening it through ``/proc/self/fd`` got
+        FileNotFoundError, or the wrong file)."""
         with self._lock.get():
             old = self._held.pop(str(path), None)
             self._held[str(path)] = hold
+            LOCKING.discard(hold)  # under the lock: a release closes it only after it left LOCKING
         if old is not None:
             let_go(old)
 
@@ -351,16 +356,17 @@ class Remote:
                 try:
                     with contextlib.suppress(FileExistsError):
                         os.link(unit, root / name)  # held: no process can evict it meanwhile
-                    if demand:
-                        self._keep(hold, root / name)
+                    # the reader's own descriptor, opened while the hold is still this thread's alone
+                    # (once kept, it is any thread's release() to close: see _keep)
+                    fd = os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC) if demand else -1
                 except BaseException:
                     let_go(hold)
                     raise
                 if not demand:
                     let_go(hold)  # a prefetch's unit is left to eviction by next use
                     return None
-                LOCKING.discard(hold)
-                return os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC)
+                self._keep(hold, root / name)
+                return fd
         raise evicted_too_often(self._named(name))
 
     def _places(self, root: Path) -> tuple[Manifest, np.ndarray, np.ndarray, np.ndarray]:
