@@ -8,6 +8,7 @@ import gc
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -214,7 +215,7 @@ def test_cache_limit_waits_for_holders_then_refuses(
     first = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
     _same(first, ShardDataset(local, crop_size=None, dtype=torch.uint8))
     other = s3_server.upload(local, "limit/lmdb-copy")
-    with pytest.raises(DatasetError, match=r"cache_limit .* too small: .* held by open readers"):
+    with pytest.raises(DatasetError, match=r"cache_limit .* too small for the batches read at once: .* held by"):
         ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
     del first
     gc.collect()  # its reader lets go of its units: they may be evicted now
@@ -224,12 +225,26 @@ def test_cache_limit_waits_for_holders_then_refuses(
     assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
 
 
-def test_cache_limit_below_one_unit_refused_at_once(built, s3_server: S3Server, tmp_path: Path) -> None:
+def test_cache_limit_that_cannot_work_refused_at_once(built, s3_server: S3Server, tmp_path: Path) -> None:
+    """A limit below the largest unit and what the cache keeps of the version fails as the dataset
+    is opened, in one line that names the limit that would work; that limit does."""
     local = built("memmap", "jpeg")
     url = s3_server.upload(local, "limit/tiny")
     largest = max(_files(local).items(), key=lambda item: item[1])
-    with pytest.raises(DatasetError, match=rf"cache_limit {largest[1] - 1} bytes is too small: .*{largest[0]} alone"):
-        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=largest[1] - 1)
+    with pytest.raises(DatasetError) as refused:
+        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=largest[1])
+    message = str(refused.value)
+    assert "\n" not in message and f"{largest[0]} takes" in message, message
+    found = re.match(
+        rf"cache_limit {largest[1]} bytes is too small for {url}: at least (\d+) bytes would work", message
+    )
+    assert found, message
+    least = int(found.group(1))
+    with pytest.raises(DatasetError, match="too small"):
+        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=least - 1)
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=least)
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    assert max(_on_disk(tmp_path / "cache")) <= least
 
 
 def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
@@ -241,7 +256,8 @@ def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: 
     sizes = _files(local)
     url = s3_server.upload(local, "limit/stale")
     cache = tmp_path / "cache"
-    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=max(sizes.values()))
+    least, _ = _least_limit(url, cache)  # a cache of one unit
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=least)
     proxy.faults.append(Faults(match="shard-00000", fail=2))
     with pytest.raises(StoreError, match=r"shard-00000\.bin: failed 2 times"):
         ds[0]
@@ -249,6 +265,23 @@ def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: 
     local_ds = ShardDataset(local, crop_size=None, dtype=torch.uint8)
     assert torch.equal(ds[10][0], local_ds[10][0])  # shard-00001: the stale part made room
     assert torch.equal(ds[0][0], local_ds[0][0]) and _cached(cache) <= max(sizes.values())
+    assert max(_on_disk(cache)) <= least
+
+
+def _least_limit(url: str, cache: Path) -> tuple[int, int]:
+    """The least cache_limit that works for ``url`` in ``cache`` (one unit, and what the cache keeps
+    of the version: the refusal of a limit of one byte names both), and the latter."""
+    with pytest.raises(DatasetError) as refused:
+        ShardDataset(url, cache_dir=cache, cache_limit=1)
+    found = re.search(r"at least (\d+) bytes would work .* the versions the cache keeps (\d+)\)", str(refused.value))
+    assert found, refused.value
+    return int(found.group(1)), int(found.group(2))
+
+
+def _room(size: int) -> int:
+    """The room a cached unit of ``size`` bytes takes as ``du`` counts it: its blocks, and its
+    sidecar's (the records it was checked for: a block for a unit of a few records)."""
+    return -(-size // 4096) * 4096 + 4096
 
 
 @pytest.fixture(scope="module")
@@ -282,9 +315,9 @@ def test_epoch_in_a_cache_of_three_units(
     """Two workers read two epochs through a cache of three shards of nine: the batches equal a local
     run's, and the cache, polled throughout, never exceeds the limit."""
     sizes = _files(small_shards)
-    limit = 3 * max(sizes.values())
     url = s3_server.upload(small_shards, f"evict/{context}")
     cache = tmp_path / "cache"
+    limit = _least_limit(url, cache)[0] + 2 * _room(max(sizes.values()))
     remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
     local = ShardDataset(small_shards, crop_size=16, seed=5)
     highest = [0]
@@ -372,6 +405,64 @@ def test_default_sampler_two_workers_many_evictions(
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())
 
 
+def _on_disk(cache: Path) -> tuple[int, int]:
+    """The bytes under ``cache`` as ``du`` counts them, taken without any lock of the cache: every
+    file and folder, each inode once (a unit and its link in its version's folder are one); their
+    sizes, and their allocated blocks (``du``'s default)."""
+    seen: set[tuple[int, int]] = set()
+    sizes = blocks = 0
+    for folder, folders, files in os.walk(cache):
+        for path in [folder, *(os.path.join(folder, name) for name in folders + files)]:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # evicted meanwhile
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                sizes, blocks = sizes + st.st_size, blocks + st.st_blocks * 512
+    return sizes, blocks
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_cache_limit_holds_as_du_sees_it(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context: str
+) -> None:
+    """A user checks a cache_limit with ``du``: the cache directory, sampled every few milliseconds
+    throughout two epochs of two workers (the default order, a limit of six units of eighteen),
+    never holds more than the limit, by the files' sizes or by their blocks, counting everything
+    the cache leaves there (downloads, their logs, the records each unit was checked for, the
+    version's index and labels, the folders)."""
+    sizes = _files(small_shards)
+    limit = 6 * max(sizes.values())
+    url = s3_server.upload(small_shards, f"du/{context}")
+    cache = tmp_path / "cache"
+    highest = [0, 0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            highest[:] = map(max, highest, _on_disk(cache))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
+        local = ShardDataset(small_shards, crop_size=16, seed=5)
+        sampler, want_sampler = ShardSampler(remote, seed=0), ShardSampler(local, seed=0)
+        loader = DataLoader(remote, batch_size=2, sampler=sampler, num_workers=2, multiprocessing_context=context)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want_sampler.set_epoch(epoch)
+            got, want = list(loader), list(DataLoader(local, batch_size=2, sampler=want_sampler))
+            assert len(got) == len(want) == 36 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    finally:
+        done.set()
+        watcher.join()
+    assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it evicted
+    assert 0 < max(highest) <= limit, (highest, limit)
+
+
 @pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])
 def test_half_dataset_cache_fetches_near_furthest_future(
     small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, block_size: int, window: int, prefetch: int
@@ -384,6 +475,7 @@ def test_half_dataset_cache_fetches_near_furthest_future(
     sizes = _files(small_shards)
     limit = sum(sizes.values()) // 2
     url = s3_server.upload(small_shards, f"evict/half-{block_size}-{window}-{prefetch}")
+    _, fixed = _least_limit(url, tmp_path / "cache")
     ds = ShardDataset(url, crop_size=16, seed=5, cache_dir=tmp_path / "cache", cache_limit=limit)
     sampler = ShardSampler(ds, order="block", block_size=block_size, window=window, prefetch=prefetch, seed=3)
     names = data_files(ds.manifest)
@@ -395,7 +487,9 @@ def test_half_dataset_cache_fetches_near_furthest_future(
         concurrent.futures.wait(list(ds._remote._pending.get().values()))
         uses.append(sorted({names[int(ds.index["shard"][int(d)])] for d in batch}))
     fetched = sum(proxy.fetched(name) for name in sizes)
-    best = furthest_future_bytes(uses, sizes, limit)
+    # the optimum for the room the units have: the limit less what the cache keeps of the version
+    # and one download's log, each unit in whole blocks with its sidecar (as du counts them)
+    best = furthest_future_bytes(uses, sizes, limit - fixed - 4096, {n: _room(s) for n, s in sizes.items()})
     assert sum(sizes.values()) <= best and fetched <= 1.05 * best, (fetched, best)
     assert _cached(tmp_path / "cache") <= limit
 

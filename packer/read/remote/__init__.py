@@ -46,14 +46,17 @@ reaches them.
   fetched by the process reading it; a process that reads its batches itself (no workers)
   fetches the next blocks after each batch's own.
 - **cache_limit**: units no reader holds are evicted before a download would take the cache (every
-  dataset under ``cache_dir``) past the limit; a download reserves its whole size first, so
-  concurrent fetches never overshoot. Eviction takes first the units this process knows no next use
+  dataset under ``cache_dir``) past the limit, counted as ``du`` counts it (every file and folder,
+  each inode once, in whole blocks: the versions' manifests, indexes and labels, the sidecars, a
+  download's log); a download reserves its whole room first (its part at full size, its log and
+  sidecar written), so concurrent fetches never overshoot. Eviction takes first the units this process knows no next use
   of (other datasets, blocks already read), least recently opened first, then those the sampler's
   next blocks (a Draw's ``ahead``) need, the one needed furthest in the future first (Belady);
   units whose records this process has not all read this epoch come after the announced ones. A
   background prefetch takes free room or evicts units of no known next use only, else it leaves
   the unit to the batch that needs it. The room a failed or killed download reserved goes first
-  (no process holds its unit's lock). A limit below one unit is refused at once; a batch that
+  (no process holds its unit's lock). A limit below the largest unit's room and what the cache
+  keeps of its versions is refused at once, in one line that says what limit would work; a batch that
   cannot make room lets go of its own units (they are opened again, fetched again if evicted
   meanwhile), so two batches never wait on each other, and waits up to :data:`ROOM_WAIT` seconds
   for other readers to let go, then fails clearly. Every count of the cache and every change to

@@ -4,6 +4,7 @@ arrive where they can be), and the sidecar listing the records a cached unit was
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import zlib
@@ -26,11 +27,18 @@ from ...format import (
     open_regular,
 )
 from ...format.label_arrays import arrays_digest
+from .paths import sidecar_of
 
-SIDECAR = ".rows.npy"  # per unit: (position, length, crc32) of the records it was checked for
 ROWS_DTYPE = np.dtype([("position", "<i8"), ("length", "<u8"), ("crc32", "<u4")])
 #: A unit's backend, the index rows it holds, and their (position, length, crc32) sorted by position.
 Expected = tuple[Backend, np.ndarray, np.ndarray]
+
+
+def sidecar_bytes(rows: np.ndarray) -> bytes:
+    """The sidecar of a unit checked for ``rows`` (ROWS_DTYPE), as written beside it."""
+    out = io.BytesIO()
+    np.save(out, rows)
+    return out.getvalue()
 
 
 def metadata_problem(manifest: Manifest, arrays: dict[str, np.ndarray]) -> str:
@@ -51,7 +59,7 @@ def metadata_problem(manifest: Manifest, arrays: dict[str, np.ndarray]) -> str:
 def checked_for(unit: Path, rows: np.ndarray) -> bool:
     """Whether ``unit`` is in the cache and was checked for every record of ``rows`` (a version
     that keeps an old segment names the same records, or fewer, of it)."""
-    sidecar = unit.with_name(unit.name + SIDECAR)
+    sidecar = sidecar_of(unit)
     try:
         fd = open_regular(sidecar)
     except (OSError, DatasetError):

@@ -35,12 +35,12 @@ from ...store import ObjectNotFound, Store, open_store
 from ...store.base import ObjectInfo, PerProcess
 from ...store.published import FILES, parse_files
 from . import settings, turns
-from .checks import ROWS_DTYPE, SIDECAR, Expected, Received, checked_for, unit_problem
-from .download import download
-from .eviction import NoRoom, evicted_too_often, make_room, too_small
+from .checks import ROWS_DTYPE, Expected, Received, checked_for, sidecar_bytes, unit_problem
+from .download import download, starts
+from .eviction import Files, NoRoom, evicted_too_often, fixed_room, make_room, room_for, too_small
 from .locks import HOLDERS, LOCKING, Held, close_held, let_go, locked
 from .nextuse import NextUses
-from .paths import LOCKS, PARTIAL, UNITS, VERSIONS, digest, remove, unit_span
+from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, remove, sidecar_of, unit_span
 from .settings import VERIFY_ATTEMPTS, default_cache_dir, parse_limit
 from .units import RangedShard, Units
 from .versions import fetch_version
@@ -152,9 +152,14 @@ class Remote:
                 for k, s in enumerate(manifest.shards)
             ]
         self._pinned = weakref.ref(pinned)
-        largest = int(np.argmax(units.sizes)) if len(units.sizes) else -1
-        if self.limit is not None and largest >= 0 and int(units.sizes[largest]) > self.limit:
-            raise too_small(self.limit, self._named(units.keys[largest]), int(units.sizes[largest]))
+        if self.limit is not None and len(units.sizes) and int(units.sizes.max()) > 0:  # LMDB's: at its HEAD
+            largest = int(np.argmax(units.sizes))
+            part = self.home / PARTIAL / units.keys[largest]
+            rows = np.zeros(int(np.count_nonzero(units.of == largest)), ROWS_DTYPE)
+            need = room_for(_with_sidecar(starts(part, int(units.sizes[largest])), part, rows))
+            fixed = fixed_room(self.cache_dir)
+            if need + fixed > self.limit:
+                raise too_small(self.limit, self.url, self._named(units.keys[largest]), need, fixed)
         return pinned
 
     def _map_unit(self, root: Path, key: str) -> np.ndarray:
@@ -471,7 +476,7 @@ class Remote:
                 learned[0],
                 unit_span(name)[1],
                 turn=functools.partial(turns.process_turns.get().turn, self._turn_key(name)),
-                reserve=lambda size: self._make_room(size, part, name, demand=demand),
+                reserve=lambda files: self._make_room(_with_sidecar(files, part, rows), name, demand=demand),
                 received=received,
                 seen=seen,
             )
@@ -481,8 +486,8 @@ class Remote:
                 if not info.etag and learned[0] is info:  # resumed whole: no GET told the version
                     seen(self._missing_named(key, lambda: self._head(key)))
                 unit = self._unit_path(name, learned[0])
-                np.save(part.with_name(part.name + SIDECAR), rows)
-                os.replace(part.with_name(part.name + SIDECAR), unit.with_name(unit.name + SIDECAR))
+                sidecar_of(part).write_bytes(sidecar_bytes(rows))  # reserved with the part (a resumed one: again)
+                os.replace(sidecar_of(part), sidecar_of(unit))
                 hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
                 LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
                 try:
@@ -496,29 +501,27 @@ class Remote:
                     let_go(hold)
                     raise
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(part.with_name(part.name + ".parts"))
+                    os.unlink(log_of(part))
                 return hold, unit
-            remove(part, part.with_name(part.name + ".parts"))
+            remove(part, log_of(part), sidecar_of(part))
         raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
-    def _make_room(self, need: int, part: Path, name: str, *, demand: bool) -> None:
-        """Room for ``need`` more bytes under the cache limit, reserved for the download ``part``
-        of unit ``name`` (packer.read.remote.eviction.make_room); a limit below one unit fails."""
+    def _make_room(self, files: Files, name: str, *, demand: bool) -> None:
+        """Room under the cache limit for the ``files`` a download of unit ``name`` starts with,
+        reserved (packer.read.remote.eviction.make_room); a limit that cannot hold them fails."""
         if self.limit is None:
             return
-        if need > self.limit:
-            raise too_small(self.limit, self.store.name(name), need)
         make_room(
             self.cache_dir,
             self.limit,
-            need,
-            part,
+            files,
             home=self.home,
             demand=demand,
             next_use=self._next_use,
-            needed_before=lambda there: self._next.needed_before(self._units, name, there, need),
+            needed_before=lambda there: self._next.needed_before(self._units, name, there, room_for(files)),
             let_go=self.release,
             url=self.url,
+            named=self._named(name),
         )
 
     def _next_use(self, unit: Path) -> Optional[int]:
@@ -526,6 +529,12 @@ class Remote:
         numbers = self._units.numbers if self._units is not None and unit.parent.parent == self.home else {}
         k = numbers.get(unit.name.rsplit(".", 2)[0])
         return None if k is None else self._next.rank(k)
+
+
+def _with_sidecar(files: Files, part: Path, rows: np.ndarray) -> Files:
+    """``files`` with the sidecar of download ``part``, checked for ``rows``: reserved and written
+    with the part, so that the cache's count holds it from the start."""
+    return {**files, sidecar_of(part): sidecar_bytes(rows)}
 
 
 def _forget(pending: dict[str, concurrent.futures.Future], name: str, _: concurrent.futures.Future) -> None:

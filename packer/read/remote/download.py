@@ -12,7 +12,8 @@ from ...store import ObjectChanged, Store
 from ...store import base as store_base
 from ...store.base import ObjectInfo
 from . import settings
-from .paths import remove
+from .eviction import Files
+from .paths import log_of, remove, sidecar_of
 from .turns import Arrival
 
 
@@ -24,19 +25,19 @@ def download(
     span: Optional[tuple[int, int]],
     *,
     turn: Callable[[int], Arrival],
-    reserve: Callable[[int], None],
+    reserve: Callable[[Files], None],
     received: Optional[Callable[[int, bytes], None]] = None,
     seen: Optional[Callable[[ObjectInfo], object]] = None,
 ) -> None:
     """Bytes ``span`` (None: all) of object ``key`` (``info``) downloaded into ``part``, resuming the
     parts a previous attempt (of any process) finished: ``part``'s ``.parts`` file lists them, one
-    number a line. ``turn(size)`` waits for the download's turn, ``reserve(size)`` makes room for
-    a new ``part`` in the cache; ``received`` is given each piece written, ``seen`` the object's
-    version where ``info`` has none."""
+    number a line. ``turn(size)`` waits for the download's turn, ``reserve(files)`` makes room in
+    the cache for a new ``part`` and creates what it :func:`starts` with; ``received`` is given
+    each piece written, ``seen`` the object's version where ``info`` has none."""
     start, end = span if span is not None else (0, info.size)
-    part_bytes = max(1, min(store_base.PART_BYTES, -(-(end - start) // settings.UNIT_STREAMS)))
-    header = b"part_bytes %d\n" % part_bytes  # the parts' numbers count parts of this size
-    done_file = part.with_name(part.name + ".parts")
+    header = _header(end - start)
+    part_bytes = int(header.split()[1])
+    done_file = log_of(part)
     done: frozenset[int] = frozenset()
     # a prefetch waits for its turn before it reserves room (a reservation holds the room empty)
     arrival = turn(end - start)
@@ -53,7 +54,7 @@ def download(
                 done = frozenset(int(n) for n in listed[len(header) :].split() if n.isdigit())
         else:
             remove(part, done_file)
-            reserve(end - start)
+            reserve(starts(part, end - start))
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         log = os.open(done_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
@@ -75,7 +76,7 @@ def download(
                     seen=seen,
                 )
             except ObjectChanged:
-                remove(part, done_file)
+                remove(part, done_file, sidecar_of(part))
                 raise DatasetError(
                     f"{store.name(key)}: replaced in the store while it was read (the dataset "
                     f"was refreshed: open it again)"
@@ -86,3 +87,16 @@ def download(
             os.close(log)
     finally:
         arrival.end()
+
+
+def starts(part: Path, size: int) -> Files:
+    """What a download of ``size`` bytes into ``part`` creates in ``partial/`` as it starts: the
+    part at its full size (sparse until written: its room is reserved at once) and its log."""
+    return {part: size, log_of(part): _header(size)}
+
+
+def _header(size: int) -> bytes:
+    """The first line of the log of a download of ``size`` bytes: the parts' numbers count parts
+    of this size."""
+    part_bytes = max(1, min(store_base.PART_BYTES, -(-size // settings.UNIT_STREAMS)))
+    return b"part_bytes %d\n" % part_bytes

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 UNITS, PARTIAL, VERSIONS, LOCKS = "units", "partial", "versions", "locks"
+SIDECAR = ".rows.npy"  # per unit: (position, length, crc32) of the records it was checked for
+LOG = ".parts"  # per download in partial/: the parts it has written
 
 
 def digest(data: str | bytes) -> str:
@@ -24,17 +26,20 @@ def unit_span(unit: str) -> tuple[str, Optional[tuple[int, int]]]:
     return file, (int(start), int(end))
 
 
+def sidecar_of(path: Path) -> Path:
+    """The sidecar of unit (or download) ``path``: the records it was checked for."""
+    return path.with_name(path.name + SIDECAR)
+
+
+def log_of(part: Path) -> Path:
+    """The log of download ``part``: the parts it has written."""
+    return part.with_name(part.name + LOG)
+
+
 def remove(*paths: Path) -> None:
     for p in paths:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
-
-
-def file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size if path.is_file() else 0
-    except FileNotFoundError:
-        return 0
 
 
 def file_mtime(path: Path) -> int:
