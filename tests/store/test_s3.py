@@ -463,6 +463,29 @@ def test_cache_limit_holds_as_du_sees_it(
     assert 0 < max(highest) <= limit, (highest, limit)
 
 
+def test_second_dataset_makes_room_for_its_index(small_shards: Path, s3_server: S3Server, tmp_path: Path) -> None:
+    """A dataset opened into a cache that another has filled to the limit evicts the other's units
+    for its own manifest, index and labels before it writes them (they count as ``du`` counts
+    them), then reads through the same limit."""
+    cache = tmp_path / "cache"
+    first_url = s3_server.upload(small_shards, "du/first")
+    least, _ = _least_limit(first_url, cache)
+    first = ShardDataset(first_url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=least * 4)
+    local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
+    _same(first, local)
+    full = max(_on_disk(cache))  # the cache now, as the second dataset's limit: not a block to spare
+    second = ShardDataset(
+        s3_server.upload(small_shards, "du/second"),
+        crop_size=None,
+        dtype=torch.uint8,
+        cache_dir=cache,
+        cache_limit=full,
+    )
+    assert max(_on_disk(cache)) <= full
+    _same(second, local)
+    assert max(_on_disk(cache)) <= full
+
+
 @pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])
 def test_half_dataset_cache_fetches_near_furthest_future(
     small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, block_size: int, window: int, prefetch: int

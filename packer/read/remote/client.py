@@ -37,7 +37,7 @@ from ...store.published import FILES, parse_files
 from . import settings, turns
 from .checks import ROWS_DTYPE, Expected, Received, checked_for, sidecar_bytes, unit_problem
 from .download import download, starts
-from .eviction import Files, NoRoom, evicted_too_often, fixed_room, make_room, room_for, too_small
+from .eviction import Files, NoRoom, create, evicted_too_often, fixed_room, make_room, room_for, too_small
 from .locks import HOLDERS, LOCKING, Held, close_held, let_go, locked
 from .nextuse import NextUses
 from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, remove, sidecar_of, unit_span
@@ -135,7 +135,9 @@ class Remote:
         """The version this object reads (the dataset's current one, the first time), pinned; its
         data files are fetched as readers first need them."""
         if not self.version:
-            self.version = fetch_version(self.store, self.url, self.home)
+            self.version = fetch_version(
+                self.store, self.url, self.home, reserve=lambda files: self._make_room(files, None, demand=True)
+            )
         root = self.home / VERSIONS / self.version
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
@@ -506,10 +508,13 @@ class Remote:
             remove(part, log_of(part), sidecar_of(part))
         raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
-    def _make_room(self, files: Files, name: str, *, demand: bool) -> None:
-        """Room under the cache limit for the ``files`` a download of unit ``name`` starts with,
-        reserved (packer.read.remote.eviction.make_room); a limit that cannot hold them fails."""
+    def _make_room(self, files: Files, name: Optional[str], *, demand: bool) -> None:
+        """Room under the cache limit for the ``files`` a download of unit ``name`` (None: a
+        version's metadata) starts with, reserved (packer.read.remote.eviction.make_room), and the
+        files made; a limit that cannot hold a unit fails (one that cannot hold the metadata and
+        the largest unit fails in pin())."""
         if self.limit is None:
+            create(files)
             return
         make_room(
             self.cache_dir,
@@ -518,10 +523,12 @@ class Remote:
             home=self.home,
             demand=demand,
             next_use=self._next_use,
-            needed_before=lambda there: self._next.needed_before(self._units, name, there, room_for(files)),
+            needed_before=lambda there: (
+                0 if name is None else self._next.needed_before(self._units, name, there, room_for(files))
+            ),
             let_go=self.release,
             url=self.url,
-            named=self._named(name),
+            named=None if name is None else self._named(name),
         )
 
     def _next_use(self, unit: Path) -> Optional[int]:

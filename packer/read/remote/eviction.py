@@ -107,7 +107,7 @@ def too_small(limit: int, url: str, named: str, need: int, fixed: int) -> Datase
     limit that would: the room of its download ``named`` (``need``) and what no eviction frees."""
     return DatasetError(
         f"cache_limit {limit} bytes is too small for {url}: at least {need + fixed} bytes would work "
-        f"({named} takes {need} bytes with its checksums, and the versions the cache keeps {fixed})"
+        f"({named} takes {need} bytes, and the versions the cache keeps {fixed})"
     )
 
 
@@ -177,7 +177,7 @@ def make_room(
     needed_before: Callable[[set[str]], int],
     let_go: Callable[[], None],
     url: str,
-    named: str,
+    named: Optional[str],
 ) -> None:
     """Evict units no reader holds (see packer.read.remote's docstring for the order) until the
     room of ``files`` (:func:`room_for`) fits under ``limit`` in ``cache_dir``, and reserve it: the
@@ -189,7 +189,9 @@ def make_room(
     needed before it (``needed_before`` the units ``there``, of dataset ``home``), and else
     raises NoRoom; ``next_use`` ranks a cached unit, ``let_go`` lets go of the units the caller
     holds. A limit that cannot hold ``files`` beside what no eviction frees fails at once
-    (``named``: the download, for the message)."""
+    (``named``: the download, for the message); where ``named`` is None (a version's metadata,
+    which the dataset's check of its limit needs: packer.read.remote.client.Remote.pin) the files
+    are made once every unit no reader holds is evicted."""
     need = room_for(files)
     cache_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + settings.ROOM_WAIT
@@ -197,7 +199,8 @@ def make_room(
         with locked(cache_dir / ".evict.lock"):
             taken = _Taken(cache_dir)
             units, partial, fixed = taken.units, taken.partial, taken.fixed()
-            if fixed + need > limit:
+            overfull = fixed + need > limit
+            if overfull and named is not None:
                 raise too_small(limit, url, named, need, fixed)
             for stale in partial:  # a download whose process died or gave up: its room first
                 if taken.used + need > limit and _drop_partial(stale):
@@ -211,8 +214,8 @@ def make_room(
                     evicted.add(unit)
             there = {p.name.rsplit(".", 2)[0] for p in units + partial if p.parent.parent == home}
             there -= {p.name.rsplit(".", 2)[0] for p in evicted}
-            if taken.used + need + (0 if demand else needed_before(there)) <= limit:
-                _create(files)
+            if overfull or taken.used + need + (0 if demand else needed_before(there)) <= limit:
+                create(files)
                 return
             used = taken.used
         if not demand:
@@ -227,7 +230,8 @@ def make_room(
         time.sleep(0.05)
 
 
-def _create(files: Files) -> None:
+def create(files: Files) -> None:
+    """Make ``files``: a size, a file of that many bytes (sparse: written later); bytes, written."""
     for path, content in files.items():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from ...format import INDEX, LABELS, MANIFEST, SOURCES, TARGETS, DatasetError, Manifest, map_npy, open_regular
@@ -13,14 +14,16 @@ from ...store import ObjectNotFound, Store
 from ...store.published import FILES, files_json, read_files, read_pointer, version_key
 from . import settings
 from .checks import metadata_problem
+from .eviction import Files
 from .locks import locked
 from .paths import LOCKS, PARTIAL, UNITS, VERSIONS
 
 
-def fetch_version(store: Store, url: str, home: Path) -> str:
+def fetch_version(store: Store, url: str, home: Path, *, reserve: Callable[[Files], None]) -> str:
     """The current version's key of the dataset at ``url`` (``store``) cached in ``home``, its
-    manifest and index fetched and checked into the cache first. An index that does not match the
-    manifest (a refresh was publishing between the two reads) is fetched again with the manifest."""
+    manifest and index fetched and checked into the cache first (written by ``reserve``, which
+    makes their room under the cache limit). An index that does not match the manifest (a refresh
+    was publishing between the two reads) is fetched again with the manifest."""
     for d in (UNITS, PARTIAL, VERSIONS, LOCKS):
         (home / d).mkdir(parents=True, exist_ok=True)
     (home / "url").write_text(url + "\n")
@@ -36,13 +39,15 @@ def fetch_version(store: Store, url: str, home: Path) -> str:
         with locked(home / LOCKS / f"version-{version}"):
             if (root / MANIFEST).is_file():
                 return version
-            problem = _fetch_metadata(store, url, home, text, root, published=pointer.published)
+            problem = _fetch_metadata(store, url, home, text, root, published=pointer.published, reserve=reserve)
             if not problem:
                 return version
     raise DatasetError(f"{url}: {problem} after {settings.VERIFY_ATTEMPTS} downloads")
 
 
-def _fetch_metadata(store: Store, url: str, home: Path, text: bytes, root: Path, *, published: bool) -> str:
+def _fetch_metadata(
+    store: Store, url: str, home: Path, text: bytes, root: Path, *, published: bool, reserve: Callable[[Files], None]
+) -> str:
     """Manifest ``text``'s index and label arrays downloaded and checked into ``root`` (renamed
     into place whole); what did not match ("" when all did). ``published``: the pointer says
     its version is under ``versions/<id>/`` (packer.store.published.LAYOUT_META)."""
@@ -50,7 +55,7 @@ def _fetch_metadata(store: Store, url: str, home: Path, text: bytes, root: Path,
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        (staging / MANIFEST).write_bytes(text)
+        reserve({staging / MANIFEST: text})
         fd = open_regular(staging / MANIFEST)
         try:
             manifest = Manifest.read(fd, f"{url}/{MANIFEST}")
@@ -70,17 +75,20 @@ def _fetch_metadata(store: Store, url: str, home: Path, text: bytes, root: Path,
             listed = listing.result()
             if listed is None and published:
                 return f"{version_key(root.name, FILES)} is missing (the pointer says it was published)"
+            contents: Files = {}
             if listed is not None:  # published (packer.tools.publish): the version's folder and files.json
-                (staging / FILES).write_bytes(files_json(listed))
+                contents[staging / FILES] = files_json(listed)
                 if not published:  # by a packer that did not mark the pointer: the arrays are there too
                     keys = [version_key(root.name, name) for name in names]
                     bodies = [pool.submit(store.get, key) for key in keys]
-        arrays = {}
         for name, key, body in zip(names, keys, bodies):
             try:
-                (staging / name).write_bytes(body.result())
+                contents[staging / name] = body.result()
             except ObjectNotFound:
                 raise DatasetError(f"{store.name(key)}: missing (the manifest names it)") from None
+        reserve(contents)
+        arrays = {}
+        for name in names:
             fd = open_regular(staging / name)
             try:
                 arrays[name] = map_npy(fd, f"{url}/{name}")
