@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from packer import ShardDataset, ShardSampler, build  # noqa: E402
 from packer.backends import data_files  # noqa: E402
 from packer.format import INDEX, MANIFEST, Manifest  # noqa: E402
+from packer.read.remote import eviction  # noqa: E402
 from packer.read.remote import settings as knobs  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
@@ -175,7 +176,12 @@ def half_cache(
             pass
         units = ds._remote._units
         sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
-        best = furthest_future_bytes([units_of(ds, b) for b in batches], sizes, limit)
+        # the optimum for the room the units have as the cache counts it (du's measure): the limit
+        # less what it keeps of the version and one download's log; a unit in whole blocks, with
+        # its sidecar (a block for a unit of up to ~200 records)
+        room = {key: eviction.footprint(size) + eviction.BLOCK for key, size in sizes.items()}
+        units_limit = limit - eviction.fixed_room(tmp / f"half-{workers}") - eviction.BLOCK
+        best = furthest_future_bytes([units_of(ds, b) for b in batches], sizes, units_limit, room)
         ratios.append(fetched(proxy, names) / best)
     return ratios
 

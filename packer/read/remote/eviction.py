@@ -224,8 +224,8 @@ def make_room(
         if time.monotonic() > deadline:
             raise DatasetError(
                 f"{url}: cache_limit {limit} bytes is too small for the batches read at once: {used} bytes "
-                f"of the cache {cache_dir} are held by open readers, and {need} more are needed (at least "
-                f"{used + need} bytes would work, or fewer DataLoader workers, or smaller batches)"
+                f"of the cache {cache_dir} are held by open readers and {need} more are needed (raise it, "
+                f"or read with fewer DataLoader workers or smaller batches)"
             )
         time.sleep(0.05)
 
