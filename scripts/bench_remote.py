@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 from packer import ShardDataset, ShardSampler, build  # noqa: E402
 from packer.backends import data_files  # noqa: E402
 from packer.format import INDEX, MANIFEST, DatasetError, Manifest  # noqa: E402
-from packer.read import remote  # noqa: E402
+from packer.read.remote import eviction  # noqa: E402
+from packer.read.remote import settings as knobs  # noqa: E402
 from packer.read.sampler import label_entropy  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
@@ -109,7 +110,7 @@ def rank_epoch(
     url: str, cache: str, rank: int, args: argparse.Namespace, order: dict[str, Any], env: dict[str, str]
 ) -> None:
     os.environ.update(env)
-    remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
+    knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
     ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache)
     for _ in loader(ds, args, order, 2, num_replicas=2, rank=rank):
         pass
@@ -191,10 +192,15 @@ def half_cache(
         units = ds._remote._units
         sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
         needs = [units_of(ds, b) for b in batches]
-        if max(sum(sizes[u] for u in n) for n in needs) > limit:  # no schedule fits: a batch alone exceeds it
+        # the optimum for the room the units have as the cache counts it (du's measure): the limit
+        # less what it keeps of the version and one download's log; a unit in whole blocks, with
+        # its sidecar (a block for a unit of up to ~200 records)
+        room = {key: eviction.footprint(size) + eviction.BLOCK for key, size in sizes.items()}
+        units_limit = limit - eviction.fixed_room(tmp / f"half-{workers}") - eviction.BLOCK
+        if max(sum(room[u] for u in n) for n in needs) > units_limit:  # no schedule fits: one batch exceeds it
             ratios.append(float("nan"))
         else:
-            ratios.append(fetched(proxy, names) / furthest_future_bytes(needs, sizes, limit))
+            ratios.append(fetched(proxy, names) / furthest_future_bytes(needs, sizes, units_limit, room))
         window = order["window"]
     return ratios, window
 
@@ -316,8 +322,8 @@ def main() -> None:
     p.add_argument("--format", choices=("jpeg", "raw"), default="jpeg", help="the records: JPEG or uint8 pixels")
     p.add_argument("--runs", type=int, default=3, help="runs of each measurement (medians reported)")
     p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
-    p.add_argument("--unit-bytes", type=int, default=remote.UNIT_BYTES, help="about the bytes of a memmap unit")
-    p.add_argument("--unit-streams", type=int, default=remote.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
+    p.add_argument("--unit-bytes", type=int, default=knobs.UNIT_BYTES, help="about the bytes of a memmap unit")
+    p.add_argument("--unit-streams", type=int, default=knobs.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
     p.add_argument("--order", choices=("default", "random", "block"), default="default", help="ShardSampler's order")
     p.add_argument("--window", type=int, default=0, help="ShardSampler's window (0: its default)")
     p.add_argument("--prefetch", type=int, default=None, help="windows fetched ahead (default: ShardSampler's)")
@@ -329,7 +335,7 @@ def main() -> None:
     p.add_argument("--stream-cap", type=float, default=0.0, help="the same, per GET (0: none)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench-remote")
     args = p.parse_args()
-    remote.UNIT_BYTES, remote.UNIT_STREAMS = args.unit_bytes, args.unit_streams
+    knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
 
     raw = args.work / f"raw-{args.images}"
     make_folder(raw, args.images, size=(480, 360), workers=2)

@@ -135,7 +135,8 @@ class ReadOptions:
     )
     cache_limit: int | str | None = _setting(
         None,
-        'bytes (or "200GB", "1.5GiB") the whole cache may hold; units no dataset holds go, furthest next use first',
+        'bytes (or "200GB", "1.5GiB") the whole cache may hold, as `du` counts it; units no dataset holds go, '
+        "furthest next use first",
         _limit,
         keyword=True,
     )

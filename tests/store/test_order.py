@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from packer import ShardDataset, ShardSampler
-from packer.read import remote
+from packer.read.remote import settings
 from packer.read.sampler import MIX_BATCH, MIX_TARGET, label_entropy
 
 from .seaweed import S3Server
@@ -23,7 +23,7 @@ def test_a_dataset_in_the_store_is_read_unit_by_unit_mixed(
 ) -> None:
     local = ShardDataset(class_sorted, crop_size=16)
     mean = float(local.index["length"].mean())
-    monkeypatch.setattr(remote, "UNIT_BYTES", int(16.5 * mean))  # units of 16 records: 48 of them
+    monkeypatch.setattr(settings, "UNIT_BYTES", int(16.5 * mean))  # units of 16 records: 48 of them
     url = s3_server.upload(class_sorted, "order/sorted")
     ds = ShardDataset(url, crop_size=16, cache_dir=tmp_path / "cache")
     per_unit, limit = ds.fetch_unit() or (0, None)

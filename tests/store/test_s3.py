@@ -8,6 +8,7 @@ import gc
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,8 +29,9 @@ from torch.utils.data import DataLoader
 from packer import MixDataset, ShardDataset, ShardSampler, build
 from packer.backends import BACKENDS, data_files
 from packer.format import DatasetError, Manifest
-from packer.read import remote
-from packer.read.remote import _locked as cache_lock
+from packer.read.remote import Remote, checks, settings
+from packer.read.remote import turns as remote_turns
+from packer.read.remote.locks import locked as cache_lock
 from packer.store import StoreError
 from packer.store.base import PerProcess
 
@@ -43,7 +45,7 @@ def _fresh_turns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's prefetches take turns from a fresh start: the process's turns keep the stream
     rates and the readers' pace they measured, and an earlier test's could widen this one's (two
     released at once send their GETs in either order)."""
-    monkeypatch.setattr(remote, "_turns", PerProcess(remote._Turns))
+    monkeypatch.setattr(remote_turns, "process_turns", PerProcess(remote_turns.Turns))
 
 
 def _same(a: ShardDataset, b: ShardDataset) -> None:
@@ -142,7 +144,7 @@ def test_damaged_range_refetched_then_named(built, s3_server: S3Server, proxy: P
     fails with a DatasetError naming the object and the range, and no sample is served."""
     local = built("memmap", "jpeg")
     here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
-    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
+    monkeypatch.setattr(settings, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
     url = s3_server.upload(local, "damaged/memmap-ranges")
     proxy.faults.append(Faults(match="shard-00001", corrupt=1))
     ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "a")
@@ -203,8 +205,8 @@ def test_cache_limit_waits_for_holders_then_refuses(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
     """LMDB readers hold the segments they opened until they go: a download that finds no room waits
-    for them (remote.ROOM_WAIT) and then fails clearly; once they go, their units are evicted."""
-    monkeypatch.setattr(remote, "ROOM_WAIT", 0.5)
+    for them (settings.ROOM_WAIT) and then fails clearly; once they go, their units are evicted."""
+    monkeypatch.setattr(settings, "ROOM_WAIT", 0.5)
     local = built("lmdb", "jpeg")
     sizes = _files(local)
     url = s3_server.upload(local, "limit/lmdb")
@@ -213,7 +215,7 @@ def test_cache_limit_waits_for_holders_then_refuses(
     first = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
     _same(first, ShardDataset(local, crop_size=None, dtype=torch.uint8))
     other = s3_server.upload(local, "limit/lmdb-copy")
-    with pytest.raises(DatasetError, match=r"cache_limit .* too small: .* held by open readers"):
+    with pytest.raises(DatasetError, match=r"cache_limit .* too small for the batches read at once: .* held by"):
         ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
     del first
     gc.collect()  # its reader lets go of its units: they may be evicted now
@@ -223,12 +225,26 @@ def test_cache_limit_waits_for_holders_then_refuses(
     assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
 
 
-def test_cache_limit_below_one_unit_refused_at_once(built, s3_server: S3Server, tmp_path: Path) -> None:
+def test_cache_limit_that_cannot_work_refused_at_once(built, s3_server: S3Server, tmp_path: Path) -> None:
+    """A limit below the largest unit and what the cache keeps of the version fails as the dataset
+    is opened, in one line that names the limit that would work; that limit does."""
     local = built("memmap", "jpeg")
     url = s3_server.upload(local, "limit/tiny")
     largest = max(_files(local).items(), key=lambda item: item[1])
-    with pytest.raises(DatasetError, match=rf"cache_limit {largest[1] - 1} bytes is too small: .*{largest[0]} alone"):
-        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=largest[1] - 1)
+    with pytest.raises(DatasetError) as refused:
+        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=largest[1])
+    message = str(refused.value)
+    assert "\n" not in message and f"{largest[0]} takes" in message, message
+    found = re.match(
+        rf"cache_limit {largest[1]} bytes is too small for {url}: at least (\d+) bytes would work", message
+    )
+    assert found, message
+    least = int(found.group(1))
+    with pytest.raises(DatasetError, match="too small"):
+        ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=least - 1)
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=least)
+    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    assert max(_on_disk(tmp_path / "cache")) <= least
 
 
 def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
@@ -240,7 +256,8 @@ def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: 
     sizes = _files(local)
     url = s3_server.upload(local, "limit/stale")
     cache = tmp_path / "cache"
-    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=max(sizes.values()))
+    least, _ = _least_limit(url, cache)  # a cache of one unit
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=least)
     proxy.faults.append(Faults(match="shard-00000", fail=2))
     with pytest.raises(StoreError, match=r"shard-00000\.bin: failed 2 times"):
         ds[0]
@@ -248,6 +265,23 @@ def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: 
     local_ds = ShardDataset(local, crop_size=None, dtype=torch.uint8)
     assert torch.equal(ds[10][0], local_ds[10][0])  # shard-00001: the stale part made room
     assert torch.equal(ds[0][0], local_ds[0][0]) and _cached(cache) <= max(sizes.values())
+    assert max(_on_disk(cache)) <= least
+
+
+def _least_limit(url: str, cache: Path) -> tuple[int, int]:
+    """The least cache_limit that works for ``url`` in ``cache`` (one unit, and what the cache keeps
+    of the version: the refusal of a limit of one byte names both), and the latter."""
+    with pytest.raises(DatasetError) as refused:
+        ShardDataset(url, cache_dir=cache, cache_limit=1)
+    found = re.search(r"at least (\d+) bytes would work .* the versions the cache keeps (\d+)\)", str(refused.value))
+    assert found, refused.value
+    return int(found.group(1)), int(found.group(2))
+
+
+def _room(size: int) -> int:
+    """The room a cached unit of ``size`` bytes takes as ``du`` counts it: its blocks, and its
+    sidecar's (the records it was checked for: a block for a unit of a few records)."""
+    return -(-size // 4096) * 4096 + 4096
 
 
 @pytest.fixture(scope="module")
@@ -281,9 +315,9 @@ def test_epoch_in_a_cache_of_three_units(
     """Two workers read two epochs through a cache of three shards of nine: the batches equal a local
     run's, and the cache, polled throughout, never exceeds the limit."""
     sizes = _files(small_shards)
-    limit = 3 * max(sizes.values())
     url = s3_server.upload(small_shards, f"evict/{context}")
     cache = tmp_path / "cache"
+    limit = _least_limit(url, cache)[0] + 2 * _room(max(sizes.values()))
     remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
     local = ShardDataset(small_shards, crop_size=16, seed=5)
     highest = [0]
@@ -320,6 +354,138 @@ def test_epoch_in_a_cache_of_three_units(
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it had to evict and fetch again
 
 
+def test_fetched_unit_opened_before_another_thread_may_let_go_of_it(
+    small_shards: Path, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's units download in threads, and one that finds no room lets go of every unit the
+    process holds (Remote.release): a kept hold is another thread's to close at once. A fetch
+    that opened the descriptor it returns through ``/proc/self/fd/<hold>`` after keeping the hold
+    failed with FileNotFoundError when a release came between the two (or opened whatever file had
+    taken the number since). Deterministic: every hold is let go of the moment it is kept, as such
+    a thread may; every sample still equals the local one, through __getitem__ and a batch."""
+    limit = 3 * max(_files(small_shards).values())
+    url = s3_server.upload(small_shards, "race/keep")
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=limit)
+    local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
+    keep = Remote._keep
+
+    def keep_then_let_go(self: Remote, hold: int, path: Path) -> None:
+        keep(self, hold, path)
+        self.release()  # another thread's batch, out of room, letting go of this process's units
+
+    monkeypatch.setattr(Remote, "_keep", keep_then_let_go)
+    _same(remote, local)
+    batch = remote.__getitems__(list(range(0, len(local), 5)))
+    assert all(torch.equal(got[0], local[i][0]) for got, i in zip(batch, range(0, len(local), 5), strict=True))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_default_sampler_two_workers_many_evictions(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context: str
+) -> None:
+    """The plain recipe (ShardSampler's default order, two workers) through a cache of eight units
+    of eighteen: each batch touches most of the cached units, the workers' downloads evict what
+    the other just let go of, for two epochs; the batches equal a local run's, and units were
+    fetched again (the limit was felt)."""
+    sizes = _files(small_shards)
+    url = s3_server.upload(small_shards, f"race/loader-{context}")
+    remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=tmp_path / "cache", cache_limit=8 * max(sizes.values()))
+    local = ShardDataset(small_shards, crop_size=16, seed=5)
+    sampler, want_sampler = ShardSampler(remote, seed=0), ShardSampler(local, seed=0)
+    loader = DataLoader(
+        remote, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context, persistent_workers=True
+    )
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        want_sampler.set_epoch(epoch)
+        got, want = list(loader), list(DataLoader(local, batch_size=4, sampler=want_sampler))
+        assert len(got) == len(want) == 18
+        for g, w in zip(got, want):
+            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())
+
+
+def _on_disk(cache: Path) -> tuple[int, int]:
+    """The bytes under ``cache`` as ``du`` counts them, taken without any lock of the cache: every
+    file and folder, each inode once (a unit and its link in its version's folder are one); their
+    sizes, and their allocated blocks (``du``'s default)."""
+    seen: set[tuple[int, int]] = set()
+    sizes = blocks = 0
+    for folder, folders, files in os.walk(cache):
+        for path in [folder, *(os.path.join(folder, name) for name in folders + files)]:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # evicted meanwhile
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                sizes, blocks = sizes + st.st_size, blocks + st.st_blocks * 512
+    return sizes, blocks
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_cache_limit_holds_as_du_sees_it(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context: str
+) -> None:
+    """A user checks a cache_limit with ``du``: the cache directory, sampled every few milliseconds
+    throughout two epochs of two workers (the default order, a limit of six units of eighteen),
+    never holds more than the limit, by the files' sizes or by their blocks, counting everything
+    the cache leaves there (downloads, their logs, the records each unit was checked for, the
+    version's index and labels, the folders)."""
+    sizes = _files(small_shards)
+    limit = 6 * max(sizes.values())
+    url = s3_server.upload(small_shards, f"du/{context}")
+    cache = tmp_path / "cache"
+    highest = [0, 0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            highest[:] = map(max, highest, _on_disk(cache))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
+        local = ShardDataset(small_shards, crop_size=16, seed=5)
+        sampler, want_sampler = ShardSampler(remote, seed=0), ShardSampler(local, seed=0)
+        loader = DataLoader(remote, batch_size=2, sampler=sampler, num_workers=2, multiprocessing_context=context)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want_sampler.set_epoch(epoch)
+            got, want = list(loader), list(DataLoader(local, batch_size=2, sampler=want_sampler))
+            assert len(got) == len(want) == 36 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
+    finally:
+        done.set()
+        watcher.join()
+    assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it evicted
+    assert 0 < max(highest) <= limit, (highest, limit)
+
+
+def test_second_dataset_makes_room_for_its_index(small_shards: Path, s3_server: S3Server, tmp_path: Path) -> None:
+    """A dataset opened into a cache that another has filled to the limit evicts the other's units
+    for its own manifest, index and labels before it writes them (they count as ``du`` counts
+    them), then reads through the same limit."""
+    cache = tmp_path / "cache"
+    first_url = s3_server.upload(small_shards, "du/first")
+    least, _ = _least_limit(first_url, cache)
+    first = ShardDataset(first_url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=least * 4)
+    local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
+    _same(first, local)
+    full = max(_on_disk(cache))  # the cache now, as the second dataset's limit: not a block to spare
+    second = ShardDataset(
+        s3_server.upload(small_shards, "du/second"),
+        crop_size=None,
+        dtype=torch.uint8,
+        cache_dir=cache,
+        cache_limit=full,
+    )
+    assert max(_on_disk(cache)) <= full
+    _same(second, local)
+    assert max(_on_disk(cache)) <= full
+
+
 @pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])
 def test_half_dataset_cache_fetches_near_furthest_future(
     small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, block_size: int, window: int, prefetch: int
@@ -332,6 +498,7 @@ def test_half_dataset_cache_fetches_near_furthest_future(
     sizes = _files(small_shards)
     limit = sum(sizes.values()) // 2
     url = s3_server.upload(small_shards, f"evict/half-{block_size}-{window}-{prefetch}")
+    _, fixed = _least_limit(url, tmp_path / "cache")
     ds = ShardDataset(url, crop_size=16, seed=5, cache_dir=tmp_path / "cache", cache_limit=limit)
     sampler = ShardSampler(ds, order="block", block_size=block_size, window=window, prefetch=prefetch, seed=3)
     names = data_files(ds.manifest)
@@ -343,7 +510,9 @@ def test_half_dataset_cache_fetches_near_furthest_future(
         concurrent.futures.wait(list(ds._remote._pending.get().values()))
         uses.append(sorted({names[int(ds.index["shard"][int(d)])] for d in batch}))
     fetched = sum(proxy.fetched(name) for name in sizes)
-    best = furthest_future_bytes(uses, sizes, limit)
+    # the optimum for the room the units have: the limit less what the cache keeps of the version
+    # and one download's log, each unit in whole blocks with its sidecar (as du counts them)
+    best = furthest_future_bytes(uses, sizes, limit - fixed - 4096, {n: _room(s) for n, s in sizes.items()})
     assert sum(sizes.values()) <= best and fetched <= 1.05 * best, (fetched, best)
     assert _cached(tmp_path / "cache") <= limit
 
@@ -374,13 +543,13 @@ def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch:
 
 
 def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
-    """memmap units are ranges of two records (remote.UNIT_BYTES), aligned to ShardSampler's blocks
+    """memmap units are ranges of two records (settings.UNIT_BYTES), aligned to ShardSampler's blocks
     of two: the first sample waits for its own unit, not its shard; the next window's unit is
     fetched in the background while the current one is read, so it is cached before its first
     draw; every byte is fetched once, and the samples equal the local ones."""
     local = built("memmap", "raw")  # 3 shards of 7, 7 and 4 records
     here = ShardDataset(local, crop_size=None, dtype=torch.uint8)
-    monkeypatch.setattr(remote, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
+    monkeypatch.setattr(settings, "UNIT_BYTES", 2 * int(here.index["length"].mean()))
     url = s3_server.upload(local, "prefetch/memmap")
     proxy.faults.append(Faults(match="shard-", delay=0.3))
     ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
@@ -415,7 +584,7 @@ def _units_of_two(
     """The dataset at ``local`` (3 shards of 7, 7 and 4 records), uploaded under ``prefix`` and opened
     from there with memmap units of 2 records: the local dataset, the remote one and its units."""
     here = ShardDataset(local, crop_size=16, seed=2)
-    monkeypatch.setattr(remote, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))
+    monkeypatch.setattr(settings, "UNIT_BYTES", int(2.5 * sum(_files(local).values()) / len(here)))
     ds = ShardDataset(s3_server.upload(local, prefix), crop_size=16, seed=2, cache_dir=tmp_path / "cache")
     units = ds._remote._units
     assert units is not None and ds._remote.per_unit == 2
@@ -514,8 +683,8 @@ def test_mix_members_fetched_ahead_by_the_sampler_process(
     located = [mix.locate(int(d)) for d in list(sampler(local_mix))[:4]]  # each worker's first batch
     assert sum(p in theirs for p in gets) <= len({(m, int(units.of[r])) for m, r in located}), gets
     assert a._remote is not None and b._remote is not None
-    assert a._remote._plan is not None and b._remote._plan is not None  # each member told its draws
-    read = (a._remote._at, b._remote._at)  # the draws each member counts read: its own, not the mix's
+    assert a._remote._next.planned is not None and b._remote._next.planned is not None  # each member told its draws
+    read = (a._remote._next.at, b._remote._next.at)  # the draws each member counts read: its own, not the mix's
     assert mix._read[0] > len(a) >= max(read) and 0 < sum(read) <= mix._read[0]
 
 
@@ -557,7 +726,7 @@ def test_records_checked_as_their_bytes_arrive(tmp_path: Path) -> None:
     the check after it reads back only those whose bytes did not all come in order in one stream
     (cut by two parts, in a part already there, written twice), so damage is caught either way."""
     records = [bytes([i]) * (100 + 37 * i) for i in range(6)]
-    rows = np.zeros(len(records), remote._ROWS_DTYPE)
+    rows = np.zeros(len(records), checks.ROWS_DTYPE)
     rows["length"] = [len(r) for r in records]
     rows["position"] = np.concatenate([[0], np.cumsum(rows["length"])[:-1]]) + 3  # 3 bytes no row covers
     rows["crc32"] = [zlib.crc32(r) for r in records]
@@ -566,7 +735,7 @@ def test_records_checked_as_their_bytes_arrive(tmp_path: Path) -> None:
     path.write_bytes(data)
     expected = (BACKENDS["memmap"], np.arange(len(records)), rows)
     cut = int(rows["position"][3]) + 50  # a part boundary inside record 3
-    received = remote._Received(rows)
+    received = checks.Received(rows)
     for at in range(cut, len(data), 64):  # the second part first, in pieces
         received(at, data[at : at + 64])
     received(0, data[:cut])  # then the first, in one piece
@@ -574,20 +743,20 @@ def test_records_checked_as_their_bytes_arrive(tmp_path: Path) -> None:
     whole, crcs = received.checked()
     assert whole.tolist() == [True, False, True, False, True, True]  # 1: twice; 3: cut by the parts
     assert (crcs[whole] == rows["crc32"][whole]).all()
-    assert remote._unit_problem(path, expected, received) == ""
+    assert checks.unit_problem(path, expected, received) == ""
     path.write_bytes(data[:cut] + b"X" + data[cut + 1 :])  # damage read back: record 3
-    assert "record 3: CRC-32 differs" in remote._unit_problem(path, expected, received)
-    damaged = remote._Received(rows)
+    assert "record 3: CRC-32 differs" in checks.unit_problem(path, expected, received)
+    damaged = checks.Received(rows)
     damaged(0, data[:200] + b"X" + data[201:])  # damage as it arrived: record 1
-    assert "record 1: CRC-32 differs" in remote._unit_problem(tmp_path / "unit", expected, damaged)
-    assert "record 0 is missing" in remote._unit_problem(tmp_path / "none", expected, remote._Received(rows))
+    assert "record 1: CRC-32 differs" in checks.unit_problem(tmp_path / "unit", expected, damaged)
+    assert "record 0 is missing" in checks.unit_problem(tmp_path / "none", expected, checks.Received(rows))
 
 
 def test_turns_widen_only_where_one_stream_is_too_slow():
     """One prefetch receives at a time (the next waits for it to finish, lower ranks entered before
     first) while one stream alone outpaces the readers; where it does not, as many as their
     consumption needs receive at once, up to PREFETCH_UNITS."""
-    turns = remote._Turns()
+    turns = remote_turns.Turns()
     turns.alone(100e6)
     turns.consumed(80e6)  # a node's capped bandwidth that one stream fills
     assert turns._width == 1
@@ -617,7 +786,7 @@ def test_turns_widen_only_where_one_stream_is_too_slow():
         waiting[0].join(10)
         assert order == ["b", "c"]
         turns.consumed(1e9)
-        assert turns._width == remote.PREFETCH_UNITS
+        assert turns._width == settings.PREFETCH_UNITS
     finally:
         turns.consumed(1e9)  # none left waiting, whatever failed
 

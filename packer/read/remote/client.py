@@ -1,0 +1,555 @@
+"""Remote: the dataset at a URL as a local version of the cache: pinned, its units opened and held,
+fetched once per node, prefetched for the sampler's next blocks, let go of after each batch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import functools
+import glob
+import mmap
+import os
+import re
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional, TypeVar, cast
+
+import numpy as np
+
+from ...backends import BACKENDS, data_files, record_places
+from ...backends.base import FileKey, Pinned, Shard
+from ...backends.memmap import Mapping
+from ...backends.pin import pin
+from ...format import (
+    INDEX,
+    MANIFEST,
+    DatasetError,
+    Manifest,
+    map_npy,
+    open_regular,
+)
+from ...store import ObjectNotFound, Store, open_store
+from ...store.base import ObjectInfo, PerProcess
+from ...store.published import FILES, parse_files
+from . import settings, turns
+from .checks import ROWS_DTYPE, Expected, Received, checked_for, sidecar_bytes, unit_problem
+from .download import download, starts
+from .eviction import Files, NoRoom, create, evicted_too_often, fixed_room, make_room, room_for, too_small
+from .locks import HOLDERS, LOCKING, Held, close_held, let_go, locked
+from .nextuse import NextUses
+from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, remove, sidecar_of, unit_span
+from .settings import VERIFY_ATTEMPTS, default_cache_dir, parse_limit
+from .units import RangedShard, Units
+from .versions import fetch_version
+
+T = TypeVar("T")
+
+
+class Remote:
+    """The dataset at ``url``, cached under ``cache_dir`` (default :func:`default_cache_dir`) up to
+    ``cache_limit`` bytes for the whole cache (None: unlimited). Pickled (a DataLoader worker under
+    spawn), it keeps the version it was opened at."""
+
+    def __init__(
+        self, url: str, *, cache_dir: Optional[str | os.PathLike] = None, cache_limit: int | str | None = None
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.limit = parse_limit(cache_limit)
+        tail = re.sub(r"[^A-Za-z0-9._-]+", "_", self.url.split("://", 1)[-1])[-48:]
+        self.home = self.cache_dir / f"{tail}-{digest(self.url)}"
+        self.version = ""  # sha256 of the manifest opened: the version this object reads
+        self._store: Optional[tuple[int, Store]] = None
+        self._settings: Optional[dict[str, Any]] = None  # a store resolved elsewhere (__setstate__)
+        self.per_unit = 0  # records per memmap unit (a power of two), fixed by the first pin()
+        self._hold_units()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version", "per_unit")}
+        return state | {"settings": self.store.settings()}  # the store as this process resolved it
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._settings = state.pop("settings")
+        self.__dict__.update(state)
+        self._store = None
+        self._hold_units()
+
+    def _hold_units(self) -> None:
+        """Start holding no units: ``_held`` maps a unit's path to a descriptor with its shared flock
+        (no process evicts it), all closed when this object goes (its readers went before it)."""
+        self._held = Held()
+        HOLDERS.add(self._held)
+        self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
+        weakref.finalize(self, close_held, self._held)
+        self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
+        self._infos: PerProcess[dict[str, ObjectInfo]] = PerProcess(dict)  # object key -> its HEAD
+        # version directory -> (manifest, index, each record's file and position): _places
+        self._versions: PerProcess[dict[Path, tuple[Manifest, np.ndarray, np.ndarray, np.ndarray]]] = PerProcess(dict)
+        self._next = NextUses()  # when each unit is next needed, as far as this process knows
+        self._pinned: Optional[weakref.ReferenceType[Pinned]] = None  # the reader's, to drop its mappings
+        # set by pin(): the version's units (not the Pinned: that refers back to this object, and a
+        # cycle would keep the units held until the garbage collector runs)
+        self._units: Optional[Units] = None
+        self._keys: Optional[tuple[str, dict[str, str]]] = None  # (version, data file -> object key): _key
+
+    @property
+    def store(self) -> Store:
+        """This process's client (a forked child makes its own)."""
+        mine = self._store
+        if mine is None or mine[0] != os.getpid():
+            # a forked child's from the parent's resolution: resolving again reads the AWS config and
+            # credential chain, in a worker's first batch (docs/PERFORMANCE.md, "A cold first epoch from S3")
+            settings = mine[1].settings() if mine is not None else self._settings
+            mine = self._store = (os.getpid(), open_store(self.url, settings=settings))
+        return mine[1]
+
+    def _head(self, key: str) -> ObjectInfo:
+        """Object ``key``'s size and version, asked once per process (its units share them; a
+        replaced object fails their ``If-Match``)."""
+        known = self._infos.get()
+        if key not in known:
+            known[key] = self.store.head(key)
+        return known[key]
+
+    def _key(self, name: str) -> str:
+        """The object key of data file ``name`` (relative to the dataset's URL): where the files.json
+        of its version puts it when the version was published (packer.tools.publish), else ``name``
+        (a synced copy: no files.json). Read once per process and version."""
+        if self._keys is None or self._keys[0] != self.version:
+            listed = self.home / VERSIONS / self.version / FILES
+            files = parse_files(listed.read_bytes(), where=str(listed)) if listed.is_file() else {}
+            self._keys = (self.version, {file: entry.key for file, entry in files.items()})
+        return self._keys[1].get(name, name)
+
+    def _named(self, unit: str) -> str:
+        """Unit ``unit`` for messages: its object's URL, and the byte range of a part of it."""
+        file, span = unit_span(unit)
+        return self.store.name(self._key(file)) + (f" (bytes {span[0]}-{span[1]})" if span is not None else "")
+
+    # --- versions -------------------------------------------------------------------------------
+
+    def pin(self, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
+        """The version this object reads (the dataset's current one, the first time), pinned; its
+        data files are fetched as readers first need them."""
+        if not self.version:
+            self.version = fetch_version(
+                self.store, self.url, self.home, reserve=lambda files: self._make_room(files, None, demand=True)
+            )
+        root = self.home / VERSIONS / self.version
+        if not (root / MANIFEST).is_file():
+            raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
+        pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
+        manifest = pinned.manifest
+        ranged = BACKENDS[manifest.backend].concatenated
+        if ranged and not self.per_unit:
+            mean = sum(int(s["bytes"]) for s in manifest.shards) / max(1, len(pinned.index))
+            self.per_unit = 1 << max(0, int(settings.UNIT_BYTES / max(mean, 1.0)).bit_length() - 1)
+        units = self._units = Units(manifest, pinned.index, self.per_unit if ranged else 0)
+        if ranged:  # the reader maps each shard's units as it reads them, not whole shards
+            pinned.shards = [
+                cast(Shard, (RangedShard(int(s["bytes"]), units, k, lambda key: self._map_unit(root, key)), None))
+                for k, s in enumerate(manifest.shards)
+            ]
+        self._pinned = weakref.ref(pinned)
+        if self.limit is not None and len(units.sizes) and int(units.sizes.max()) > 0:  # LMDB's: at its HEAD
+            largest = int(np.argmax(units.sizes))
+            part = self.home / PARTIAL / units.keys[largest]
+            rows = np.zeros(int(np.count_nonzero(units.of == largest)), ROWS_DTYPE)
+            need = room_for(_with_sidecar(starts(part, int(units.sizes[largest])), part, rows))
+            fixed = fixed_room(self.cache_dir)
+            if need + fixed > self.limit:
+                raise too_small(self.limit, self.url, self._named(units.keys[largest]), need, fixed)
+        return pinned
+
+    def _map_unit(self, root: Path, key: str) -> np.ndarray:
+        """Unit ``key`` of the version at ``root``, mapped (fetched first unless the cache has it)."""
+        fd = self._open_unit(root, key)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = Mapping(fd, size) if size else None
+        finally:
+            os.close(fd)
+        if mapping is None:
+            return np.zeros(0, np.uint8)
+        mapping.madvise(mmap.MADV_RANDOM)
+        return np.asarray(mapping)
+
+    def release(self) -> None:
+        """Let go of the units this process holds, with a memmap reader (see packer.read.remote):
+        called after each batch, so that a cache of a few units serves an epoch, and by a batch's
+        download that finds no room (in any thread). With a cache limit their mappings go too (the
+        disk space of an evicted unit is freed with its last mapping)."""
+        pinned = self._pinned() if self._pinned is not None else None
+        if pinned is None or not pinned.shards or not isinstance(pinned.shards[0][0], RangedShard):
+            return
+        with self._lock.get():
+            held = dict(self._held)
+            self._held.clear()
+        if self.limit is not None:
+            for shard, _ in pinned.shards:
+                cast(RangedShard, shard).opened.clear()  # a mapping goes with its last buffer
+        for fd in held.values():
+            let_go(fd)
+
+    def prefetch(
+        self, records: np.ndarray, *, wait: bool = False, epoch: Optional[int] = None, read: Optional[int] = None
+    ) -> None:
+        """Fetch the data files that ``records`` lie in and this version does not have yet, up to
+        :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
+        blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
+        the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
+        A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
+        every record of this epoch is not needed again in it. ``read``: the draws of the planned
+        ``epoch`` read by now in other processes (the sampler's, whose DataLoader workers read
+        them), for eviction by next use; a process that reads batches itself counts them instead."""
+        assert self._units is not None, "pin() first"
+        pace = self._next.told_read(epoch, read)
+        if pace is not None:
+            turns.process_turns.get().consumed(pace * self._units.record_bytes)
+        units = self._units
+        root = self.home / VERSIONS / self.version
+        pending = self._pending.get()
+        futures = {}
+        numbers = units.of[records]
+        _, first = np.unique(numbers, return_index=True)
+        order = numbers[np.sort(first)].tolist()  # in the order the records need them
+        if not wait:
+            self._next.count(units, numbers, wait, epoch)
+            order.sort(key=self._next.soonest)  # the next needed first
+        wanted = [units.keys[u] for u in order]
+        for name in wanted:
+            if wait and self.limit is not None and name not in pending:
+                self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
+            if name not in pending and not (root / name).exists():
+                pool, fetch = turns.prefetcher.get(), functools.partial(self._fetch_into, root, name, demand=wait)
+                if wait:
+                    pending[name] = pool.submit(fetch)
+                else:  # entered as it is submitted (its turn known before its thread starts); forgotten once done
+                    rank = self._next.soonest(units.numbers[name])
+                    pending[name] = turns.process_turns.get().enter(
+                        self._turn_key(name), rank, functools.partial(pool.submit, fetch)
+                    )
+                    pending[name].add_done_callback(functools.partial(_forget, pending, name))
+            if name in pending:
+                futures[name] = pending[name]
+        for name, future in futures.items() if wait else ():
+            failure = future.exception()
+            pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
+            if failure is not None:
+                raise failure
+        if wait:  # read from now on: until its units are in, the batch is what comes next (needed_before)
+            self._next.count(units, numbers, wait, epoch)
+
+    def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
+        """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a
+        prefetch, entered in the turns when submitted, whose download waits for its turn)."""
+        try:
+            fd = self._fetch_unit(root, name, demand=demand)
+        finally:
+            turns.process_turns.get().leave(self._turn_key(name))
+        if fd is not None:
+            os.close(fd)
+
+    def _turn_key(self, name: str) -> tuple[str, str]:
+        """Unit ``name`` of this dataset, as the process's turns know it (they serve every dataset)."""
+        return str(self.home), name
+
+    @property
+    def reads_here(self) -> bool:
+        """Whether this process has read batches of a ShardSampler (else its DataLoader workers do)."""
+        return self._next.reads_here
+
+    def plan(self, epoch: int, records: np.ndarray) -> None:
+        """The records this process will read in ``epoch``, in order (ShardSampler's, told when it
+        is iterated in this process): eviction ranks units by their next use in it."""
+        assert self._units is not None, "pin() first"
+        self._next.plan(self._units, epoch, records)
+
+    def _hold_cached(self, path: Path) -> None:
+        """Hold the unit at ``path`` if the version has it."""
+        try:
+            fd = open_regular(path)
+        except FileNotFoundError:
+            return
+        try:
+            self._hold(fd, path)
+        finally:
+            os.close(fd)
+
+    # --- units ----------------------------------------------------------------------------------
+
+    def _open_unit(self, root: Path, name: str) -> int:
+        """A descriptor of data file ``name`` of the version at ``root``: fetched and checked first
+        unless the version already has it; held (shared flock) so that no process evicts it."""
+        try:
+            fd = open_regular(root / name)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0 and self._hold(fd, root / name):
+            os.utime(fd)  # last opened: eviction takes the least recently opened first
+            return fd
+        if fd >= 0:
+            os.close(fd)  # evicted between the open and the lock: fetch it again
+        fetched = self._fetch_unit(root, name)
+        assert fetched is not None, "a reader's fetch returns the unit"
+        return fetched
+
+    def _hold(self, fd: int, path: Path) -> bool:
+        """Take the shared flock that keeps the unit open at ``fd`` (``path``) from eviction; False
+        when it was evicted (unlinked) before the lock was taken."""
+        hold = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
+        fcntl.flock(hold, fcntl.LOCK_SH)
+        linked = os.fstat(hold).st_nlink >= 2  # else its names are gone: evicted
+        if not linked:
+            let_go(hold)
+            return False
+        self._keep(hold, path)
+        return True
+
+    def _keep(self, hold: int, path: Path) -> None:
+        """Keep ``hold`` (a descriptor with the unit's shared flock) until :meth:`release` (a child
+        forked from now on closes its copy: see _after_fork). From here on the descriptor is
+        ``_held``'s: a batch's download in another thread that finds no room releases every unit
+        the process holds, so the caller must not use ``hold`` again (it may be closed, and its
+        number taken by another file: a reader reopening it through ``/proc/self/fd`` got
+        FileNotFoundError, or the wrong file)."""
+        with self._lock.get():
+            old = self._held.pop(str(path), None)
+            self._held[str(path)] = hold
+            LOCKING.discard(hold)  # under the lock: a release closes it only after it left LOCKING
+        if old is not None:
+            let_go(old)
+
+    def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
+        """Unit ``name`` (a data file, or ``FILE@START-END``: a byte range of one) of the version at
+        ``root`` in the cache, checked, linked into ``root``.
+        A reader's fetch (``demand``) returns a descriptor of it, held; a prefetch of the sampler's
+        next blocks returns None and leaves it to eviction by next use, or skips it when there is no
+        room for it without evicting what is needed sooner."""
+        manifest, index, files, positions = self._places(root)
+        file, span = unit_span(name)
+        k = data_files(manifest).index(file)
+        backend = BACKENDS[manifest.backend]
+        inside = files == k
+        if span is not None:
+            inside &= (positions >= span[0]) & (positions < span[1])
+        mine = np.flatnonzero(inside)
+        rows = np.empty(len(mine), ROWS_DTYPE)
+        rows["position"] = positions[mine] - (span[0] if span is not None else 0)  # in the unit's own file
+        rows["length"], rows["crc32"] = index["length"][mine], index["crc32"][mine]
+        order = np.argsort(rows["position"], kind="stable")
+        mine, rows = mine[order], rows[order]
+        with locked(self.home / LOCKS / f"unit-{name}"):
+            for _ in range(VERIFY_ATTEMPTS):
+                try:
+                    fd = open_regular(root / name)  # another process fetched it meanwhile
+                except FileNotFoundError:
+                    pass
+                else:
+                    if not demand:
+                        os.close(fd)
+                        return None
+                    if self._hold(fd, root / name):
+                        return fd
+                    os.close(fd)  # evicted before the lock was taken: fetch it again
+                got = self._fetch_held(root, name, k, (backend, mine, rows), demand=demand)
+                if got is None:
+                    return None  # no room for a prefetch: the batch that needs it fetches it
+                hold, unit = got
+                try:
+                    with contextlib.suppress(FileExistsError):
+                        os.link(unit, root / name)  # held: no process can evict it meanwhile
+                    # the reader's own descriptor, opened while the hold is still this thread's alone
+                    # (once kept, it is any thread's release() to close: see _keep)
+                    fd = os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC) if demand else -1
+                except BaseException:
+                    let_go(hold)
+                    raise
+                if not demand:
+                    let_go(hold)  # a prefetch's unit is left to eviction by next use
+                    return None
+                self._keep(hold, root / name)
+                return fd
+        raise evicted_too_often(self._named(name))
+
+    def _places(self, root: Path) -> tuple[Manifest, np.ndarray, np.ndarray, np.ndarray]:
+        """The manifest and index of the version at ``root`` and each record's data file and byte
+        position, read once per process (a version never changes): every unit's fetch selects its
+        rows from them."""
+        known = self._versions.get()
+        if root not in known:
+            manifest = Manifest.load(root)
+            fd = open_regular(root / INDEX)
+            try:
+                index = map_npy(fd, root / INDEX)
+            finally:
+                os.close(fd)
+            known[root] = (manifest, index, *record_places(manifest, index))
+        return known[root]
+
+    def _fetch_held(
+        self, root: Path, name: str, k: int, expected: Expected, *, demand: bool
+    ) -> Optional[tuple[int, Path]]:
+        """A descriptor and the path of the unit of data file ``name`` (number ``k``) in ``units/``, downloaded and
+        checked unless a version already has it, holding its shared flock since before it had its
+        name there (so no process can evict it between its arrival and its use); None when a
+        prefetch found no room. A unit is named by its object's size and version: where the
+        manifest lists the size (memmap), the version of an object this process has not asked yet
+        comes with its first unit's GET (no HEAD first: one first-byte wait less, the first
+        batch's among them), and a cached unit is found by the records it was checked for."""
+        manifest = self._places(root)[0]
+        key = self._key(unit_span(name)[0])
+        listed = int(manifest.shards[k]["bytes"]) if expected[0].lists_files(manifest) else None
+        info = self._infos.get().get(key)
+        if info is None and listed is None:
+            info = self._missing_named(key, lambda: self._head(key))
+        if info is not None:
+            self._same_size(key, info, listed)
+            cached = [self._unit_path(name, info)]
+        else:
+            found = (self.home / UNITS).glob(f"{glob.escape(name)}.{listed}.*")
+            cached = sorted(p for p in found if not p.name.endswith(SIDECAR))
+        for unit in (u for u in cached if checked_for(u, expected[2])):
+            try:
+                fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            LOCKING.add(fd)  # until it is kept or closed: a child forked meanwhile closes its copy
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.fstat(fd).st_nlink >= 1:
+                os.utime(fd)
+                return fd, unit
+            let_go(fd)  # evicted before the lock was taken: download it again
+        try:
+            return self._download_checked(name, key, info or ObjectInfo(cast(int, listed), ""), expected, demand=demand)
+        except NoRoom:
+            return None
+
+    def _unit_path(self, name: str, info: ObjectInfo) -> Path:
+        """Where unit ``name`` of the object version ``info`` is kept in ``units/``."""
+        return self.home / UNITS / f"{name}.{info.size}.{digest(info.etag)}"
+
+    def _missing_named(self, key: str, ask: Callable[[], T]) -> T:
+        """``ask()`` about object ``key``, which missing is a DatasetError that says the manifest names it."""
+        try:
+            return ask()
+        except ObjectNotFound:
+            raise DatasetError(f"{self.store.name(key)}: missing (the manifest names it)") from None
+
+    def _same_size(self, key: str, info: ObjectInfo, listed: Optional[int]) -> None:
+        if listed is not None and info.size != listed:
+            raise DatasetError(
+                f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset "
+                f"was replaced since this version was opened: open it again)"
+            )
+
+    def _download_checked(
+        self, name: str, key: str, info: ObjectInfo, expected: Expected, *, demand: bool = True
+    ) -> tuple[int, Path]:
+        """Unit ``name`` of object ``key`` (``info``: its size, and its version unless "") downloaded
+        and renamed into ``units/`` once its bytes match what ``expected`` says; a descriptor of it
+        with its shared flock, taken before the rename, and its path. A concatenated backend's
+        partial download is named by the records it is for (a process that knows the version and
+        one that learns it from its GET resume the same one), another's by the version."""
+        rows = expected[2]
+        tag = digest(rows.tobytes() if expected[0].concatenated else info.etag)
+        part = self.home / PARTIAL / f"{name}.{info.size}.{tag}"
+        learned = [info]  # replaced by what a GET's response tells (info.etag "")
+
+        def seen(found: ObjectInfo) -> None:
+            self._same_size(key, found, info.size)
+            learned[0] = found
+            self._infos.get().setdefault(key, found)  # its other units ask If-Match it
+
+        problem = ""
+        for _ in range(VERIFY_ATTEMPTS):
+            # a concatenated backend's records are checked as their bytes arrive (the check after
+            # the download re-reads only those that did not arrive whole in one stream)
+            received = Received(rows) if expected[0].concatenated else None
+            get = functools.partial(
+                download,
+                self.store,
+                part,
+                key,
+                learned[0],
+                unit_span(name)[1],
+                turn=functools.partial(turns.process_turns.get().turn, self._turn_key(name)),
+                reserve=lambda files: self._make_room(_with_sidecar(files, part, rows), name, demand=demand),
+                received=received,
+                seen=seen,
+            )
+            self._missing_named(key, get)
+            problem = unit_problem(part, expected, received)
+            if not problem:
+                if not info.etag and learned[0] is info:  # resumed whole: no GET told the version
+                    seen(self._missing_named(key, lambda: self._head(key)))
+                unit = self._unit_path(name, learned[0])
+                sidecar_of(part).write_bytes(sidecar_bytes(rows))  # reserved with the part (a resumed one: again)
+                os.replace(sidecar_of(part), sidecar_of(unit))
+                hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+                LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
+                try:
+                    fcntl.flock(hold, fcntl.LOCK_SH)
+                    # under the lock that counts the cache: a count between its listing of units/ and
+                    # of partial/ would otherwise miss the unit in neither, and reserve its room again
+                    counted = self.limit is not None
+                    with locked(self.cache_dir / ".evict.lock") if counted else contextlib.nullcontext():
+                        os.replace(part, unit)
+                except BaseException:
+                    let_go(hold)
+                    raise
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(log_of(part))
+                return hold, unit
+            remove(part, log_of(part), sidecar_of(part))
+        raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
+
+    def _make_room(self, files: Files, name: Optional[str], *, demand: bool) -> None:
+        """Room under the cache limit for the ``files`` a download of unit ``name`` (None: a
+        version's metadata) starts with, reserved (packer.read.remote.eviction.make_room), and the
+        files made; a limit that cannot hold a unit fails (one that cannot hold the metadata and
+        the largest unit fails in pin())."""
+        if self.limit is None:
+            create(files)
+            return
+        make_room(
+            self.cache_dir,
+            self.limit,
+            files,
+            home=self.home,
+            demand=demand,
+            next_use=self._next_use,
+            needed_before=lambda there: (
+                0 if name is None else self._next.needed_before(self._units, name, there, room_for(files))
+            ),
+            let_go=self.release,
+            url=self.url,
+            named=None if name is None else self._named(name),
+        )
+
+    def _next_use(self, unit: Path) -> Optional[int]:
+        """When cached ``unit`` is next needed (NextUses.rank; None: another dataset's)."""
+        numbers = self._units.numbers if self._units is not None and unit.parent.parent == self.home else {}
+        k = numbers.get(unit.name.rsplit(".", 2)[0])
+        return None if k is None else self._next.rank(k)
+
+
+def _with_sidecar(files: Files, part: Path, rows: np.ndarray) -> Files:
+    """``files`` with the sidecar of download ``part``, checked for ``rows``: reserved and written
+    with the part, so that the cache's count holds it from the start."""
+    return {**files, sidecar_of(part): sidecar_bytes(rows)}
+
+
+def _forget(pending: dict[str, concurrent.futures.Future], name: str, _: concurrent.futures.Future) -> None:
+    pending.pop(name, None)
+
+
+def local_version(url: str) -> Path:
+    """The cache directory (default cache) of the current version of the dataset at ``url``: its
+    manifest, index and label arrays (``packer info`` on a URL reads this local copy; ``verify``
+    checks the store itself, packer.tools.verify)."""
+    return Path(Remote(url).pin().root)

@@ -1,0 +1,73 @@
+"""What is fetched of a version (its units: LMDB files, ranges of memmap shards) and a memmap
+shard as its reader slices it, each unit mapped as it is first read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ...backends import data_files, record_places
+from ...format import Manifest
+
+
+class Units:
+    """What is fetched of one version: for memmap, each shard cut into ranges of ``per_unit``
+    records (global record numbers ``u * per_unit`` and up: a power of two, so that ShardSampler
+    blocks of a power of two records up to ``per_unit`` never straddle two units) at record
+    boundaries; for LMDB (``per_unit`` 0) the data files. ``of``: each record's unit; ``keys``:
+    each unit's name (a whole shard is named as its file, so it is the file ``packer verify``
+    fetches); ``sizes``: its bytes (memmap; 0 for LMDB); ``numbers``: name -> unit; ``record_bytes``:
+    the mean bytes of a record (memmap; 0.0 for LMDB)."""
+
+    def __init__(self, manifest: Manifest, index: np.ndarray, per_unit: int) -> None:
+        names = data_files(manifest)
+        files, positions = record_places(manifest, index)
+        if not per_unit:
+            self.of = files.astype(np.int64)
+            self.keys = list(names)
+            self.sizes = np.zeros(len(names), np.int64)  # an LMDB file's size is known from its HEAD only
+        else:
+            group = files.astype(np.int64) * (len(index) // per_unit + 1) + np.arange(len(index)) // per_unit
+            unique, self.of = np.unique(group, return_inverse=True)
+            self.of = self.of.astype(np.int64)
+            ends = positions + index["length"].astype(np.int64)
+            starts = np.full(len(unique), np.iinfo(np.int64).max, np.int64)
+            stops = np.zeros(len(unique), np.int64)
+            np.minimum.at(starts, self.of, positions)
+            np.maximum.at(stops, self.of, ends)
+            shard_of = files[np.unique(self.of, return_index=True)[1]]
+            self.keys = []
+            for u, k in enumerate(shard_of.tolist()):
+                whole = starts[u] == 0 and stops[u] == int(manifest.shards[k]["bytes"])
+                self.keys.append(names[k] if whole else f"{names[k]}@{starts[u]}-{stops[u]}")
+            self.sizes = stops - starts
+            self.shard, self.starts, self.stops = shard_of, starts, stops
+        self.numbers = {key: u for u, key in enumerate(self.keys)}
+        self.record_bytes = float(self.sizes.sum()) / max(1, len(index))
+
+
+class RangedShard:
+    """Memmap shard ``k`` as its reader slices it (``array[start:end]``), each unit mapped when a
+    record of it is first read: ``open_unit(name)`` fetches it into the cache first. The mappings
+    are kept in ``opened`` until :meth:`Remote.release` drops them."""
+
+    def __init__(self, size: int, units: Units, k: int, open_unit: Callable[[str], np.ndarray]) -> None:
+        self.size, self._open_unit = size, open_unit
+        mine = np.flatnonzero(units.shard == k)
+        order = np.argsort(units.starts[mine], kind="stable")
+        self._units = mine[order]
+        self._starts = units.starts[self._units]
+        self._keys = units.keys
+        self.opened: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        j = max(0, int(np.searchsorted(self._starts, where.start, side="right")) - 1)
+        array = self.opened.get(j)
+        if array is None:
+            array = self.opened[j] = self._open_unit(self._keys[int(self._units[j])])
+        base = int(self._starts[j])
+        return array[where.start - base : where.stop - base]
