@@ -55,6 +55,11 @@ def _same(a: ShardDataset, b: ShardDataset) -> None:
         assert torch.equal(x[0], y[0]) and x[1] == y[1]
 
 
+def same_order(local: ShardDataset, remote: ShardSampler) -> ShardSampler:
+    """A sampler of the local copy in the order the store's default sampler took (block order there)."""
+    return ShardSampler(local, seed=remote.seed, order=remote.order, block_size=remote.block_size, window=remote.window)
+
+
 def _files(local: Path) -> dict[str, int]:
     manifest = Manifest.load(local)
     return {name: (local / name).stat().st_size for name in data_files(manifest)}
@@ -391,7 +396,8 @@ def test_default_sampler_two_workers_many_evictions(
     url = s3_server.upload(small_shards, f"race/loader-{context}")
     remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=tmp_path / "cache", cache_limit=8 * max(sizes.values()))
     local = ShardDataset(small_shards, crop_size=16, seed=5)
-    sampler, want_sampler = ShardSampler(remote, seed=0), ShardSampler(local, seed=0)
+    sampler = ShardSampler(remote, seed=0)  # in the store: block order, its window within the limit
+    want_sampler = same_order(local, sampler)
     loader = DataLoader(
         remote, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context, persistent_workers=True
     )
@@ -449,7 +455,8 @@ def test_cache_limit_holds_as_du_sees_it(
     try:
         remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
         local = ShardDataset(small_shards, crop_size=16, seed=5)
-        sampler, want_sampler = ShardSampler(remote, seed=0), ShardSampler(local, seed=0)
+        sampler = ShardSampler(remote, seed=0)  # in the store: block order, its window within the limit
+        want_sampler = same_order(local, sampler)
         loader = DataLoader(remote, batch_size=2, sampler=sampler, num_workers=2, multiprocessing_context=context)
         for epoch in range(2):
             sampler.set_epoch(epoch)
