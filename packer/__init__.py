@@ -42,8 +42,10 @@ __all__ = [
     "ShardSampler",
     "StoreError",
     "URLNotSupported",
+    "Writer",
     "__version__",
     "build",
+    "pack",
     "publish",
 ]
 
@@ -57,6 +59,10 @@ def __getattr__(name: str) -> Any:
         from .tools.publish import publish_build
 
         return publish_build
+    if name in ("Writer", "pack"):  # a dataset from code, with fields (packer.builder.writer)
+        from .builder import writer as _writer
+
+        return getattr(_writer, name)
     if name == "Labelling":
         from .builder.labels import Labelling
 

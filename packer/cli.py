@@ -229,6 +229,8 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | Non
 
     labelling = Labelling(**{f.name: fields.pop(f.name) for f in labelling_fields()})
     options = BuildOptions(labelling=labelling, **fields)
+    if options.coco is not None and (is_url(out) or dask_address is not None):
+        raise click.UsageError("--coco packs on this machine into a local OUT (not --dask, not a URL) for now")
     signal.signal(signal.SIGTERM, _raise_terminated)
     if is_url(out):
         from .tools.publish import publish_build
@@ -304,7 +306,30 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
         "packer_version": manifest.packer_version,
         "long_edge_histogram": _histogram(np.maximum(index["height"], index["width"])),
         "short_edge_histogram": _histogram(np.minimum(index["height"], index["width"])),
+        # a dataset with fields (format 4): each field with its counts from the manifest
+        **({"fields": _field_facts(manifest)} if manifest.fields else {}),
     }
+
+
+def _field_facts(manifest: Any) -> list[dict[str, Any]]:
+    """Each declared field (name, kind, dtype) with the counts its writer recorded: records with a
+    value, items in all (boxes, bytes of text or arrays), and for boxes a boxes-per-image histogram."""
+    facts = []
+    for f in manifest.declared:
+        entry: dict[str, Any] = f.to_json()
+        counts = manifest.field_counts.get(f.name, {})
+        if f.kind == "label":
+            entry["records"] = manifest.count
+        elif counts:
+            entry["records"], entry["items"] = counts["records"], counts["items"]
+            if "per_record" in counts:
+                per = np.repeat(
+                    np.array([int(k) for k in counts["per_record"]], np.int64),
+                    np.array(list(counts["per_record"].values()), np.int64),
+                )
+                entry["per_record_histogram"] = _histogram(per)
+        facts.append(entry)
+    return facts
 
 
 def _kept_versions(url: str) -> int | None:
@@ -378,6 +403,14 @@ def info(out: Path, as_json: bool) -> None:
         click.echo(f"    images without any label: {facts['records_without_labels']}")
     for name, t in facts["targets"].items():
         click.echo(f"  target {name}: min {t['min']:.6g}, mean {t['mean']:.6g}, max {t['max']:.6g}")
+    for f in facts.get("fields", []):
+        counts = (
+            f" in {f['records']} records" + (f", {f['items']} items" if "items" in f else "") if "records" in f else ""
+        )
+        click.echo(f"  field {f['name']}: {f['kind']} ({f['dtype']}){counts}")
+        for b in f.get("per_record_histogram", []):
+            span = f"{b['lo']}" if b["lo"] == b["hi"] else f"{b['lo']}-{b['hi']}"
+            click.echo(f"    {span:>7} boxes  {b['count']:>8}  {_bar(b['count'], total)}")
     for edge in ("short", "long"):
         click.echo(f"  stored {edge} edge (px):")
         for b in facts[f"{edge}_edge_histogram"]:

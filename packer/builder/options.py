@@ -93,6 +93,13 @@ class BuildOptions:
         "labels are numbered in sorted order.",
         "file",
     )
+    coco: Optional[str] = _option(
+        None,
+        "COCO annotations (instances JSON) of the images in RAW_DIR (file_name relative to it): pack "
+        "each listed image with its boxes, their category ids and a segmentation map (polygons or "
+        "RLE drawn in category ids), category names recorded (docs/FIELDS.md). A flat folder, not class folders.",
+        "file",
+    )
     #: --classes, --unlabeled, --multi-label, --targets (its own fields: see packer.builder.labels)
     labelling: Labelling = field(default=Labelling())
     on_error: Optional[str] = _option(

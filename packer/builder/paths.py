@@ -158,3 +158,17 @@ def made_by_packer(path: Path, sibling: bool) -> bool:
 def empty_folder(path: Path) -> bool:
     """An empty real folder: what --force may replace although no build made it (``mkdir OUT`` first)."""
     return not path.is_symlink() and path.is_dir() and not any(path.iterdir())
+
+
+def check_target(target: Path, *, replaces: bool, keeps: bool) -> None:
+    """Refuse a dataset path this build must not write: one that exists unless it ``replaces`` it
+    (--force) or ``keeps`` it until it is rebuilt (--update, --resume), and anything there that is
+    not packer's own (with --force: a dataset, a --split folder of them or an empty folder)."""
+    if target.exists() and not (replaces or keeps):
+        raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
+    why = not_dataset(target) if target.exists() else ""
+    if why and not (replaces and (made_by_packer(target, sibling=False) or empty_folder(target))):
+        raise BuildError(
+            f"{target} exists and is not a packer dataset ({why}); packer replaces only its own datasets "
+            f"(--force: also a --split folder of them, or an empty folder): move it away or choose another OUT"
+        )

@@ -27,7 +27,7 @@ from ..errors import local_path, say
 from ..format import MANIFEST, MAX_MANIFEST, Manifest
 from .labels import LabelError
 from .options import SHARD_SIZE, BuildError, BuildOptions, Resolved
-from .paths import dataset_path, empty_folder, lock_outputs, made_by_packer, not_dataset
+from .paths import check_target, dataset_path, lock_outputs
 from .scan import Paths, Scan, ScanError, confusable, identify, scan
 from .segments import Fetch, link_base, old_files, plan
 from .split import TRAIN, split_path, split_scan
@@ -95,14 +95,7 @@ def prepare(raw_dir: str | os.PathLike, out: Path, options: Resolved, quiet: boo
             f"({split_path(out, TRAIN, backend)}, ...): choose another OUT"
         )
     for target in [split_path(out, name, backend) for name in (TRAIN, *split)] if split else [out]:
-        if target.exists() and not (force or update or resume):
-            raise BuildError(f"{target} already exists (use --force to replace it, or --update to refresh it)")
-        why = not_dataset(target) if target.exists() else ""
-        if why and not (force and (made_by_packer(target, sibling=False) or empty_folder(target))):
-            raise BuildError(
-                f"{target} exists and is not a packer dataset ({why}); packer replaces only its own datasets "
-                f"(--force: also a --split folder of them, or an empty folder): move it away or choose another OUT"
-            )
+        check_target(target, replaces=force, keeps=update or resume)
     try:
         found = scan(raw_dir, options.labels, labelling, strict=options.on_error == "fail")
     except (ScanError, LabelError) as e:
@@ -196,6 +189,11 @@ def _build_dataset(
     t0 = time.monotonic()
     settings = options.settings(found)
     previous = previous_dataset(out, quiet) if options.keep_current else None
+    if previous is not None and previous[0].fields:  # its records hold fields this build does not write
+        raise BuildError(
+            f"{out} holds fields beside its images (written by packer.Writer or --coco): a folder build "
+            f"cannot --update or --resume it; write it again the way it was made, or replace it with --force"
+        )
     if previous is not None and previous[0].inputs == inputs_digest(found, settings):
         if not options.update:
             return _up_to_date(out, previous[0])
@@ -346,4 +344,8 @@ def build(
     by name, e.g. ``build(raw, out, format="raw", workers=4)``; a bad value raises BuildError.
     """
     options = (options or BuildOptions()).but(**changes)
+    if options.coco is not None:  # the images a COCO file lists, with their annotations (a Writer)
+        from .coco import build_coco
+
+        return build_coco(raw_dir, out, options, quiet)
     return run_build(raw_dir, out, options, quiet, LocalEngine(Path(raw_dir), quiet))

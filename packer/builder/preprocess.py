@@ -145,6 +145,12 @@ def load(path: str, opts: PreprocessSpec) -> Image.Image:
     """Decode ``path`` as an upright RGB image already shrunk to the target short edge."""
     with open_source(path) as f:
         data = f.read()
+    return load_bytes(data, opts)[0]
+
+
+def load_bytes(data: bytes, opts: PreprocessSpec) -> tuple[Image.Image, tuple[int, int]]:
+    """The encoded image ``data`` as :func:`load` makes it, and the (width, height) of the source
+    once upright (EXIF orientation applied): what a sample's boxes and masks are measured in."""
     with open_image(data) as im:  # reads the header only: size, mode, EXIF
         width, height = im.size
         problem = _check_geometry(width, height, opts)
@@ -162,9 +168,33 @@ def load(path: str, opts: PreprocessSpec) -> Image.Image:
             rgb = to_rgb(im)  # before resizing: palette images would otherwise resample as NEAREST
             if rgb is im:
                 rgb = im.copy()  # the file's own image is released when the with-block closes it
+    return _finish(rgb, target, orientation), _upright(width, height, orientation)
+
+
+def load_image(im: Image.Image, opts: PreprocessSpec) -> tuple[Image.Image, tuple[int, int]]:
+    """A decoded Pillow image (its EXIF orientation honoured, as a file's is) as :func:`load_bytes` makes one."""
+    width, height = im.size
+    problem = _check_geometry(width, height, opts)
+    if problem:
+        raise ValueError(problem)
+    orientation = im.getexif().get(0x0112, 1)
+    rgb = to_rgb(im)
+    target = target_size(width, height, opts.short_edge)
+    if rgb.size != target and native_shrink():
+        rgb = Image.fromarray(shrink(np.asarray(rgb), target), "RGB")
+    return _finish(rgb, target, orientation), _upright(width, height, orientation)
+
+
+def _finish(rgb: Image.Image, target: tuple[int, int], orientation: int) -> Image.Image:
+    """The last steps of every image: the resize to ``target`` (where the decode left another size), the orientation."""
     if rgb.size != target:
         rgb = rgb.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
     return _apply_orientation(rgb, orientation)
+
+
+def _upright(width: int, height: int, orientation: int) -> tuple[int, int]:
+    """(width, height) of a ``width`` x ``height`` image once its EXIF ``orientation`` is applied."""
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 
 def shrink(pixels: np.ndarray, target: tuple[int, int]) -> np.ndarray:
@@ -205,10 +235,10 @@ def process(path: str, opts: PreprocessSpec) -> Result:
     except MemoryError:
         return Skip("out of memory while decoding")
     except Exception as e:  # any decoder failure is the file's problem, reported with its path
-        return Skip(_describe(e))
+        return Skip(describe(e))
 
 
-def _describe(e: Exception) -> str:
+def describe(e: Exception) -> str:
     if isinstance(e, Image.UnidentifiedImageError):
         return "not a recognised image (cannot identify image file)"
     if isinstance(e, OSError) and e.strerror:

@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -56,7 +56,9 @@ from ..format import (
     index_digest,
     json_text,
     logical_digest,
+    written_version,
 )
+from ..format.fields import Field
 from ..format.label_arrays import arrays_digest, class_counts
 from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions, Resolved
 from .preprocess import Record, Result, Skip
@@ -513,9 +515,17 @@ def _nothing_packed(staging: Path, out: Path, candidates: int) -> BuildError:
 
 
 def complete(
-    staging: Path, out: Path, found: Scan, options: Resolved, sink: RecordSink, resumed_from: int
+    staging: Path,
+    out: Path,
+    found: Scan,
+    options: Resolved,
+    sink: RecordSink,
+    resumed_from: int,
+    fields: Sequence[Field] = (),
+    field_counts: Optional[dict[str, dict[str, Any]]] = None,
 ) -> BuildReport:
-    """Close ``sink``, write the manifest from ``options`` and the totals, then :func:`finalize`."""
+    """Close ``sink``, write the manifest from ``options`` and the totals (and the ``fields`` each
+    record holds with their ``field_counts``, :mod:`packer.format.fields`), then :func:`finalize`."""
     written = sink.close()
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
     if not len(rows) and len(found.sources) and not options.allow_empty:
@@ -549,6 +559,9 @@ def complete(
         sources_digest=index_digest(np.fromfile(staging / SOURCES_PART, np.uint8)),
         dead_bytes=dead,
         segments=segments,
+        fields=[f.to_json() for f in fields],
+        field_counts=field_counts or {},
+        format_version=written_version([f.to_json() for f in fields]),
     )
     finalize(staging, out, manifest, arrays)
     return BuildReport.of(out, manifest, resumed_from=resumed_from, reused=sink.reused)

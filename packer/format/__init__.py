@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -27,13 +28,16 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import DatasetError
+from .fields import FIELDS_VERSION, Field, declare, record_fields
 from .records import FORMATS
 
 FORMAT_VERSION = 3
 #: Versions this packer reads: 1 lacks label kinds and targets (every dataset is "class", see LABEL_KINDS);
 #: 1 and 2 hold one data file per backend layout (LMDB: data.mdb, keys in index order) and digest the
 #: record bytes; 3 adds segments (any row may point into any data file) and the logical digest.
-READABLE_VERSIONS = (1, 2, 3)
+#: 4 is 3 with fields beside the image in every record (packer.format.fields); a dataset without
+#: fields is still written as version 3.
+READABLE_VERSIONS = (1, 2, 3, FIELDS_VERSION)
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
 SOURCES = "sources.npy"
@@ -122,9 +126,18 @@ class Manifest:
     #: sha256 over every other key of manifest.json (see :func:`manifest_digest`): verify notices an
     #: edited class name, option or count. Empty in datasets of packers before it; then unchecked.
     manifest_digest: str = ""
+    #: Version 4: the declared fields, ``{"name", "kind", "dtype"}`` each (packer.format.fields), in
+    #: record order. Absent from manifest.json when empty, so a dataset without fields is as it was.
+    fields: list[dict[str, Any]] = field(default_factory=list)
+    #: Version 4: per record field, ``{"records": with a non-empty value, "items": in all}``, and for
+    #: boxes ``"per_record"``: ``{"<boxes>": records with that many}`` (``packer info``). Absent when empty.
+    field_counts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         fields = asdict(self)
+        for key in ("fields", "field_counts"):
+            if not fields[key]:
+                del fields[key]
         fields["manifest_digest"] = manifest_digest(fields)
         return json.dumps(fields, indent=1, sort_keys=True)
 
@@ -259,6 +272,44 @@ class Manifest:
                 raise bad("shards")
         if not LAYOUTS[self.backend].check_manifest(self):
             raise bad("shards")
+        try:
+            declared = self.declared if isinstance(self.fields, list) else None
+        except ValueError:
+            declared = None
+        if declared is None or bool(declared) != (self.format_version == FIELDS_VERSION):
+            raise bad("fields")
+        if declared and any(f.kind == "label" for f in declared) == (self.label_kind == "none"):
+            raise bad("fields")
+        counts = self.field_counts
+        if not (
+            isinstance(counts, dict)
+            and set(counts) <= {f.name for f in self.record_fields}
+            and all(
+                isinstance(c, dict)
+                and size(c.get("records"))
+                and size(c.get("items"))
+                and isinstance(c.get("per_record", {}), dict)
+                and all(k.isdigit() and size(n) for k, n in c.get("per_record", {}).items())
+                for c in counts.values()
+            )
+        ):
+            raise bad("field_counts")
+
+    @functools.cached_property
+    def declared(self) -> tuple[Field, ...]:
+        """The fields, parsed and checked (ValueError); not a dataclass field, never written."""
+        return declare(self.fields)
+
+    @property
+    def record_fields(self) -> tuple[Field, ...]:
+        """The fields whose payloads each record holds after its image (empty: records are images)."""
+        return record_fields(self.declared)
+
+
+def written_version(fields: list[dict[str, Any]]) -> int:
+    """The ``format_version`` packer writes for a dataset declaring ``fields`` (manifest entries):
+    4 with fields, else 3, so that a dataset without them is what it always was."""
+    return FIELDS_VERSION if fields else FORMAT_VERSION
 
 
 class Digest:
@@ -447,10 +498,12 @@ def _check_rows(root: Path, index: np.ndarray, sources: np.ndarray, manifest: Ma
     if (src_end > len(sources)).any() or (index["src_offset"] > len(sources)).any():
         raise DatasetError(f"{root}: index points outside {SOURCES}")
     fmt = FORMATS[manifest.format]
-    wrong = fmt.wrong_lengths(index)
+    table = 8 * (len(manifest.record_fields) + 1) if manifest.record_fields else 0
+    wrong = fmt.wrong_lengths(index, table)
     if wrong.any():
         first = int(np.flatnonzero(wrong)[0])
-        raise DatasetError(f"{root}: record {first}: length does not match {fmt.length_rule}")
+        rule = fmt.length_rule if not table else f"at least its {table}-byte field table and its image"
+        raise DatasetError(f"{root}: record {first}: length does not match {rule or 'the format'}")
     if (index["height"] == 0).any() or (index["width"] == 0).any():
         raise DatasetError(f"{root}: index has records of zero size")
     short, long = np.minimum(index["height"], index["width"]), np.maximum(index["height"], index["width"])

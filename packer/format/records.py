@@ -48,9 +48,11 @@ class RecordFormat:
         the record is not one of that size."""
         raise NotImplementedError
 
-    def wrong_lengths(self, index: np.ndarray) -> np.ndarray:
-        """Which index rows have a length no record of their height and width can have (:attr:`length_rule`)."""
-        return np.zeros(len(index), bool)
+    def wrong_lengths(self, index: np.ndarray, table: int = 0) -> np.ndarray:
+        """Which index rows have a length no record of their height and width can have (:attr:`length_rule`).
+        ``table``: the bytes of a record's field table (docs/FORMAT.md, "Fields"); then the image is
+        followed by the fields' payloads, and a record must be at least the table and its image."""
+        return index["length"] < table
 
     def problem(self, data: bytes | memoryview, *, height: int, width: int) -> Optional[str]:
         """Why the bytes of a record with the right length and CRC-32 are still not one of ``height``
@@ -99,8 +101,9 @@ class Raw(RecordFormat):
     ) -> np.ndarray:
         return np.frombuffer(data, np.uint8).reshape(height, width, 3)
 
-    def wrong_lengths(self, index: np.ndarray) -> np.ndarray:
-        return index["height"].astype(np.uint64) * index["width"] * 3 != index["length"]
+    def wrong_lengths(self, index: np.ndarray, table: int = 0) -> np.ndarray:
+        image = index["height"].astype(np.uint64) * index["width"] * 3
+        return image != index["length"] if not table else image + np.uint64(table) > index["length"]
 
 
 def jpeg_size(data: bytes | memoryview) -> Optional[tuple[int, int]]:

@@ -24,7 +24,7 @@ import os
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -37,7 +37,10 @@ from ..backends.pin import FileKey, pin
 from ..errors import is_url
 from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
+from ..format.fields import Field, decode_fields, split_record
 from ..format.records import FORMATS
+from ..transform.fields import cropped as move_fields
+from ..transform.fields import tensors as field_tensors
 from . import batchpool, rng
 from .draw import Draw, Ranges
 from .options import DEFAULTS, BatchTransform, ReadOptions, Transform
@@ -86,15 +89,23 @@ def collate_samples(
     """default_collate for Samples: ``[images, labels(, targets)]`` as for plain tuples (labels and
     targets each stacked into one tensor), but when the images are the consecutive slots of one batch
     tensor (as ``__getitems__`` makes them) that tensor is returned as it is (memory format
-    included), saving a copy of every image. Registered in torch's default_collate_fn_map (the
-    extension point torch documents for default_collate) when this module is imported.
+    included), saving a copy of every image (:func:`stack_images`). Registered in torch's
+    default_collate_fn_map (the extension point torch documents for default_collate) when this module
+    is imported.
     """
     from torch.utils.data import default_collate
 
-    images = [s.image for s in batch]
     columns = [[s[k] for s in batch] for k in range(1, len(batch[0]))]
     # class ids: one torch.tensor call (half the time of default_collate's); tensors: stacked
     rest = [torch.tensor(c, dtype=torch.int64) if isinstance(c[0], int) else default_collate(c) for c in columns]
+    return [stack_images([s.image for s in batch]), *rest]
+
+
+def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The batch of ``images``: when they are the consecutive slots of one batch tensor (as
+    ``__getitems__`` makes them) that tensor as it is, memory format included; else stacked."""
+    from torch.utils.data import default_collate
+
     first, root = images[0], images[0]._base
     step = first.numel()
     if (
@@ -109,11 +120,62 @@ def collate_samples(
         )
     ):
         stacked = root.as_strided((len(images), *first.shape), (step, *first.stride()), first.storage_offset())
-        return [batchpool.pooled(stacked), *rest]
-    return [default_collate(images), *rest]
+        return batchpool.pooled(stacked)
+    return default_collate(list(images))
+
+
+class FieldSample(dict):
+    """A sample of a dataset with fields: ``{"image", "label", <each field by name>, "id"}`` (the
+    label where the dataset has one; ``id`` the record's index, ``ds.source(id)`` its source). A
+    type of its own so that default_collate batches it with :func:`collate_fields`. ``ragged``: the
+    keys batched as lists whatever their shapes (boxes and their labels, torchvision's detection
+    convention)."""
+
+    ragged: frozenset[str] = frozenset()
+
+
+def collate_fields(
+    batch: Sequence[FieldSample], *, collate_fn_map: Optional[dict] = None, padded: bool = False
+) -> dict[str, Any]:
+    """A batch of FieldSamples as one dict: images stacked (no copy, as :func:`collate_samples`),
+    labels and ids as int64 tensors, other tensors stacked when they share one shape (masks, arrays
+    of one shape) and lists otherwise, boxes and box labels lists of per-sample tensors, text a list
+    of str. Registered in torch's default_collate_fn_map, as collate_samples is. ``padded``
+    (``DataLoader(collate_fn=functools.partial(collate_fields, padded=True))``): boxes and box
+    labels instead as one B x N x ... tensor each, N the batch's most, padded with zeros (boxes)
+    and -1 (labels), with ``<name>_lengths``, each sample's count (int64 B)."""
+    from torch.utils.data import default_collate
+
+    first = batch[0]
+    out: dict[str, Any] = {"image": stack_images([s["image"] for s in batch])}
+    for key, value in first.items():
+        if key == "image":
+            continue
+        column = [s[key] for s in batch]
+        if padded and key in first.ragged:
+            lengths = [len(v) for v in column]
+            out[key] = torch.full(
+                (len(batch), max(lengths), *value.shape[1:]), -1 if value.ndim == 1 else 0, dtype=value.dtype
+            )
+            for k, v in enumerate(column):
+                out[key][k, : len(v)] = v
+            out[f"{key}_lengths"] = torch.tensor(lengths, dtype=torch.int64)
+        elif isinstance(value, int):
+            out[key] = torch.tensor(column, dtype=torch.int64)
+        elif (
+            isinstance(value, torch.Tensor)
+            and key not in first.ragged
+            and all(isinstance(v, torch.Tensor) and v.shape == value.shape for v in column)
+        ):
+            out[key] = default_collate(column)  # in a worker: into shared memory, as torch's own collate
+        else:
+            out[key] = column
+    return out
 
 
 default_collate_fn_map[Sample] = default_collate_fn_map[TargetSample] = collate_samples
+default_collate_fn_map[FieldSample] = collate_fields
+AnySample = Union[Sample, TargetSample, FieldSample]
 
 
 def position(i: Any, n: int, noun: str, of: str) -> int:
@@ -136,7 +198,9 @@ class ShardDataset(Dataset):
     image (sizes then differ, so batch with batch_size=1 or a custom collate_fn). ``label`` depends
     on the dataset's ``label_kind``: the class id (an int), a multi-hot float32 vector of
     ``len(classes)`` ("multi"), -1 ("none"). With targets, ``ds[i]`` is ``(image, label, targets)``
-    (float32 vector), or ``(image, targets)`` when unlabeled.
+    (float32 vector), or ``(image, targets)`` when unlabeled. A dataset with fields (boxes, masks,
+    text, arrays: docs/FIELDS.md) gives a :class:`FieldSample` dict instead, its boxes and masks moved
+    by the image's crop (boxes below ``box_min_visible`` of their area in it dropped with their labels).
 
     Batches are channels-last by default (``memory_format=torch.channels_last``: shape B x C x H x W,
     pixels H x W x C in memory), the layout decoders and resize kernels produce and the one
@@ -184,6 +248,7 @@ class ShardDataset(Dataset):
         *,
         cache_dir: Optional[str | os.PathLike] = DEFAULTS.cache_dir,
         cache_limit: int | str | None = DEFAULTS.cache_limit,
+        box_min_visible: float = DEFAULTS.box_min_visible,
     ) -> None:
         # every argument's default, doc and check: packer.read.options (checked before anything opens)
         self.options = o = ReadOptions(
@@ -203,6 +268,7 @@ class ShardDataset(Dataset):
             batch_transform=batch_transform,
             cache_dir=cache_dir,
             cache_limit=cache_limit,
+            box_min_visible=box_min_visible,
         )
         # a URL (s3://, https://) is read through the node's cache (packer.read.remote); a path as it is
         self._remote = Remote(str(path), cache_dir=cache_dir, cache_limit=cache_limit) if is_url(path) else None
@@ -212,6 +278,7 @@ class ShardDataset(Dataset):
         self.mean, self.std = tuple(o.mean), tuple(o.std)
         self.augment = o.augment()
         self.transform, self.batch_transform = o.transform, o.batch_transform
+        self.box_min_visible = o.box_min_visible
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._load()
         self.verify = FORMATS[self.manifest.format].crc_on_read if o.verify is None else o.verify
@@ -224,6 +291,9 @@ class ShardDataset(Dataset):
         self._labels = np.asarray(self.index["label"], dtype=np.int64)
         self._multi, self._targets = pinned.multi, pinned.targets
         self._reader = open_reader(self.root, pinned=pinned)
+        self._fields = self.manifest.declared  # empty: samples are (image, label) tuples
+        self._table = len(self.manifest.record_fields)
+        self._ragged = frozenset(f.name for f in self._fields if f.kind in ("boxes", "box_labels"))
 
     def __getstate__(self) -> dict[str, Any]:
         keep = (
@@ -241,6 +311,7 @@ class ShardDataset(Dataset):
             "_files",
             "_remote",
             "options",
+            "box_min_visible",
         )
         return {k: self.__dict__[k] for k in keep}
 
@@ -266,6 +337,12 @@ class ShardDataset(Dataset):
     @property
     def classes(self) -> list[str]:
         return list(self.manifest.classes)
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        """The dataset's fields by name (name, kind, dtype, and the names of box label or mask
+        ids where it has them); empty for a dataset without fields (samples are tuples)."""
+        return {f.name: f for f in self._fields}
 
     @property
     def label_kind(self) -> str:
@@ -334,14 +411,14 @@ class ShardDataset(Dataset):
 
     # --- samples --------------------------------------------------------------------------------
 
-    def __getitem__(self, i: int) -> Sample | TargetSample:
+    def __getitem__(self, i: int) -> Any:
         try:
             return self._batch(*self._keyed([i]))[0]
         finally:
             if self._remote is not None:  # with a cache limit, its data file may be evicted now
                 self._remote.release()
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Sample | TargetSample]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch for DataLoader's fetcher, which passes the result to ``collate_fn``.
 
         All samples are read under one epoch value, through the process's one long-lived read
@@ -401,7 +478,7 @@ class ShardDataset(Dataset):
         keys: Optional[Sequence[int]] = None,
         shared: bool = False,
         clock: transform.Clock = None,
-    ) -> list[Sample | TargetSample]:
+    ) -> list[AnySample]:
         """Samples for in-range ``indices``, written into one output tensor when crops have one size.
         Augmentation is keyed by ``keys`` (default: the indices) in ``epoch`` (one, or one per sample)."""
         at = np.asarray(indices, dtype=np.int64)
@@ -410,7 +487,8 @@ class ShardDataset(Dataset):
         if self.transform is not None or self.batch_transform is not None:
             return self._transformed(indices, epoch, keys, extras, shared)
         if self.augment is None:  # whole images differ in size: nothing to preallocate
-            return [self._sample(self._whole(i), parts) for i, parts in zip(indices, extras)]
+            wholes = [self._whole(i) for i in indices]
+            return [self._sample(image, parts, values, i) for (image, values), parts, i in zip(wholes, extras, indices)]
         rows = self.index[at]
         crops = self.augment.crops(self.seed, epoch, keys, rows["height"], rows["width"])
         if clock:
@@ -425,6 +503,7 @@ class ShardDataset(Dataset):
         datas = self._fetch(indices)
         heights, widths, crcs = rows["height"].tolist(), rows["width"].tolist(), rows["crc32"].tolist()
         fmt = self.manifest.format
+        values: list[Optional[dict[str, Any]]] = [None] * len(indices)
         collecting = gc.isenabled()
         gc.disable()  # the loop frees what it allocates; collections during it only cost time
         try:
@@ -433,7 +512,10 @@ class ShardDataset(Dataset):
                     self._verify(datas[k], crcs[k])
                     if clock:
                         clock("read")
-                    transform.crop_into(datas[k], fmt, heights[k], widths[k], crops[k], outs[k], clock)
+                    data = datas[k]
+                    if self._fields:
+                        data, values[k] = self._split(data, heights[k], widths[k])
+                    transform.crop_into(data, fmt, heights[k], widths[k], crops[k], outs[k], clock)
                 except (DatasetError, ValueError) as e:
                     raise self._damaged(i, e) from None
                 if self.dtype != torch.uint8:
@@ -443,7 +525,8 @@ class ShardDataset(Dataset):
         finally:
             if collecting:
                 gc.enable()
-        return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
+        values = self._moved(values, crops)
+        return [self._sample(images[k], parts, values[k], indices[k]) for k, parts in enumerate(extras)]
 
     def _multi_rows(self) -> np.ndarray:
         """labels.npy's bit-packed rows, which every "multi" dataset has (packer.backends.pin loads them)."""
@@ -465,9 +548,36 @@ class ShardDataset(Dataset):
             parts.append(torch.from_numpy(np.array(self._targets[at])).unbind(0))
         return list(zip(*parts))
 
-    @staticmethod
-    def _sample(image: torch.Tensor, parts: tuple[Any, ...]) -> Sample | TargetSample:
-        return Sample(image, *parts) if len(parts) == 1 else TargetSample(image, *parts)
+    def _sample(
+        self, image: torch.Tensor, parts: tuple[Any, ...], values: Optional[dict[str, Any]] = None, record: int = 0
+    ) -> AnySample:
+        """The sample: ``(image, label(, targets))``; with fields a :class:`FieldSample` of the image,
+        the label (where the dataset has one), the field ``values`` and the record's index."""
+        if not self._fields:
+            return Sample(image, *parts) if len(parts) == 1 else TargetSample(image, *parts)
+        sample = FieldSample(image=image)
+        if self.label_kind != "none":
+            sample["label"] = parts[0]
+        sample.update(field_tensors(values or {}))
+        sample["id"] = int(record)
+        sample.ragged = self._ragged
+        return sample
+
+    def _split(self, data: memoryview, height: int, width: int) -> tuple[memoryview, dict[str, Any]]:
+        """A record's image bytes and its field values as stored (a mask: a view of the record);
+        ValueError for a damaged field table or payload."""
+        image, payloads = split_record(data, self._table) if self._table else (data, [])
+        return image, decode_fields(self._fields, payloads, height=height, width=width)
+
+    def _moved(self, values: list[Any], crops: Optional[list[transform.Crop]]) -> list[Any]:
+        """A batch's field values moved by its images' ``crops`` (None: whole images, copied out
+        of the records); as it is without fields."""
+        if not self._fields:
+            return values
+        if crops is None or self.augment is None:
+            return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in d.items()} for d in values]
+        fmt, size = self.manifest.format, self.augment.crop_size
+        return move_fields(self._fields, values, crops, fmt, size, self.box_min_visible)
 
     def _output(self, n: int, shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
         """An n x ``shape`` batch; C x H x W samples are channels-last in memory unless asked otherwise."""
@@ -485,7 +595,7 @@ class ShardDataset(Dataset):
 
     def _transformed(
         self, indices: Sequence[int], epoch: Any, keys: Sequence[int], extras: list[tuple[Any, ...]], shared: bool
-    ) -> list[Sample | TargetSample]:
+    ) -> list[AnySample]:
         """The batch with the user's transforms: each sample cropped (uint8) into a scratch buffer,
         transformed under its seeded random state, written into the batch (whose shape and dtype the
         first output sets), converted to ``dtype`` if uint8; then ``batch_transform`` on the batch."""
@@ -496,22 +606,30 @@ class ShardDataset(Dataset):
         seeds = rng.sample_seeds(self.seed, epoch, np.asarray(keys))
         fmt, images, first = self.manifest.format, None, torch.uint8  # first: the first output's dtype
         heights, widths, crcs = rows["height"].tolist(), rows["width"].tolist(), rows["crc32"].tolist()
+        values: list[Optional[dict[str, Any]]] = [None] * len(indices)
         with rng.seeded_samples() as seed:
             for k, i in enumerate(indices):
                 h, w = heights[k], widths[k]
                 try:
                     self._verify(datas[k], crcs[k])
+                    data = datas[k]
+                    if self._fields:  # moved now: the transform receives them
+                        data, stored = self._split(data, h, w)
+                        values[k] = field_tensors(self._moved([stored], [crops[k]] if crops else None)[0])
                     if crops is None or scratch is None:
-                        hwc = transform.whole_record(datas[k], fmt, h, w)
+                        hwc = transform.whole_record(data, fmt, h, w)
                     else:
-                        transform.crop_into(datas[k], fmt, h, w, crops[k], scratch)
+                        transform.crop_into(data, fmt, h, w, crops[k], scratch)
                         hwc = torch.from_numpy(scratch)
                 except (DatasetError, ValueError) as e:
                     raise self._damaged(i, e) from None
                 x = hwc.permute(2, 0, 1)
                 if self.transform is not None:
                     seed(seeds[k])
-                    x = self.transform(x)
+                    if self._fields:
+                        x, values[k] = self._transform_fields(x, values[k], i)
+                    else:
+                        x = self.transform(x)
                     if not isinstance(x, torch.Tensor):
                         raise TypeError(f"transform returned {type(x).__name__} for record {i}, not a tensor")
                 if images is None:
@@ -547,7 +665,21 @@ class ShardDataset(Dataset):
             if self.batch_transform is not None:  # seeded by the first draw's key complemented: no sample's
                 seed(rng.sample_seeds(self.seed, epoch, ~np.asarray(keys[:1], dtype=np.int64))[0])
                 images, extras = self._batch_transformed(images, extras, indices)
-        return [self._sample(images[k], parts) for k, parts in enumerate(extras)]
+        return [self._sample(images[k], parts, values[k], indices[k]) for k, parts in enumerate(extras)]
+
+    def _transform_fields(self, x: torch.Tensor, values: Any, i: int) -> tuple[Any, Any]:
+        """``transform(image, fields) -> (image, fields)`` on a sample of a dataset with fields (its
+        field values moved by the crop already, as tensors): the fields are the transform's to
+        change (torchvision v2 transforms pass plain tensors through; wrap boxes in its
+        ``tv_tensors.BoundingBoxes`` for its geometric ones to move them)."""
+        assert self.transform is not None, "called only with a transform"
+        out = self.transform(x, dict(values))  # type: ignore[call-arg]  # Transform's two-argument form
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            raise TypeError(
+                f"transform returned {type(out).__name__} for record {i}: on a dataset with fields it is "
+                "called as transform(image, fields) and returns (image, fields)"
+            )
+        return out
 
     def _batch_transformed(
         self, images: torch.Tensor, extras: list[tuple[Any, ...]], indices: Sequence[int]
@@ -579,19 +711,23 @@ class ShardDataset(Dataset):
         split = labels.tolist() if labels.dtype == torch.int64 and labels.dim() == 1 else labels.unbind(0)
         return images, [(label, *parts[1:]) for label, parts in zip(split, extras)]
 
-    def _whole(self, i: int) -> torch.Tensor:
-        """Record ``i``'s whole stored image as a C x H x W tensor of ``dtype``."""
+    def _whole(self, i: int) -> tuple[torch.Tensor, Optional[dict[str, Any]]]:
+        """Record ``i``'s whole stored image as a C x H x W tensor of ``dtype``, and its fields' values."""
         row = self.index[i]
+        values = None
         try:
             data = self._reader.get(i)
             self._verify(data, int(row["crc32"]))
+            if self._fields:
+                data, values = self._split(data, int(row["height"]), int(row["width"]))
+                values = self._moved([values], None)[0]
             hwc = transform.whole_record(data, self.manifest.format, int(row["height"]), int(row["width"]))
         except (DatasetError, ValueError) as e:
             raise self._damaged(i, e) from None
         if self.dtype != torch.uint8:
             hwc = transform.normalize_hwc(hwc, torch.empty(hwc.shape, dtype=self.dtype), self.mean, self.std)
         chw = hwc.permute(2, 0, 1)
-        return chw if self.memory_format == torch.channels_last else chw.contiguous()
+        return chw if self.memory_format == torch.channels_last else chw.contiguous(), values
 
     def _verify(self, data: memoryview, crc32: int) -> None:
         if self.verify and zlib.crc32(data) != crc32:

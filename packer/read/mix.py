@@ -52,6 +52,7 @@ class MixDataset(Dataset):
                 ("label kind", d.label_kind, first.label_kind),
                 ("classes", d.classes, first.classes),
                 ("target names", d.target_names, first.target_names),
+                ("fields", list(d.fields.values()), list(first.fields.values())),
                 ("crop size", _crop(d), _crop(first)),
                 ("dtype", d.dtype, first.dtype),
                 ("memory format", d.memory_format, first.memory_format),
@@ -142,6 +143,8 @@ class MixDataset(Dataset):
             if mine and isinstance(head, Draw):
                 local[0] = Draw(int(head), head.epoch, head.draw, mine)
             for k, sample in zip(slots[m], d.__getitems__(local)):
+                if isinstance(sample, dict):  # a dataset with fields: its id becomes the mix's index
+                    sample["id"] += int(self.offsets[m])
                 out[k] = sample
         return self._one_batch(out) if sum(map(bool, routed)) > 1 else out
 
@@ -149,12 +152,17 @@ class MixDataset(Dataset):
         """Several members' samples written into one batch tensor (pooled, channels-last as a
         member's own), so that collate hands it on as it does one dataset's batch; images of
         different shapes (whole images, a transform's) are left for the collate to refuse."""
-        first = samples[0].image
-        if any(s.image.shape != first.shape or s.image.dtype != first.dtype for s in samples):
+        images = [s["image"] if isinstance(s, dict) else s.image for s in samples]
+        first = images[0]
+        if any(im.shape != first.shape or im.dtype != first.dtype for im in images):
             return samples
         batch = self.datasets[0]._output(len(samples), tuple(first.shape), first.dtype, get_worker_info() is not None)
-        for k, s in enumerate(samples):
-            batch[k].copy_(s.image)
+        for k, im in enumerate(images):
+            batch[k].copy_(im)
+        if isinstance(samples[0], dict):  # FieldSamples (a dict type of their own): the image replaced in place
+            for k, s in enumerate(samples):
+                s["image"] = batch[k]
+            return samples
         return [s._replace(image=batch[k]) for k, s in enumerate(samples)]
 
     def _will_read(self, epoch: int, records: np.ndarray) -> None:

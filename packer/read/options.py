@@ -141,6 +141,15 @@ class ReadOptions:
         keyword=True,
     )
 
+    box_min_visible: float = _setting(
+        0.0,
+        "a dataset with boxes: a box whose share of its own area left inside the crop is below this is dropped "
+        "with its label (one with no area left always is)",
+        lambda v: 0 <= v <= 1,
+        "in [0, 1]",
+        keyword=True,
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

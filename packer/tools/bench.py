@@ -179,7 +179,8 @@ def measure(
         cpu0 = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids)
         t0, n = time.perf_counter(), 0
         for _ in range(per_run):
-            n += len(next(it)[0])
+            batch = next(it)
+            n += len(batch["image"] if isinstance(batch, dict) else batch[0])  # a dataset with fields: dicts
         seconds = time.perf_counter() - t0
         cpu = time.process_time() + sum(_proc_cpu_seconds(p) for p in pids) - cpu0
         runs.append(Point(workers, n, seconds, n / seconds if seconds > 0 else 0.0, cpu / max(n, 1) * 1e6))

@@ -27,7 +27,6 @@ from ..builder.staging import (
 )
 from ..errors import BuildError, say
 from ..format import (
-    FORMAT_VERSION,
     LABELS,
     REPORT,
     TARGETS,
@@ -36,6 +35,7 @@ from ..format import (
     logical_digest,
     open_regular,
     source_path,
+    written_version,
 )
 
 
@@ -90,7 +90,7 @@ def compact(out: str | os.PathLike, quiet: bool = False) -> tuple[Manifest, Mani
         table, total, dead, segments = data_table(staging, rows, None, shards)
         new = dataclasses.replace(
             old,
-            format_version=FORMAT_VERSION,
+            format_version=written_version(old.fields),
             shards=table,
             bytes=total,
             dead_bytes=dead,

@@ -1,6 +1,7 @@
 """Look before training: a contact sheet of records (optionally the exact training crops), one record.
 
-Both go through ShardDataset, so what you see is what the model gets: orientation, crops and flips.
+Both go through ShardDataset, so what you see is what the model gets: orientation, crops and flips,
+and a dataset's boxes and masks drawn on them where it has fields.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -31,6 +32,36 @@ def _dataset(out: str | os.PathLike, augment: bool, seed: int, crop_size: int):
 
 def _to_pil(chw) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(chw.permute(1, 2, 0).numpy()), "RGB")
+
+
+#: Overlay colours by id (a mask's value, a box's label), cycling.
+_PALETTE = np.array(
+    [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240)],
+    np.uint8,
+)
+
+
+def drawn(sample: Any, fields: dict[str, Any]) -> Image.Image:
+    """A sample's image as Pillow's, with its ``fields`` (ShardDataset.fields) drawn where it has
+    them: each mask's non-zero ids tinted by id, each box outlined in its label's colour."""
+    if not fields:
+        return _to_pil(sample[0])
+    kinds: dict[str, list[str]] = {}
+    for name, f in fields.items():
+        kinds.setdefault(f.kind, []).append(name)
+    pixels = np.ascontiguousarray(sample["image"].permute(1, 2, 0).numpy()).copy()
+    for name in kinds.get("mask", []):
+        ids = sample[name].numpy()
+        on = ids > 0
+        pixels[on] = pixels[on] // 2 + _PALETTE[ids[on].astype(np.int64) % len(_PALETTE)] // 2
+    pil = Image.fromarray(pixels, "RGB")
+    draw = ImageDraw.Draw(pil)
+    for name in kinds.get("boxes", []):
+        labels = [sample[n].tolist() for n in kinds.get("box_labels", [])]
+        for k, box in enumerate(sample[name].tolist()):
+            colour = _PALETTE[labels[0][k] % len(_PALETTE)] if labels else _PALETTE[0]
+            draw.rectangle(box, outline=tuple(int(c) for c in colour), width=2)
+    return pil
 
 
 def pick(count: int, n: int, seed: int) -> list[int]:
@@ -59,8 +90,7 @@ def contact_sheet(
     sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (32, 32, 32))
     draw = ImageDraw.Draw(sheet)
     for k, i in enumerate(indices):
-        image = ds[i][0]
-        thumb = _to_pil(image)
+        thumb = drawn(ds[i], ds.fields)
         thumb.thumbnail((CELL - 4, CELL - 4), Image.Resampling.BILINEAR)
         x, y = (k % cols) * CELL, (k // cols) * (CELL + CAPTION)
         sheet.paste(thumb, (x + (CELL - thumb.width) // 2, y + (CELL - thumb.height) // 2))
@@ -72,8 +102,7 @@ def contact_sheet(
 def show(out: str | os.PathLike, index: int, dest: Optional[str | os.PathLike]) -> tuple[str, str, tuple[int, int]]:
     """Write record ``index`` as stored (upright, short edge 320); returns (source, class, (w, h))."""
     ds = _dataset(out, augment=False, seed=0, crop_size=0)
-    image = ds[index][0]
-    pil = _to_pil(image)
+    pil = drawn(ds[index], ds.fields)
     if dest is not None:
         pil.save(Path(dest), quality=95)
     return ds.source(index), ds.label_name(index), pil.size

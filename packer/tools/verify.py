@@ -60,6 +60,7 @@ from ..format import (
     logical_digest,
     source_path,
 )
+from ..format.fields import record_problem
 from ..format.label_arrays import arrays_digest, class_counts
 from ..format.records import FORMATS
 from ..store import ObjectNotFound, open_store
@@ -343,7 +344,13 @@ def _record_problem(manifest: Manifest, row: np.void, data: Optional[bytes], crc
         return f"{len(data)} bytes, the index says {int(row['length'])}"
     if crc != int(row["crc32"]):
         return f"crc32 {crc:08x} differs from the index's {int(row['crc32']):08x} (damaged bytes)"
-    return FORMATS[manifest.format].problem(data, height=int(row["height"]), width=int(row["width"]))
+    height, width = int(row["height"]), int(row["width"])
+    if manifest.declared:
+        image, why = record_problem(manifest.declared, memoryview(data), height=height, width=width)
+        if why is None and not FORMATS[manifest.format].compressed and len(image) != height * width * 3:
+            why = f"raw image of {len(image)} bytes, the index says {height} x {width} x 3"
+        return why or FORMATS[manifest.format].problem(image, height=height, width=width)
+    return FORMATS[manifest.format].problem(data, height=height, width=width)
 
 
 def _first_gap(offsets: np.ndarray, lengths: np.ndarray, total: int) -> Optional[int]:

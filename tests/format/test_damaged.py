@@ -220,7 +220,9 @@ def tamper_manifest(root: Path, change: Callable[[dict], object]) -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda m: m.update(format_version=4), "format_version 4 is not supported"),
+        (lambda m: m.update(format_version=5), "format_version 5 is not supported"),
+        (lambda m: m.update(format_version=4), "field fields is invalid"),  # version 4 declares fields
+        (lambda m: m.update(fields=[{"name": "x", "kind": "text", "dtype": "utf-8"}]), "field fields is invalid"),
         (lambda m: m.update(format_version=True), "format_version True is not supported"),
         (lambda m: m.update(label_kind="regression"), "field label_kind is invalid"),
         (lambda m: m.update(targets=["a", "a"]), "field targets is invalid"),

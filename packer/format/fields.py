@@ -1,0 +1,402 @@
+"""Fields: what a record holds beside its image (boxes, masks, text, arrays), chosen by kind from one
+table (:data:`FIELD_KINDS`), each kind's encode beside its decode and check (as FFCV's fields do).
+
+A dataset declares its fields once, in the manifest (``fields``: name, kind, dtype); a record of a
+dataset with fields is its image followed by the fields' payloads in that order, behind a table of
+their lengths (docs/FORMAT.md, "Fields"). Nothing is pickled: every payload is little-endian numbers
+or UTF-8, and every length is checked against the record's before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+#: The manifest's ``format_version`` of a dataset with fields (one without keeps version 3's).
+FIELDS_VERSION = 4
+#: Names a sample dict uses for what is not a field.
+RESERVED = frozenset(("image", "id"))
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+MAX_NDIM = 32  # an array field's dimensions at most (numpy's own limit is 64)
+
+
+class FieldKind:
+    """One kind of field. ``in_record``: its values live in the record (else in index.npy: the
+    label). ``dtype``: the numpy dtype its values have (None: the field declares one, ``array``).
+    ``geometric``: the crop, flip and resize of the image apply to it (boxes, masks). ``single``:
+    a dataset has at most one field of this kind (boxes pair with box labels)."""
+
+    name = ""
+    in_record = True
+    dtype: Optional[str] = None
+    geometric = False
+    single = False
+    item = 1  #: bytes per item of the payload (a box: 16)
+
+    def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
+        """The payload of ``value`` in a record whose stored image is ``height`` x ``width``;
+        ValueError naming what is wrong with ``value``."""
+        raise NotImplementedError
+
+    def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> Any:
+        """The value of a payload (an array may be a view of the record's bytes: copy it to keep it);
+        ValueError when the payload cannot be one of this kind (a damaged or hostile record)."""
+        raise NotImplementedError
+
+    def count(self, payload: memoryview) -> int:
+        """How many items the payload holds (boxes, labels, mask pixels, text bytes, array elements),
+        for ``info``; a payload this packer wrote (it is not checked)."""
+        return len(payload) // self.item
+
+    def items(self, payload: memoryview, dtype: str) -> np.ndarray:
+        """The payload as a flat array of ``dtype``, ValueError unless it holds whole items."""
+        if len(payload) % self.item:
+            raise ValueError(f"{self.name} payload of {len(payload)} bytes is not whole items of {self.item} bytes")
+        return np.frombuffer(payload, dtype)
+
+
+def _numbers(value: Any, dtype: np.dtype, what: str) -> np.ndarray:
+    try:
+        a = np.asarray(value)
+    except Exception as e:
+        raise ValueError(f"{what}: not an array ({type(e).__name__}: {e})") from None
+    if a.dtype.hasobject or a.dtype.fields is not None:
+        raise ValueError(f"{what}: dtype {a.dtype} is not a plain numeric array")
+    return a
+
+
+class Label(FieldKind):
+    """The class id, kept in index.npy's ``label`` column as it always was (not in the record)."""
+
+    name, in_record, dtype, single = "label", False, "<i4", True
+
+
+class Boxes(FieldKind):
+    """N x 4 float32 boxes, (x0, y0, x1, y1) in the stored image's pixels, N >= 0."""
+
+    name, dtype, geometric, single, item = "boxes", "<f4", True, True, 16
+
+    def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
+        a = _numbers(value, dtype, "boxes")
+        if a.size == 0:
+            return b""
+        if a.ndim != 2 or a.shape[1] != 4:
+            raise ValueError(f"boxes: shape {a.shape}, expected N x 4 (x0, y0, x1, y1)")
+        a = a.astype("<f4")
+        if not np.isfinite(a).all() or (a[:, 2] < a[:, 0]).any() or (a[:, 3] < a[:, 1]).any():
+            raise ValueError("boxes: every box must be finite with x0 <= x1 and y0 <= y1")
+        return a.tobytes()
+
+    def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
+        return self.items(payload, "<f4").reshape(-1, 4)
+
+
+class BoxLabels(FieldKind):
+    """One int32 label per box (as many as the boxes field has)."""
+
+    name, dtype, single, item = "box_labels", "<i4", True, 4
+
+    def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
+        a = _numbers(value, dtype, "box_labels")
+        if a.ndim > 1 or (a.size and a.dtype.kind not in "iub"):
+            raise ValueError(f"box_labels: {a.dtype} of shape {a.shape}, expected N integers")
+        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+            raise ValueError("box_labels: a label outside int32")
+        return a.astype("<i4").tobytes()
+
+    def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
+        return self.items(payload, "<i4").astype(np.int64)
+
+
+class Mask(FieldKind):
+    """A uint8 H x W map of the stored image's size (a segmentation map: class or instance ids)."""
+
+    name, dtype, geometric = "mask", "|u1", True
+
+    def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
+        a = _numbers(value, dtype, "mask")
+        if a.shape != (height, width):
+            raise ValueError(f"mask: shape {a.shape}, the stored image is {height} x {width}")
+        if a.dtype != np.uint8 and (a.min(initial=0) < 0 or a.max(initial=0) > 255):
+            raise ValueError("mask: values outside 0..255")
+        return np.ascontiguousarray(a, np.uint8).tobytes()
+
+    def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
+        if len(payload) != height * width:
+            raise ValueError(f"mask payload of {len(payload)} bytes, the stored image is {height} x {width}")
+        return np.frombuffer(payload, np.uint8).reshape(height, width)
+
+
+class Text(FieldKind):
+    """UTF-8 text (a caption, a transcript)."""
+
+    name, dtype = "text", "utf-8"
+
+    def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
+        if not isinstance(value, str):
+            raise ValueError(f"text: a str, not {type(value).__name__}")
+        try:
+            return value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text: not encodable as UTF-8 ({e})") from None
+
+    def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> str:
+        try:
+            return bytes(payload).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"text payload is not UTF-8 ({e})") from None
+
+
+class Array(FieldKind):
+    """Any shape per record of the dtype the field declares: ``u4 ndim``, ``ndim`` x ``u8`` sizes,
+    then the elements in C order."""
+
+    name = "array"
+
+    def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
+        a = _numbers(value, dtype, "array")
+        if a.ndim > MAX_NDIM:
+            raise ValueError(f"array: {a.ndim} dimensions, at most {MAX_NDIM}")
+        if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
+            raise ValueError(f"array: dtype {a.dtype} does not convert to the field's {dtype}")
+        head = np.array([a.ndim], "<u4").tobytes() + np.array(a.shape, "<u8").tobytes()
+        return head + np.ascontiguousarray(a, dtype).tobytes()
+
+    def _shape(self, payload: memoryview, dtype: np.dtype) -> tuple[tuple[int, ...], int]:
+        if len(payload) < 4:
+            raise ValueError("array payload shorter than its header")
+        ndim = int(np.frombuffer(payload[:4], "<u4")[0])
+        start = 4 + 8 * ndim
+        if ndim > MAX_NDIM or len(payload) < start:
+            raise ValueError(f"array payload: {ndim} dimensions do not fit in {len(payload)} bytes")
+        shape = tuple(int(n) for n in np.frombuffer(payload[4:start], "<u8"))
+        items = 1
+        for n in shape:  # Python ints: a hostile shape cannot overflow
+            items *= n
+        if items * dtype.itemsize != len(payload) - start:
+            raise ValueError(
+                f"array payload: shape {shape} of {dtype} needs {items * dtype.itemsize} bytes, "
+                f"has {len(payload) - start}"
+            )
+        return shape, start
+
+    def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
+        shape, start = self._shape(payload, dtype)
+        return np.frombuffer(payload[start:], dtype).reshape(shape).copy()
+
+    def count(self, payload: memoryview) -> int:
+        """The elements (the product of the shape the payload's header gives)."""
+        ndim = int(np.frombuffer(payload[:4], "<u4")[0])
+        return int(np.prod(np.frombuffer(payload[4 : 4 + 8 * ndim], "<u8"), dtype=object))
+
+
+#: Every field kind by the name manifests use.
+FIELD_KINDS: dict[str, FieldKind] = {k.name: k for k in (Label(), Boxes(), BoxLabels(), Mask(), Text(), Array())}
+
+
+#: Kinds whose values are class ids that a field may name (``classes``: the name of id i at i).
+NAMED_IDS = ("box_labels", "mask")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One declared field: its ``name`` (the sample dict's key), ``kind`` (in FIELD_KINDS) and dtype;
+    ``classes``: for box labels and masks, the name of each id (id i at position i, "" for an id
+    without one), empty where the ids are unnamed."""
+
+    name: str
+    kind: str
+    dtype: str
+    classes: tuple[str, ...] = ()
+
+    @property
+    def of(self) -> FieldKind:
+        return FIELD_KINDS[self.kind]
+
+    @functools.cached_property  # per sample on the read path: made once
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype) if self.kind != "text" else np.dtype(np.uint8)
+
+    def to_json(self) -> dict[str, Any]:
+        named = {"classes": list(self.classes)} if self.classes else {}
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, **named}
+
+
+def _array_dtype(text: Any) -> bool:
+    """Whether ``text`` names a plain numpy dtype in its canonical form (no objects, no records)."""
+    if not isinstance(text, str) or len(text) > 8:
+        return False
+    try:
+        dt = np.dtype(text)
+    except (TypeError, ValueError, SyntaxError):
+        return False
+    return dt.str == text and not dt.hasobject and dt.fields is None and dt.kind in "biufcmM" and dt.itemsize > 0
+
+
+def declare(spec: Any) -> tuple[Field, ...]:
+    """The fields ``spec`` declares, checked (ValueError naming the problem): a mapping of name to
+    kind (``{"boxes": "boxes", "caption": "text", "emb": ("array", "float32")}``, or to a dict
+    ``{"kind", "dtype", "classes"}``), or a list of manifest entries (``{"name", "kind", "dtype"}``
+    and for box labels and masks optionally ``classes``). Kinds with a fixed dtype take theirs."""
+    items: list[tuple[Any, Any, Any, Any]] = []
+    if isinstance(spec, dict):
+        for name, kind in spec.items():
+            if isinstance(kind, dict):
+                items.append((name, kind.get("kind"), kind.get("dtype"), kind.get("classes", ())))
+                continue
+            kind, dtype = kind if isinstance(kind, (tuple, list)) and len(kind) == 2 else (kind, None)
+            items.append((name, kind, dtype, ()))
+    elif isinstance(spec, (list, tuple)):
+        for entry in spec:
+            if isinstance(entry, Field):
+                entry = entry.to_json()
+            if not isinstance(entry, dict) or not {"name", "kind", "dtype"} <= set(entry) <= {
+                "name",
+                "kind",
+                "dtype",
+                "classes",
+            }:
+                raise ValueError(f"field entry {entry!r}: expected {{name, kind, dtype}} (and classes)")
+            items.append((entry["name"], entry["kind"], entry["dtype"], entry.get("classes", ())))
+    else:
+        raise ValueError(f"fields: a dict of name -> kind or a list of fields, not {type(spec).__name__}")
+    given = isinstance(spec, dict)  # a user's declaration, not a manifest's (which must be canonical)
+    out: list[Field] = []
+    for name, kind, dtype, classes in items:
+        if not isinstance(name, str) or not _NAME.match(name) or name in RESERVED:
+            raise ValueError(f"field name {name!r}: letters, digits and _ (not 'image' or 'id')")
+        if not isinstance(kind, str) or kind not in FIELD_KINDS:
+            raise ValueError(f"field {name!r}: kind {kind!r} is not one of {', '.join(FIELD_KINDS)}")
+        fixed = FIELD_KINDS[kind].dtype
+        if fixed is not None:
+            if dtype is not None and dtype != fixed:
+                raise ValueError(f"field {name!r}: a {kind} field's dtype is {fixed}, not {dtype!r}")
+            dtype = fixed
+        else:
+            if given and dtype is not None:  # a user's "float32" or np.float32: its canonical '<f4'
+                with contextlib.suppress(TypeError, ValueError, SyntaxError):
+                    dtype = np.dtype(dtype).str
+            if not _array_dtype(dtype):
+                raise ValueError(f"field {name!r}: dtype {dtype!r} is not a plain numpy dtype (like '<f4')")
+        if classes and (
+            kind not in NAMED_IDS
+            or not isinstance(classes, (list, tuple))
+            or not all(isinstance(c, str) for c in classes)
+        ):
+            raise ValueError(f"field {name!r}: classes (a list of names) are for {' and '.join(NAMED_IDS)} fields")
+        out.append(Field(name, kind, dtype, tuple(classes)))
+    names = [f.name for f in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"fields: a name twice ({names})")
+    for kind in (k for k in FIELD_KINDS.values() if k.single):
+        if sum(f.kind == kind.name for f in out) > 1:
+            raise ValueError(f"fields: at most one {kind.name} field")
+    if any(f.kind == "label" and f.name != "label" for f in out):
+        raise ValueError("fields: the label field is named 'label'")
+    if any(f.kind == "box_labels" for f in out) and not any(f.kind == "boxes" for f in out):
+        raise ValueError("fields: box_labels need a boxes field")
+    return tuple(out)
+
+
+def record_fields(fields: Sequence[Field]) -> tuple[Field, ...]:
+    """The fields whose payloads a record holds, in record order (the manifest's)."""
+    return tuple(f for f in fields if f.of.in_record)
+
+
+def join_record(image: bytes, payloads: Sequence[bytes]) -> bytes:
+    """A record: the lengths of the image and each payload (``<u8`` each), then the image, then the
+    payloads; the image alone where there are no payloads (no record fields: a label only, or none)."""
+    if not payloads:
+        return image
+    head = np.array([len(image), *map(len, payloads)], "<u8").tobytes()
+    return b"".join((head, image, *payloads))
+
+
+def split_record(data: memoryview, fields: int) -> tuple[memoryview, list[memoryview]]:
+    """A record's image bytes and its ``fields`` payloads (views of ``data``); ValueError when the
+    length table does not add up to the record (checked before anything is sliced or allocated)."""
+    head = 8 * (fields + 1)
+    if len(data) < head:
+        raise ValueError(f"record of {len(data)} bytes is shorter than its {head}-byte field table")
+    lengths = struct.unpack_from(f"<{fields + 1}Q", data)  # a tenth of numpy's cost for a few numbers
+    if sum(lengths) != len(data) - head:  # Python ints: no overflow
+        raise ValueError(f"field table says {sum(lengths)} bytes after it, the record has {len(data) - head}")
+    parts, at = [], head
+    for n in lengths:
+        parts.append(data[at : at + n])
+        at += n
+    return parts[0], parts[1:]
+
+
+def encode_fields(fields: Sequence[Field], values: dict[str, Any], *, height: int, width: int) -> list[bytes]:
+    """The payloads of ``values`` for the record fields, in order. Boxes, box labels and text left
+    out are empty; a mask or array left out is an error. ValueError naming the field."""
+    out = []
+    boxes = None
+    for f in record_fields(fields):
+        value = values.get(f.name)
+        if value is None:
+            if f.kind in ("mask", "array"):
+                raise ValueError(f"{f.name}: missing (a {f.kind} field needs a value in every sample)")
+            value = "" if f.kind == "text" else np.zeros((0, 4) if f.kind == "boxes" else 0)
+        payload = f.of.encode(value, dtype=f.numpy_dtype, height=height, width=width)
+        if f.kind == "boxes":
+            boxes = len(payload) // 16
+        out.append(payload)
+    labels = next((len(p) // 4 for f, p in zip(record_fields(fields), out) if f.kind == "box_labels"), None)
+    if labels is not None and labels != boxes:
+        raise ValueError(f"box_labels: {labels} labels for {boxes} boxes")
+    return out
+
+
+def decode_fields(
+    fields: Sequence[Field], payloads: Sequence[memoryview], *, height: int, width: int
+) -> dict[str, Any]:
+    """The values of a record's payloads (one per record field, in order) by field name; ValueError
+    for a payload of the wrong shape, boxes and box labels of different counts included."""
+    values, counts = {}, {}
+    for f, p in zip(record_fields(fields), payloads):
+        values[f.name] = v = f.of.decode(p, dtype=f.numpy_dtype, height=height, width=width)
+        if f.kind in ("boxes", "box_labels"):
+            counts[f.kind] = len(v)
+    if counts.get("boxes", 0) != counts.get("box_labels", counts.get("boxes", 0)):
+        raise ValueError(f"{counts['box_labels']} box labels for {counts['boxes']} boxes")
+    return values
+
+
+def record_problem(
+    fields: Sequence[Field], data: memoryview, *, height: int, width: int
+) -> tuple[memoryview, Optional[str]]:
+    """A record's image bytes and why its fields are not what ``fields`` declare (None when they
+    are): the field table, each payload's shape, boxes and box labels of one count."""
+    try:
+        image, payloads = split_record(data, len(record_fields(fields)))
+    except ValueError as e:
+        return data[:0], str(e)
+    try:
+        decode_fields(fields, payloads, height=height, width=width)
+    except ValueError as e:
+        return image, str(e)
+    return image, None
+
+
+def nearest(
+    mask: np.ndarray, region: tuple[float, float, float, float], size: tuple[int, int], flip: bool = False
+) -> np.ndarray:
+    """``mask`` (H x W) over ``region`` (top, left, height, width in its pixels, fractions allowed)
+    sampled nearest-neighbour at ``size`` (out_h, out_w), mirrored when ``flip``: output pixel
+    (y, x) takes the mask pixel under its centre, as the image's resize maps it."""
+    top, left, height, width = region
+    out_h, out_w = size
+    rows = np.floor(top + (np.arange(out_h) + 0.5) * (height / out_h)).astype(np.intp)
+    cols = np.floor(left + (np.arange(out_w) + 0.5) * (width / out_w)).astype(np.intp)
+    np.minimum(np.maximum(rows, 0, out=rows), mask.shape[0] - 1, out=rows)
+    np.minimum(np.maximum(cols, 0, out=cols), mask.shape[1] - 1, out=cols)
+    return mask[rows][:, cols[::-1] if flip else cols]  # rows, then columns: ~6x one 2-D fancy index

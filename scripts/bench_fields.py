@@ -1,0 +1,133 @@
+"""Read speed with fields against the same images without: JPEG (and raw) records with 10 boxes each,
+and with a mask, train crops moving them, ratios measured in one run; and with ``--pack``, the
+write side: ``packer.pack`` from paths and from in-memory arrays against ``packer build`` of the
+same photos (docs/PERFORMANCE.md, "Fields").
+
+    .venv/bin/python scripts/bench_fields.py [--records 1024] [--repeats 5] [--workers 0] [--pack]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader
+
+import packer
+from packer import ShardDataset, ShardSampler
+
+PHOTOS = Path(__file__).resolve().parents[1] / "tests" / "data" / "exif-orientation"
+
+
+def samples(n: int, with_mask: bool) -> list[dict]:
+    """``n`` samples over the real test photos, each with 10 seeded boxes (and a mask)."""
+    photos = [ImageOps.exif_transpose(Image.open(p)).convert("RGB") for p in sorted(PHOTOS.glob("*.jpg"))]
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        im = photos[i % len(photos)]
+        w, h = im.size
+        x0, y0 = rng.uniform(0, w * 0.7, 10), rng.uniform(0, h * 0.7, 10)
+        boxes = np.stack([x0, y0, x0 + rng.uniform(10, w * 0.3, 10), y0 + rng.uniform(10, h * 0.3, 10)], 1)
+        sample = {"image": im, "boxes": boxes, "box_labels": rng.integers(1, 80, 10)}
+        if with_mask:
+            sample["mask"] = np.asarray(im)[:, :, 0] // 64
+        out.append(sample)
+    return out
+
+
+def rates(paths: dict[str, Path], repeats: int, workers: int) -> dict[str, list[float]]:
+    """Samples/s of train crops (224, uint8) over every record of each dataset, one epoch each in
+    turn, ``repeats`` rounds after a warm-up round (interleaved: a busy host slows them alike)."""
+    loaders = {}
+    for name, path in paths.items():
+        ds = ShardDataset(path, crop_size=224, train=True, dtype=torch.uint8)
+        sampler = ShardSampler(ds)
+        loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=workers, persistent_workers=workers > 0)
+        loaders[name] = (sampler, loader)
+    out: dict[str, list[float]] = {name: [] for name in paths}
+    for epoch in range(repeats + 1):
+        for name, (sampler, loader) in loaders.items():
+            sampler.set_epoch(epoch)
+            t0 = time.perf_counter()
+            n = sum(len(b["image"] if isinstance(b, dict) else b[0]) for b in loader)
+            if epoch:
+                out[name].append(n / (time.perf_counter() - t0))
+    return out
+
+
+def pack_against_build(root: Path, records: int, repeats: int, workers: Optional[int]) -> None:
+    """Seconds to pack ``records`` photos (the test photos, copied): ``packer build`` of their
+    folder, ``packer.pack`` of their paths, and of their pixels decoded beforehand; each ``repeats``
+    times in turn, median."""
+    raw = root / "raw" / "photos"
+    raw.mkdir(parents=True)
+    photos = sorted(PHOTOS.glob("*.jpg"))
+    for i in range(records):
+        (raw / f"{i:05d}.jpg").write_bytes(photos[i % len(photos)].read_bytes())
+    paths = sorted(raw.iterdir())
+    pixels = [np.asarray(ImageOps.exif_transpose(Image.open(p)).convert("RGB")) for p in paths]
+    runs: dict[str, list[float]] = {"packer build": [], "packer.pack, paths": [], "packer.pack, arrays": []}
+    for r in range(repeats):
+        for name in runs:
+            out = root / f"out-{r}-{name.replace(' ', '').replace(',', '-')}"
+            t0 = time.perf_counter()
+            if name == "packer build":
+                packer.build(raw.parent, out, workers=workers, quiet=True)
+            elif name.endswith("paths"):
+                packer.pack([{"image": p} for p in paths], out, fields={}, workers=workers)
+            else:
+                packer.pack([{"image": a} for a in pixels], out, fields={}, workers=workers)
+            runs[name].append(time.perf_counter() - t0)
+    base = statistics.median(runs["packer build"])
+    for name, seconds in runs.items():
+        med = statistics.median(seconds)
+        print(
+            f"{name:<20} {med:6.2f} s ({min(seconds):.2f}-{max(seconds):.2f}), "
+            f"{records / med:6.1f} images/s  {base / med:.2f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--pack", action="store_true", help="time the write side instead (all cores unless --workers)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if args.pack:
+            pack_against_build(root, args.records, args.repeats, args.workers or None)
+            return
+        plain = samples(args.records, False)
+        masked = samples(args.records, True)
+        for fmt in ("jpeg", "raw"):
+            sets = {
+                "no fields": ([{"image": s["image"]} for s in plain], {}),
+                "10 boxes": (plain, {"boxes": "boxes", "box_labels": "box_labels"}),
+                "10 boxes + mask": (masked, {"boxes": "boxes", "box_labels": "box_labels", "mask": "mask"}),
+            }
+            paths = {}
+            for name, (data, fields) in sets.items():
+                paths[name] = root / f"{fmt}-{name.replace(' ', '_').replace('+', '')}"
+                packer.pack(data, paths[name], fields=fields, format=fmt, backend="memmap")
+            results = rates(paths, args.repeats, args.workers)
+            base = statistics.median(results["no fields"])
+            for name, got in results.items():
+                med = statistics.median(got)
+                print(
+                    f"{fmt:>4} {name:<16} {med:8.0f} samples/s (median; {min(got):.0f}-{max(got):.0f})  "
+                    f"{med / base:.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()

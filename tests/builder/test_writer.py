@@ -1,0 +1,253 @@
+"""packer.Writer / packer.pack: fields beside the image, in records readable without packer."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+from PIL import Image
+
+import packer
+from packer.format import Manifest
+from packer.format.fields import declare, split_record
+from packer.tools.verify import verify
+
+FIELDS = {
+    "label": "label",
+    "boxes": "boxes",
+    "box_labels": "box_labels",
+    "mask": "mask",
+    "caption": "text",
+    "emb": ("array", "<f4"),
+}
+
+
+def _samples(n: int = 4) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        img = rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)
+        mask = np.zeros((480, 640), np.uint8)
+        mask[100:300, 200:400] = i + 1
+        out.append(
+            {
+                "image": img,
+                "label": i % 3,
+                "boxes": [[200, 100, 400, 300], [0, 0, 64, 48]][: i % 3],
+                "box_labels": [7, 8][: i % 3],
+                "mask": mask,
+                "caption": f"image {i} \u00e9",
+                "emb": np.arange(i * 2, dtype=np.float32).reshape(i, 2),
+            }
+        )
+    return out
+
+
+def _record(out: Path, i: int) -> bytes:
+    """Record ``i``'s bytes read without packer (docs/FORMAT.md)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    row = np.load(out / "index.npy", allow_pickle=False)[i]
+    file = out / manifest["shards"][row["shard"]]["file"]
+    if manifest["backend"] == "memmap":
+        return np.memmap(file, np.uint8, mode="r")[row["offset"] : row["offset"] + row["length"]].tobytes()
+    env = lmdb.open(str(file), subdir=False, readonly=True, lock=False)
+    with env.begin() as txn:
+        data = txn.get(b"%010d" % row["offset"])
+    env.close()
+    assert data is not None
+    return data
+
+
+@pytest.mark.parametrize("backend, fmt", [("memmap", "raw"), ("lmdb", "jpeg")])
+def test_pack_writes_fields_beside_the_image(tmp_path: Path, backend: str, fmt: str) -> None:
+    out = tmp_path / ("out.lmdb" if backend == "lmdb" else "out")
+    samples = [*_samples(), {"image": b"not an image", "label": 0, "source": "broken-one"}]
+    report = packer.pack(samples, out, fields=FIELDS, format=fmt, backend=backend)
+    assert (report.count, report.skipped, report.scanned) == (4, 1, 5)
+    skipped = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
+    assert [s["path"] for s in skipped] == ["broken-one"] and "not a recognised image" in skipped[0]["reason"]
+    manifest = Manifest.load(out)
+    assert manifest.format_version == 4 and manifest.declared == declare(FIELDS)
+    assert manifest.classes == ["0", "1", "2"] and manifest.class_counts == [2, 1, 1]
+    assert verify(out).ok
+
+    index = np.load(out / "index.npy", allow_pickle=False)
+    for i, sample in enumerate(samples[:4]):
+        data = _record(out, i)
+        assert zlib.crc32(data) == index[i]["crc32"]  # the CRC covers the fields
+        h, w = int(index[i]["height"]), int(index[i]["width"])
+        assert (h, w) == (320, 427)  # short edge 320, boxes and masks scaled by 320 / 480
+        lengths = np.frombuffer(data[:48], "<u8")  # image + 5 record fields (the label is in the index)
+        assert 48 + lengths.sum() == len(data)
+        image, (boxes, box_labels, mask, caption, emb) = split_record(memoryview(data), 5)
+        if fmt == "raw":
+            assert len(image) == h * w * 3
+        else:
+            assert bytes(image[:2]) == b"\xff\xd8"
+        scale = np.array([w / 640, h / 480] * 2)
+        expected = np.asarray(sample["boxes"], np.float64).reshape(-1, 4) * scale
+        np.testing.assert_allclose(np.frombuffer(boxes, "<f4").reshape(-1, 4), expected, rtol=1e-6)
+        assert np.frombuffer(box_labels, "<i4").tolist() == sample["box_labels"]
+        m = np.frombuffer(mask, np.uint8).reshape(h, w)
+        ys, xs = np.nonzero(m)
+        assert set(np.unique(m)) == {0, i + 1}
+        assert abs(ys.min() - 100 * h / 480) <= 1 and abs(xs.max() + 1 - 400 * w / 640) <= 1
+        assert bytes(caption).decode() == sample["caption"]
+        ndim = int(np.frombuffer(emb[:4], "<u4")[0])
+        shape = tuple(np.frombuffer(emb[4 : 4 + 8 * ndim], "<u8"))
+        np.testing.assert_array_equal(np.frombuffer(emb[4 + 8 * ndim :], "<f4").reshape(shape), sample["emb"])
+        assert index[i]["label"] == sample["label"]
+
+
+def test_images_as_paths_bytes_and_pil(tmp_path: Path) -> None:
+    """Every kind of image the Writer takes; a path names its sample; EXIF orientation turns the image
+    and its boxes are given in the upright image."""
+    photo = tmp_path / "p.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to view: stored 640 x 480, upright 480 x 640
+    Image.new("RGB", (640, 480), (200, 30, 30)).save(photo, exif=exif, quality=95)
+    fields = {"boxes": "boxes"}
+    box = [[0, 0, 480, 64]]  # the top band of the upright (portrait) image
+    samples = [
+        {"image": photo, "boxes": box},
+        {"image": photo.read_bytes(), "boxes": box, "source": "as-bytes"},
+        {"image": Image.open(photo), "boxes": box, "source": "as-pil"},
+    ]
+    report = packer.pack(samples, tmp_path / "out", fields=fields)
+    assert report.count == 3
+    index = np.load(tmp_path / "out" / "index.npy", allow_pickle=False)
+    assert [(int(r["height"]), int(r["width"])) for r in index] == [(427, 320)] * 3  # portrait
+    sources = np.load(tmp_path / "out" / "sources.npy", allow_pickle=False).tobytes().decode()
+    assert sources == f"{photo}as-bytesas-pil"
+    for i in range(3):
+        _, (boxes,) = split_record(memoryview(_record(tmp_path / "out", i)), 1)
+        # each axis by its own scale: 320 / 480 across, 427 / 640 down
+        np.testing.assert_allclose(np.frombuffer(boxes, "<f4"), [0, 0, 320, 64 * 427 / 640], rtol=1e-6)
+
+
+def test_a_sample_that_fails_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+
+    def samples():
+        yield {"image": np.zeros((64, 64, 3), np.uint8), "caption": "x"}
+        raise RuntimeError("the user's loop failed")
+
+    with pytest.raises(RuntimeError):
+        packer.pack(samples(), out, fields={"caption": "text"})
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_bad_samples_and_declarations(tmp_path: Path) -> None:
+    with pytest.raises(packer.BuildError, match="kind 'polygon' is not one of"):
+        packer.Writer(tmp_path / "a", fields={"x": "polygon"})
+    with pytest.raises(packer.BuildError, match="box_labels need a boxes field"):
+        packer.Writer(tmp_path / "a", fields={"box_labels": "box_labels"})
+    with pytest.raises(packer.BuildError, match="not a plain numpy dtype"):
+        packer.Writer(tmp_path / "a", fields={"x": ("array", "O")})
+    with pytest.raises(packer.BuildError, match="does not take split"):
+        packer.Writer(tmp_path / "a", fields={}, split={"val": 0.1})
+    img = np.zeros((64, 80, 3), np.uint8)
+    samples = [
+        {"image": img, "boxes": [[0, 0, 10, 10]], "box_labels": [1, 2], "source": "two-labels"},
+        {"image": img, "boxes": [[5, 5, 1, 1]], "source": "inverted"},
+        {"image": img, "boxes": [[0, 0, 1, float("nan")]], "source": "nan"},
+        {"image": img, "mask": np.zeros((10, 10), np.uint8), "source": "small-mask"},
+        {"image": np.zeros((64, 80), np.uint8), "source": "grey-array"},
+        {"image": img, "source": "ok"},
+    ]
+    fields = {"boxes": "boxes", "box_labels": "box_labels", "mask": "mask"}
+    for s in samples:
+        s.setdefault("mask", np.ones((64, 80), np.uint8))
+    report = packer.pack(samples, tmp_path / "b", fields=fields)
+    assert (report.count, report.skipped) == (1, 5)
+    reasons = {
+        s["path"]: s["reason"] for s in map(json.loads, (tmp_path / "b" / "report.jsonl").read_text().splitlines())
+    }
+    assert "2 labels for 1 boxes" in reasons["two-labels"]
+    assert "x0 <= x1" in reasons["inverted"] and "finite" in reasons["nan"]
+    assert "the image is 64 x 80" in reasons["small-mask"]
+    assert "H x W x 3 uint8" in reasons["grey-array"]
+    with pytest.raises(packer.BuildError, match=r"\['boxs'\] are not declared"):
+        packer.pack([{"image": img, "boxs": []}], tmp_path / "c", fields=fields)
+    assert not (tmp_path / "c").exists()
+
+
+def test_damaged_fields_are_found_by_verify(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    packer.pack(_samples(2), out, fields=FIELDS, format="raw")
+    shard = out / "shard-00000.bin"
+    data = bytearray(shard.read_bytes())
+    row = np.load(out / "index.npy", allow_pickle=False)[1]
+    start = int(row["offset"])
+    data[start + 8 : start + 16] = (10**12).to_bytes(8, "little")  # the boxes' length: hostile
+    shard.write_bytes(bytes(data))
+    index = np.load(out / "index.npy", allow_pickle=False)
+    index[1]["crc32"] = zlib.crc32(bytes(data[start : start + int(row["length"])]))  # a forged CRC too
+    np.save(out / "index.npy", index)
+    result = verify(out)
+    assert not result.ok
+    assert any("record 1" in p and "field table says" in p for p in result.problems), result.problems
+
+
+def test_a_dataset_without_fields_is_version_3(tmp_path: Path) -> None:
+    packer.pack([{"image": np.zeros((40, 40, 3), np.uint8)}], tmp_path / "out", fields={})
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["format_version"] == 3 and "fields" not in manifest
+    assert verify(tmp_path / "out").ok
+
+
+def test_info_counts_fields(tmp_path: Path) -> None:
+    from packer.cli import dataset_info
+
+    packer.pack(_samples(4), tmp_path / "out", fields=FIELDS)
+    facts = {f["name"]: f for f in dataset_info(tmp_path / "out")["fields"]}
+    assert facts["boxes"]["records"] == 2 and facts["boxes"]["items"] == 3  # 0, 1, 2, 0 boxes
+    assert [(b["lo"], b["hi"], b["count"]) for b in facts["boxes"]["per_record_histogram"]] == [
+        (0, 0, 2),
+        (1, 1, 1),
+        (2, 2, 1),
+    ]
+    assert facts["label"]["records"] == 4 and facts["emb"]["records"] == 3  # the first emb is 0 x 2
+
+
+def test_compact_keeps_fields_and_a_folder_update_refuses_them(tmp_path: Path, raw_photos: Path) -> None:
+    from packer.tools.compact import compact
+
+    out = tmp_path / "out"
+    packer.pack(_samples(3), out, fields=FIELDS, format="raw")
+    before = packer.ShardDataset(out, crop_size=None)[2]
+    compact(out, quiet=True)
+    manifest = Manifest.load(out)
+    assert manifest.format_version == 4 and manifest.declared == declare(FIELDS) and verify(out).ok
+    after = packer.ShardDataset(out, crop_size=None)[2]
+    assert after["caption"] == before["caption"] and after["boxes"].tolist() == before["boxes"].tolist()
+    with pytest.raises(packer.BuildError, match="holds fields beside its images"):
+        packer.build(raw_photos, out, update=True, workers=0, quiet=True)
+    assert Manifest.load(out).format_version == 4
+
+
+class _KillsItsWorker:
+    """Unpickled in a worker process, it ends that process (as a decoder crash would)."""
+
+    def __reduce__(self):
+        import os
+
+        return os._exit, (3,)
+
+
+def test_pack_in_worker_processes(tmp_path: Path) -> None:
+    """workers=2: the build's worker pool, results in order: the same dataset as in this process; a
+    sample that kills its worker is a reported skip, the others packed."""
+    samples = _samples(6)
+    one = packer.pack(samples, tmp_path / "one", fields=FIELDS, workers=0)
+    two = packer.pack(samples, tmp_path / "two", fields=FIELDS, workers=2)
+    assert one.digest == two.digest and one.count == two.count == 6
+    crashing = [*samples[:3], {"image": _KillsItsWorker(), "label": 0, "source": "the-crash"}, *samples[3:]]
+    report = packer.pack(crashing, tmp_path / "three", fields=FIELDS, workers=2)
+    assert (report.count, report.skipped) == (6, 1) and report.digest == one.digest
+    reasons = [json.loads(line) for line in (tmp_path / "three" / "report.jsonl").read_text().splitlines()]
+    assert [(r["path"], "crashed its worker" in r["reason"]) for r in reasons] == [("the-crash", True)]

@@ -1,0 +1,256 @@
+"""Reading a dataset with fields: boxes and masks move with the crop, exactly.
+
+Rectangles of known colours are drawn into real photos (tests/data), packed with their boxes and a
+mask, and read back through a DataLoader with workers, with every crop policy: each returned box must
+bound its rectangle's pixels in the returned crop within 1 px, and the mask must agree with them
+pixel for pixel away from their edges.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader
+
+import packer
+from packer import ShardDataset, ShardSampler
+
+PHOTOS = Path(__file__).resolve().parents[1] / "data" / "exif-orientation"
+COLOURS = np.array([(255, 0, 255), (0, 255, 255), (255, 255, 0), (0, 0, 255)], np.int16)
+FIELDS = {"label": "label", "boxes": "boxes", "box_labels": "box_labels", "mask": "mask", "caption": "text"}
+
+
+def _drawn(path: Path, k: int) -> dict:
+    """A photo (upright; its channels kept within 70..185, so that no pixel of it is near a drawn
+    colour) with up to four rectangles of COLOURS at seeded places, their boxes and mask."""
+    im = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+    pixels = (np.asarray(im, np.float32) * (115 / 255) + 70).astype(np.uint8)
+    h, w = pixels.shape[:2]
+    rng = np.random.default_rng(k)
+    mask = np.zeros((h, w), np.uint8)
+    boxes, labels = [], []
+    for c in range(int(rng.integers(1, 5))):  # disjoint: one per quadrant
+        qy, qx = divmod(c, 2)
+        y0 = int(rng.integers(qy * h // 2, qy * h // 2 + h // 4))
+        x0 = int(rng.integers(qx * w // 2, qx * w // 2 + w // 4))
+        y1 = int(rng.integers(y0 + 40, (qy + 1) * h // 2))
+        x1 = int(rng.integers(x0 + 40, (qx + 1) * w // 2))
+        pixels[y0:y1, x0:x1] = COLOURS[c]
+        mask[y0:y1, x0:x1] = c + 1
+        boxes.append([x0, y0, x1, y1])
+        labels.append(c + 1)
+    return {
+        "image": Image.fromarray(pixels),
+        "label": k % 2,
+        "boxes": boxes,
+        "box_labels": labels,
+        "mask": mask,
+        "caption": f"{path.name} with {len(boxes)} rectangles",
+        "source": path.name,
+    }
+
+
+@pytest.fixture(scope="module", params=["raw", "jpeg"])
+def drawn(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fields") / f"drawn-{request.param}"
+    samples = [_drawn(p, k) for k, p in enumerate(sorted(PHOTOS.glob("*.jpg")))]
+    report = packer.pack(samples, out, fields=FIELDS, format=request.param, backend="memmap")
+    assert report.count == len(samples) == 18
+    return out
+
+
+def _colour_pixels(image: np.ndarray, c: int) -> np.ndarray:
+    """Where the H x W x 3 ``image`` shows COLOURS[c] (every channel within 60 of it)."""
+    return (np.abs(image.astype(np.int16) - COLOURS[c]) <= 60).all(axis=2)
+
+
+def _eroded(a: np.ndarray) -> np.ndarray:
+    """``a`` less its edge pixels (4-neighbourhood)."""
+    out = a.copy()
+    out[1:] &= a[:-1]
+    out[:-1] &= a[1:]
+    out[:, 1:] &= a[:, :-1]
+    out[:, :-1] &= a[:, 1:]
+    out[0], out[-1], out[:, 0], out[:, -1] = False, False, False, False
+    return out
+
+
+def _check(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, tol: float) -> int:
+    """The geometry of one sample; the number of boxes checked."""
+    hwc = image.permute(1, 2, 0).numpy()
+    m = mask.numpy()
+    assert m.shape == hwc.shape[:2] and boxes.shape == (len(labels), 4)
+    h, w = m.shape
+    assert (boxes >= 0).all() and (boxes[:, 0::2] <= w).all() and (boxes[:, 1::2] <= h).all()  # clipped to the crop
+    for box, label in zip(boxes.numpy(), labels.tolist()):
+        c = label - 1
+        seen = _colour_pixels(hwc, c)
+        ys, xs = np.nonzero(seen)
+        x0, y0, x1, y1 = box
+        if x1 - x0 < 3 or y1 - y0 < 3:  # a sliver: its pixels are blurred into the photo
+            continue
+        assert len(ys), f"box {box} of label {label}, but no pixel of its colour"
+        got = np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1])
+        assert np.abs(got - box).max() <= tol, f"label {label}: box {box}, its pixels span {got}"
+        inside, coloured = _eroded(m == label), _eroded(seen)
+        if tol > 1:  # JPEG: a pixel more for its chroma's bleeding
+            inside, coloured = _eroded(inside), _eroded(coloured)
+        assert seen[inside].all(), "mask pixels off their colour"
+        assert (m[coloured] == label).all(), "coloured pixels off their mask"
+    present = set(np.unique(m).tolist()) - {0}
+    assert present <= set(labels.tolist()) | {lab for lab in present if (m == lab).sum() <= 12}
+    return len(labels)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_boxes_and_masks_follow_every_crop(drawn: Path, train: bool) -> None:
+    tol = 1.0 if drawn.name.endswith("raw") else 1.5  # JPEG: 4:2:0 chroma bleeds half a pixel more
+    ds = ShardDataset(drawn, crop_size=112, train=train, dtype=torch.uint8, seed=3)
+    sampler = ShardSampler(ds, repeats=3)  # every record drawn three times: three crops
+    loader = DataLoader(ds, batch_size=6, sampler=sampler, num_workers=2)
+    checked = 0
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            assert set(batch) == {"image", "label", "boxes", "box_labels", "mask", "caption", "id"}
+            assert batch["image"].shape == (6, 3, 112, 112) and batch["mask"].shape == (6, 112, 112)
+            assert batch["id"].dtype == torch.int64 and isinstance(batch["caption"][0], str)
+            assert isinstance(batch["boxes"], list) and len(batch["boxes"]) == 6
+            for k in range(6):
+                checked += _check(batch["image"][k], batch["boxes"][k], batch["box_labels"][k], batch["mask"][k], tol)
+                assert batch["caption"][k].startswith(ds.source(int(batch["id"][k])))
+    assert checked > 100
+
+
+def test_whole_images_keep_their_fields(drawn: Path) -> None:
+    ds = ShardDataset(drawn, crop_size=None, dtype=torch.uint8)
+    for i in range(len(ds)):
+        s = ds[i]
+        assert s["id"] == i and s["image"].shape[1:] == s["mask"].shape
+        _check(s["image"], s["boxes"], s["box_labels"], s["mask"], 1.0 if drawn.name.endswith("raw") else 1.5)
+
+
+def test_a_box_mostly_outside_the_crop_is_dropped(tmp_path: Path) -> None:
+    """box_min_visible: a box with less than that share of its area in the crop goes, with its label."""
+    img = np.full((320, 320, 3), 128, np.uint8)
+    boxes = [[0, 0, 320, 320], [100, 100, 140, 140], [0, 150, 40, 170]]
+    out = tmp_path / "d"
+    packer.pack(
+        [{"image": img, "boxes": boxes, "box_labels": [1, 2, 3]}],
+        out,
+        fields={"boxes": "boxes", "box_labels": "box_labels"},
+    )
+    # eval crop of 160 from 320: resize to 160/0.875 = 182 short edge, center crop = the middle 280 px
+    kept = ShardDataset(out, crop_size=160, train=False, box_min_visible=0.0)[0]
+    assert kept["box_labels"].tolist() == [1, 2, 3]
+    side = 320 * 160 / 182.0  # the part of the stored image the crop covers (rounded to pixels)
+    fraction_in = (40 - (320 - round(side)) / 2) / 40  # box 3's share inside, 0.5
+    strict = ShardDataset(out, crop_size=160, train=False, box_min_visible=fraction_in + 0.05)[0]
+    assert strict["box_labels"].tolist() == [1, 2] and strict["boxes"].shape == (2, 4)
+    np.testing.assert_allclose(strict["boxes"][0].numpy(), [0, 0, 160, 160])
+
+
+def test_a_dataset_without_fields_still_gives_tuples(built) -> None:
+    ds = ShardDataset(built("memmap", "jpeg"), crop_size=64)
+    image, label = ds[0]
+    assert isinstance(label, int) and image.shape == (3, 64, 64)
+
+
+def test_a_hostile_field_table_is_a_clear_error(tmp_path: Path) -> None:
+    """A record whose field table claims more bytes than it has (CRC forged to match): DatasetError
+    naming the record, not a crash or a huge allocation."""
+    import zlib
+
+    out = tmp_path / "d"
+    img = np.zeros((40, 40, 3), np.uint8)
+    packer.pack(
+        [{"image": img, "caption": "a"}, {"image": img, "caption": "b"}], out, fields={"caption": "text"}, format="raw"
+    )
+    index = np.load(out / "index.npy", allow_pickle=False)
+    shard = bytearray((out / "shard-00000.bin").read_bytes())
+    at = int(index[1]["offset"])
+    shard[at + 8 : at + 16] = (2**63).to_bytes(8, "little")
+    (out / "shard-00000.bin").write_bytes(bytes(shard))
+    index[1]["crc32"] = zlib.crc32(bytes(shard[at : at + int(index[1]["length"])]))
+    np.save(out / "index.npy", index)
+    ds = ShardDataset(out, crop_size=16, verify=True)
+    assert ds[0]["caption"] == "a"
+    with pytest.raises(packer.DatasetError, match=r"record 1 \(source 'sample-1'\): field table says"):
+        ds[1]
+
+
+def test_preview_and_show_draw_the_fields(drawn: Path, tmp_path: Path) -> None:
+    from packer.tools.preview import _PALETTE, contact_sheet, show
+
+    assert contact_sheet(drawn, tmp_path / "grid.png", n=6, augment=True) == (3, 2)
+    show(drawn, 0, tmp_path / "one.png")
+    s = ShardDataset(drawn, crop_size=None, dtype=torch.uint8)[0]
+    one = np.asarray(Image.open(tmp_path / "one.png").convert("RGB")).astype(np.int16)
+    x0, y0, x1, y1 = (round(v) for v in s["boxes"][0].tolist())
+    colour = _PALETTE[int(s["box_labels"][0]) % len(_PALETTE)].astype(np.int16)
+    assert np.abs(one[y0, (x0 + x1) // 2] - colour).max() <= 12  # the outline (PNG: lossless)
+    inside = one[(y0 + y1) // 2, (x0 + x1) // 2]
+    assert np.abs(inside - (COLOURS[0] // 2 + _PALETTE[1] // 2)).max() <= 12  # the mask's tint over it
+
+
+def test_padded_batches_on_request(drawn: Path) -> None:
+    import functools
+
+    from packer.read.dataset import collate_fields
+
+    ds = ShardDataset(drawn, crop_size=64, dtype=torch.uint8)
+    loader = DataLoader(ds, batch_size=6, collate_fn=functools.partial(collate_fields, padded=True), num_workers=2)
+    batch = next(iter(loader))
+    lengths = batch["boxes_lengths"]
+    assert batch["boxes"].shape == (6, int(lengths.max()), 4) and batch["box_labels"].shape == (6, int(lengths.max()))
+    listed = [ds[i] for i in range(6)]
+    for k, s in enumerate(listed):
+        n = int(lengths[k])
+        assert n == len(s["boxes"]) and torch.equal(batch["boxes"][k, :n], s["boxes"])
+        assert (batch["box_labels"][k, n:] == -1).all() and (batch["boxes"][k, n:] == 0).all()
+
+
+def test_a_transform_receives_the_fields(drawn: Path) -> None:
+    """On a dataset with fields, transform(image, fields) -> (image, fields), after the crop moved
+    them: here a vertical flip of the user's own that moves boxes and mask too, checked as above."""
+
+    def vflip(image: torch.Tensor, fields: dict) -> tuple[torch.Tensor, dict]:
+        size = image.shape[1]
+        boxes = fields["boxes"].clone()
+        boxes[:, 1], boxes[:, 3] = size - fields["boxes"][:, 3], size - fields["boxes"][:, 1]
+        return image.flip(1), {**fields, "boxes": boxes, "mask": fields["mask"].flip(0)}
+
+    tol = 1.0 if drawn.name.endswith("raw") else 1.5
+    ds = ShardDataset(drawn, crop_size=96, dtype=torch.uint8, transform=vflip)
+    plain = ShardDataset(drawn, crop_size=96, dtype=torch.uint8)
+    loader = DataLoader(ds, batch_size=6, num_workers=2)
+    for n, batch in enumerate(loader):
+        for k in range(6):
+            _check(batch["image"][k], batch["boxes"][k], batch["box_labels"][k], batch["mask"][k], tol)
+            same = plain[n * 6 + k]
+            assert torch.equal(batch["image"][k], same["image"].flip(1))
+    with pytest.raises(TypeError, match=r"called as transform\(image, fields\)"):
+        ShardDataset(drawn, crop_size=96, dtype=torch.uint8, transform=lambda image, fields: image)[0]
+
+
+def test_a_mix_of_datasets_with_fields(drawn: Path, tmp_path: Path) -> None:
+    """MixDataset: samples of members with the same fields, ids the mix's indices (mix.source(id));
+    members with other fields are refused."""
+    from packer import MixDataset
+
+    a = ShardDataset(drawn, crop_size=64, dtype=torch.uint8)
+    b = ShardDataset(drawn, crop_size=64, dtype=torch.uint8, seed=1)
+    mix = MixDataset([a, b])
+    batch = next(iter(DataLoader(mix, batch_size=36, num_workers=0)))
+    assert batch["image"].shape == (36, 3, 64, 64) and batch["id"].tolist() == list(range(36))
+    assert [mix.source(i).split(": ")[1] for i in (0, 18)] == [a.source(0), b.source(0)]
+    assert batch["caption"][18] == batch["caption"][0] and len(batch["boxes"]) == 36
+    img = np.zeros((64, 64, 3), np.uint8)
+    packer.pack([{"image": img, "label": 0}, {"image": img, "label": 1}], tmp_path / "l", fields={"label": "label"})
+    plain = ShardDataset(tmp_path / "l", crop_size=64, dtype=torch.uint8)  # classes "0", "1" as drawn's
+    with pytest.raises(ValueError, match="MixDataset members differ in fields"):
+        MixDataset([a, plain])
