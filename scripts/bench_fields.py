@@ -88,11 +88,15 @@ def pack_against_build(root: Path, records: int, repeats: int, workers: Optional
             runs[name].append(time.perf_counter() - t0)
     base = statistics.median(runs["packer build"])
     for name, seconds in runs.items():
-        med = statistics.median(seconds)
         print(
-            f"{name:<20} {med:6.2f} s ({min(seconds):.2f}-{max(seconds):.2f}), "
-            f"{records / med:6.1f} images/s  {base / med:.2f}x"
+            f"{name:<20} {_spread(seconds, '.2f')} s, {records / statistics.median(seconds):6.1f} images/s  "
+            f"{base / statistics.median(seconds):.2f}x"
         )
+
+
+def _spread(values: list[float], spec: str) -> str:
+    """The median of ``values`` and their range."""
+    return f"{statistics.median(values):{spec}} (median; {min(values):{spec}}-{max(values):{spec}})"
 
 
 def main() -> None:
@@ -122,11 +126,7 @@ def main() -> None:
             results = rates(paths, args.repeats, args.workers)
             base = statistics.median(results["no fields"])
             for name, got in results.items():
-                med = statistics.median(got)
-                print(
-                    f"{fmt:>4} {name:<16} {med:8.0f} samples/s (median; {min(got):.0f}-{max(got):.0f})  "
-                    f"{med / base:.2f}x"
-                )
+                print(f"{fmt:>4} {name:<16} {_spread(got, '.0f')} samples/s  {statistics.median(got) / base:.2f}x")
 
 
 if __name__ == "__main__":
