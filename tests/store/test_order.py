@@ -15,6 +15,7 @@ from packer import ShardDataset, ShardSampler
 from packer.read.remote import settings
 from packer.read.sampler import MIX_BATCH, MIX_TARGET, label_entropy
 
+from .proxy import Proxy
 from .seaweed import S3Server
 
 
@@ -49,3 +50,43 @@ def test_a_dataset_in_the_store_is_read_unit_by_unit_mixed(
     bounded = ShardSampler(small)
     assert bounded.window * unit_bytes * (bounded.prefetch + 2) <= small.fetch_unit()[1]
     assert bounded.window == 4 < s.window
+
+
+def _rank_epoch(url: str, cache: str, rank: int, order: str, env: dict[str, str], unit_bytes: int) -> None:
+    """One DDP rank of a node: 2 DataLoader workers over the node cache (a spawned process)."""
+    import os
+
+    os.environ.update(env)
+    settings.UNIT_BYTES = unit_bytes
+    ds = ShardDataset(url, crop_size=16, seed=1, cache_dir=cache)
+    sampler = ShardSampler(ds, seed=1, order=order, num_replicas=2, rank=rank)
+    for _ in DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2):
+        pass
+
+
+@pytest.mark.parametrize("order", ["block", "random"])
+def test_two_ranks_of_a_node_fetch_each_unit_once(
+    class_sorted: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, order: str
+) -> None:
+    """2 ranks x 2 workers on one node cache, whatever the order: every byte of the data is fetched once."""
+    import multiprocessing as mp
+    import os
+
+    from packer.backends import data_files
+    from packer.format import Manifest
+
+    unit_bytes = int(16.5 * float(ShardDataset(class_sorted, crop_size=16).index["length"].mean()))  # 48 units
+    url = s3_server.upload(class_sorted, f"order/ranks-{order}")
+    ranks = [
+        mp.get_context("spawn").Process(
+            target=_rank_epoch, args=(url, str(tmp_path / "cache"), r, order, dict(os.environ), unit_bytes)
+        )
+        for r in range(2)
+    ]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join(120)
+        assert r.exitcode == 0
+    for name in data_files(Manifest.load(class_sorted)):
+        assert proxy.fetched(name) == (class_sorted / name).stat().st_size, name
