@@ -15,7 +15,7 @@ from packer import ShardDataset, ShardSampler
 from packer.read.remote import settings
 from packer.read.sampler import MIX_BATCH, MIX_TARGET, label_entropy
 
-from .proxy import Proxy
+from .proxy import Faults, Proxy
 from .seaweed import S3Server
 
 
@@ -77,6 +77,7 @@ def test_two_ranks_of_a_node_fetch_each_unit_once(
 
     unit_bytes = int(16.5 * float(ShardDataset(class_sorted, crop_size=16).index["length"].mean()))  # 48 units
     url = s3_server.upload(class_sorted, f"order/ranks-{order}")
+    proxy.faults.append(Faults(delay=0.02, rate=2e6))  # slow enough that the ranks' fetches overlap
     ranks = [
         mp.get_context("spawn").Process(
             target=_rank_epoch, args=(url, str(tmp_path / "cache"), r, order, dict(os.environ), unit_bytes)
