@@ -29,7 +29,13 @@ def main() -> None:
     # Float pixels in 0..1 (mean 0, std 1): the model normalises its inputs itself. The crop moves
     # the boxes; a box with less than a quarter of its area left in the crop is dropped with its label.
     ds = ShardDataset(
-        args.dataset, crop_size=320, train=True, dtype=torch.float32, mean=(0, 0, 0), std=(1, 1, 1), box_min_visible=0.25
+        args.dataset,
+        crop_size=320,
+        train=True,
+        dtype=torch.float32,
+        mean=(0, 0, 0),
+        std=(1, 1, 1),
+        box_min_visible=0.25,
     )
     classes = ds.fields["box_labels"].classes  # COCO's category names by id, "" for id 0 (the background)
     model = fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None, num_classes=len(classes))

@@ -48,8 +48,9 @@ class FieldKind:
         self.encoding = encoding or (self.encodings[-1] if self.encodings else "")
 
     def using(self, encoding: str) -> FieldKind:
-        """This kind with its payloads in ``encoding`` (one of :attr:`encodings`; "" for a kind that has none)."""
-        return _encoded(type(self), encoding)
+        """This kind with its payloads in ``encoding`` (one of :attr:`encodings`; "" for a kind that
+        has none); Field.of makes it once per field."""
+        return self if encoding == self.encoding else type(self)(encoding)
 
     def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
         """The payload of ``value`` in a record whose stored image is ``height`` x ``width``;
@@ -244,11 +245,6 @@ class Array(FieldKind):
 FIELD_KINDS: dict[str, FieldKind] = {k.name: k for k in (Label(), Boxes(), BoxLabels(), Mask(), Text(), Array())}
 
 
-@functools.cache
-def _encoded(kind: type[FieldKind], encoding: str) -> FieldKind:
-    return kind(encoding)
-
-
 #: Kinds whose values are class ids that a field may name (``classes``: the name of id i at i).
 NAMED_IDS = ("box_labels", "mask")
 
@@ -275,7 +271,7 @@ class Field:
         return np.dtype(self.dtype) if self.kind != "text" else np.dtype(np.uint8)
 
     def to_json(self) -> dict[str, Any]:
-        named = {"classes": list(self.classes)} if self.classes else {}
+        named: dict[str, Any] = {"classes": list(self.classes)} if self.classes else {}
         if self.encoding and self.encoding != self.of.encodings[0]:  # the first layout: named by no key
             named["encoding"] = self.encoding
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype, **named}

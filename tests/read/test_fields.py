@@ -254,3 +254,34 @@ def test_a_mix_of_datasets_with_fields(drawn: Path, tmp_path: Path) -> None:
     plain = ShardDataset(tmp_path / "l", crop_size=64, dtype=torch.uint8)  # classes "0", "1" as drawn's
     with pytest.raises(ValueError, match="MixDataset members differ in fields"):
         MixDataset([a, plain])
+
+
+def test_masks_of_the_first_layout_read_as_run_lengths_do(tmp_path: Path) -> None:
+    """A mask field declared with encoding "raw" is written as packer's first datasets with fields
+    were (the pixels as they are, no "encoding" in its manifest entry): such datasets read, verify
+    and batch as the run-length encoded ones do, which take a fraction of their bytes."""
+    import json
+
+    from packer.tools.verify import verify
+
+    samples = [_drawn(p, k) for k, p in enumerate(sorted(PHOTOS.glob("*.jpg"))[:6])]
+    paths = {}
+    for encoding in ("raw", "rle"):
+        paths[encoding] = tmp_path / encoding
+        fields = {**FIELDS, "mask": {"kind": "mask", "encoding": encoding}}
+        packer.pack(samples, paths[encoding], fields=fields, format="jpeg", backend="memmap")
+        assert verify(paths[encoding]).ok
+    manifest = json.loads((paths["raw"] / "manifest.json").read_text())
+    assert next(f for f in manifest["fields"] if f["name"] == "mask") == {
+        "name": "mask",
+        "kind": "mask",
+        "dtype": "|u1",
+    }
+    sizes = {e: int(np.load(p / "index.npy", allow_pickle=False)["length"].sum()) for e, p in paths.items()}
+    assert sizes["rle"] < sizes["raw"] / 2
+    old, new = (ShardDataset(paths[e], crop_size=96, dtype=torch.uint8, seed=5) for e in ("raw", "rle"))
+    for a, b in zip(DataLoader(old, batch_size=3, num_workers=2), DataLoader(new, batch_size=3, num_workers=2)):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["mask"], b["mask"]) and a["mask"].any()
+        assert all(torch.equal(x, y) for x, y in zip(a["boxes"], b["boxes"]))
+    whole = ShardDataset(paths["raw"], crop_size=None, dtype=torch.uint8)[1]["mask"]
+    assert torch.equal(whole, ShardDataset(paths["rle"], crop_size=None, dtype=torch.uint8)[1]["mask"])
