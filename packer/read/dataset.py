@@ -71,8 +71,11 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> to
     packer.read.batchpool) when one is free; else fresh memory, in shared memory when ``shared``
     (where a DataLoader worker's batch must end up; default_collate allocates it the same way)."""
     lent = batchpool.lend(shape, dtype)
-    if lent is not None:
-        return lent
+    return lent if lent is not None else fresh_tensor(shape, dtype, shared)
+
+
+def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised tensor in fresh memory, in shared memory when ``shared``."""
     if not shared:
         return torch.empty(shape, dtype=dtype)
     numel = 1
@@ -99,6 +102,21 @@ def collate_samples(
     # class ids: one torch.tensor call (half the time of default_collate's); tensors: stacked
     rest = [torch.tensor(c, dtype=torch.int64) if isinstance(c[0], int) else default_collate(c) for c in columns]
     return [stack_images([s.image for s in batch]), *rest]
+
+
+def stack_tensors(column: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one shape stacked (in a worker into shared memory, as torch's own collate does),
+    by numpy where they have its dtype: torch.stack starts its intra-op threads, several times
+    slower for a batch of masks on a busy host (docs/PERFORMANCE.md, "Fields")."""
+    from torch.utils.data import default_collate
+
+    try:
+        arrays = [t.numpy() for t in column]
+    except (TypeError, RuntimeError):  # a dtype numpy lacks, a tensor that needs grad or is not on the CPU
+        return default_collate(list(column))
+    out = fresh_tensor((len(arrays), *arrays[0].shape), column[0].dtype, get_worker_info() is not None)
+    np.stack(arrays, out=out.numpy())
+    return out
 
 
 def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -150,7 +168,6 @@ def collate_fields(
 def collate_columns(batch: Sequence[FieldSample], *, padded: bool = False) -> dict[str, Any]:
     """What :func:`collate_fields` makes of everything in a batch but its images (what a
     ``batch_transform`` on a dataset with fields receives beside them)."""
-    from torch.utils.data import default_collate
 
     first = batch[0]
     out: dict[str, Any] = {}
@@ -173,7 +190,7 @@ def collate_columns(batch: Sequence[FieldSample], *, padded: bool = False) -> di
             and key not in first.ragged
             and all(isinstance(v, torch.Tensor) and v.shape == value.shape for v in column)
         ):
-            out[key] = default_collate(column)  # in a worker: into shared memory, as torch's own collate
+            out[key] = stack_tensors(column)
         else:
             out[key] = column
     return out
