@@ -22,8 +22,11 @@ SANITIZE_SECONDS ?= 60
 SANITIZE_SEED ?= 0
 SANITIZE_DIR := build/sanitize
 PACKAGE_DIR := build/package
+# make recipe-check: the detection recipe's venv (torchvision, which packer does not need, beside its own torch).
+RECIPE_DIR := build/recipe
+RECIPE_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: help system-deps setup demo lint docs test test-sanitize package-check dataset dataset-verify dataset-clean bench clean
+.PHONY: help system-deps setup demo lint docs test test-sanitize package-check recipe-check dataset dataset-verify dataset-clean bench clean
 
 help:
 	@echo "make setup      venv with packer and its dependencies (SIMD=1 for pillow-simd)"
@@ -33,6 +36,7 @@ help:
 	@echo "make test       lint, the docs build, the test suite, and a short fuzz of the C extension under ASan/UBSan"
 	@echo "make test-sanitize [SANITIZE_SECONDS=60 SANITIZE_SEED=0]   fuzz the C extension under ASan/UBSan"
 	@echo "make package-check  build the sdist and wheel, install the wheel in a fresh venv, build and verify a dataset"
+	@echo "make recipe-check   docs/FIELDS.md's detection recipe: Faster R-CNN for a few steps on a packed COCO subset"
 	@echo "make dataset RAW=raw/ OUT=out.lmdb [FORMAT=jpeg] [ARGS=...]   refresh OUT: decode only added/changed files"
 	@echo "make dataset-verify OUT=out.lmdb   re-read and check OUT (each split dataset inside it, with --split)"
 	@echo "make dataset-clean OUT=out.lmdb    delete OUT and any interrupted build of it (packer's only)"
@@ -82,6 +86,7 @@ test: setup lint docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-sanitize SANITIZE_SECONDS=20
 	$(MAKE) --no-print-directory package-check
+	$(MAKE) --no-print-directory recipe-check
 
 # What `pip install packer-datasets` gives a user, checked from the files a release would upload: the sdist,
 # the wheel built from it (a file missing from the sdist fails there), and a wheel built without a C compiler
@@ -97,6 +102,20 @@ package-check: setup
 	$(PACKAGE_DIR)/venv/bin/pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PACKAGE_DIR)/venv/bin/pip install -q "$$(ls $(PACKAGE_DIR)/dist/*.whl)"
 	cd $(PACKAGE_DIR) && venv/bin/python "$(CURDIR)/scripts/check_package.py" --installed
+
+# The detection recipe (docs/FIELDS.md, "Training a detector"), run by tests/recipes/test_detector.py in a venv
+# of its own: torchvision's wheels need their own torch release (RECIPE_SPEC, a multi-GB CUDA build that runs
+# on CPU), not the project's CPU torch, so they cannot go into $(VENV). packer is installed there editable
+# from the checkout, so the recipe runs the sources as they are. PACKER_RECIPE=1: a missing torchvision fails.
+$(RECIPE_DIR)/venv/.installed: pyproject.toml packer/_native.c packer/_resize.c packer/_resize.h
+	$(MAKE) system-deps
+	[ -x $(RECIPE_DIR)/venv/bin/python ] || $(PYTHON) -m venv $(RECIPE_DIR)/venv
+	$(RECIPE_DIR)/venv/bin/pip install -q $(RECIPE_SPEC) "pytest>=7"
+	$(RECIPE_DIR)/venv/bin/pip install -q -e .
+	touch $@
+
+recipe-check: setup $(RECIPE_DIR)/venv/.installed
+	PACKER_RECIPE=1 $(RECIPE_DIR)/venv/bin/python -m pytest -q -p no:cacheprovider tests/recipes
 
 # packer/_native.c and _resize.c built with AddressSanitizer and UBSan (any report aborts), then fuzzed with
 # damaged and random JPEGs, crop boxes and buffer sizes (scripts/fuzz_native.py). Python itself is not

@@ -1,5 +1,6 @@
 """Read speed with fields against the same images without: JPEG (and raw) records with 10 boxes each,
-and with a mask, train crops moving them, ratios measured in one run; and with ``--pack``, the
+and with a mask (the boxes filled with their labels, a segmentation map), stored run-length encoded
+and as raw pixels (the first layout), train crops moving them, ratios measured in one run; and with ``--pack``, the
 write side: ``packer.pack`` from paths and from in-memory arrays against ``packer build`` of the
 same photos (docs/PERFORMANCE.md, "Fields").
 
@@ -27,7 +28,8 @@ PHOTOS = Path(__file__).resolve().parents[1] / "tests" / "data" / "exif-orientat
 
 
 def samples(n: int, with_mask: bool) -> list[dict]:
-    """``n`` samples over the real test photos, each with 10 seeded boxes (and a mask)."""
+    """``n`` samples over the real test photos, each with 10 seeded boxes (and a mask: the boxes
+    filled with their labels, later over earlier, as a COCO image's map of its objects)."""
     photos = [ImageOps.exif_transpose(Image.open(p)).convert("RGB") for p in sorted(PHOTOS.glob("*.jpg"))]
     rng = np.random.default_rng(0)
     out = []
@@ -36,9 +38,13 @@ def samples(n: int, with_mask: bool) -> list[dict]:
         w, h = im.size
         x0, y0 = rng.uniform(0, w * 0.7, 10), rng.uniform(0, h * 0.7, 10)
         boxes = np.stack([x0, y0, x0 + rng.uniform(10, w * 0.3, 10), y0 + rng.uniform(10, h * 0.3, 10)], 1)
-        sample = {"image": im, "boxes": boxes, "box_labels": rng.integers(1, 80, 10)}
+        labels = rng.integers(1, 80, 10)
+        sample = {"image": im, "boxes": boxes, "box_labels": labels}
         if with_mask:
-            sample["mask"] = np.asarray(im)[:, :, 0] // 64
+            mask = np.zeros((h, w), np.uint8)
+            for (a, b, c, d), label in zip(boxes.astype(int), labels):
+                mask[b:d, a:c] = label
+            sample["mask"] = mask
         out.append(sample)
     return out
 
@@ -118,15 +124,23 @@ def main() -> None:
                 "no fields": ([{"image": s["image"]} for s in plain], {}),
                 "10 boxes": (plain, {"boxes": "boxes", "box_labels": "box_labels"}),
                 "10 boxes + mask": (masked, {"boxes": "boxes", "box_labels": "box_labels", "mask": "mask"}),
+                "+ mask, raw": (
+                    masked,
+                    {"boxes": "boxes", "box_labels": "box_labels", "mask": {"kind": "mask", "encoding": "raw"}},
+                ),
             }
             paths = {}
             for name, (data, fields) in sets.items():
-                paths[name] = root / f"{fmt}-{name.replace(' ', '_').replace('+', '')}"
+                paths[name] = root / f"{fmt}-{name.replace(' ', '_').replace('+', '').replace(',', '')}"
                 packer.pack(data, paths[name], fields=fields, format=fmt, backend="memmap")
             results = rates(paths, args.repeats, args.workers)
             base = statistics.median(results["no fields"])
             for name, got in results.items():
-                print(f"{fmt:>4} {name:<16} {_spread(got, '.0f')} samples/s  {statistics.median(got) / base:.2f}x")
+                kb = np.load(paths[name] / "index.npy", allow_pickle=False)["length"].mean() / 1000
+                print(
+                    f"{fmt:>4} {name:<16} {_spread(got, '.0f')} samples/s  {statistics.median(got) / base:.2f}x  "
+                    f"{kb:.0f} KB/record"
+                )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,18 @@ class FieldKind:
     geometric = False
     single = False
     item = 1  #: bytes per item of the payload (a box: 16)
+    #: The payload layouts a kind has (a mask: raw pixels or run lengths), named by the manifest's
+    #: ``encoding``: the first is what an entry naming none means (what packer wrote before there
+    #: were encodings), the last what a new declaration gets. Empty: one layout, never named.
+    encodings: tuple[str, ...] = ()
+
+    def __init__(self, encoding: str = "") -> None:
+        self.encoding = encoding or (self.encodings[-1] if self.encodings else "")
+
+    def using(self, encoding: str) -> FieldKind:
+        """This kind with its payloads in ``encoding`` (one of :attr:`encodings`; "" for a kind that
+        has none); Field.of makes it once per field."""
+        return self if encoding == self.encoding else type(self)(encoding)
 
     def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
         """The payload of ``value`` in a record whose stored image is ``height`` x ``width``;
@@ -116,9 +128,14 @@ class BoxLabels(FieldKind):
 
 
 class Mask(FieldKind):
-    """A uint8 H x W map of the stored image's size (a segmentation map: class or instance ids)."""
+    """A uint8 H x W map of the stored image's size (a segmentation map: class or instance ids).
+    Encoding ``rle`` (what new fields get): ``<u4`` n, n ``<u4`` run lengths, n uint8 run values,
+    row-major; n = 0: the ``height * width`` pixels follow as they are (a noisy map, whose runs
+    would take more bytes than its pixels). ``raw`` (the first masks' layout): the pixels alone.
+    Run lengths, not zlib or PNG: several times their decode speed, for 2-4x their bytes
+    (docs/PERFORMANCE.md, "Fields")."""
 
-    name, dtype, geometric = "mask", "|u1", True
+    name, dtype, geometric, encodings = "mask", "|u1", True, ("raw", "rle")
 
     def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
         a = _numbers(value, dtype, "mask")
@@ -126,12 +143,39 @@ class Mask(FieldKind):
             raise ValueError(f"mask: shape {a.shape}, the stored image is {height} x {width}")
         if a.dtype != np.uint8 and (a.min(initial=0) < 0 or a.max(initial=0) > 255):
             raise ValueError("mask: values outside 0..255")
-        return np.ascontiguousarray(a, np.uint8).tobytes()
+        flat = np.ascontiguousarray(a, np.uint8).ravel()
+        if self.encoding == "raw":
+            return flat.tobytes()
+        starts = np.flatnonzero(np.concatenate(([True], flat[1:] != flat[:-1])))
+        if 5 * len(starts) >= flat.size:
+            return struct.pack("<I", 0) + flat.tobytes()
+        lengths = np.diff(np.append(starts, flat.size)).astype("<u4")
+        return b"".join((struct.pack("<I", len(starts)), lengths.tobytes(), flat[starts].tobytes()))
 
     def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
-        if len(payload) != height * width:
-            raise ValueError(f"mask payload of {len(payload)} bytes, the stored image is {height} x {width}")
-        return np.frombuffer(payload, np.uint8).reshape(height, width)
+        pixels = height * width
+        n = 0 if self.encoding == "raw" else struct.unpack_from("<I", payload)[0] if len(payload) >= 4 else -1
+        if n == 0:  # the pixels as they are, after the run count 0 (rle) or alone (raw)
+            at = 0 if self.encoding == "raw" else 4
+            if len(payload) != at + pixels:
+                raise ValueError(f"mask payload of {len(payload)} bytes, the stored image is {height} x {width}")
+            return np.frombuffer(payload, np.uint8, pixels, at).reshape(height, width)
+        if n < 0:
+            raise ValueError(f"mask payload of {len(payload)} bytes is shorter than its run count")
+        if len(payload) != 4 + 5 * n:
+            raise ValueError(f"mask payload of {len(payload)} bytes does not hold its {n} runs (4 + 5 bytes each)")
+        lengths = np.frombuffer(payload, "<u4", n, 4)
+        covered = int(lengths.sum(dtype=np.int64))
+        if covered != pixels:  # checked before np.repeat allocates what they say
+            raise ValueError(f"mask runs cover {covered} pixels, the stored image is {height} x {width}")
+        return np.repeat(np.frombuffer(payload, np.uint8, n, 4 + 4 * n), lengths).reshape(height, width)
+
+    def count(self, payload: memoryview) -> int:
+        """The mask's pixels."""
+        if self.encoding == "raw":
+            return len(payload)
+        n = struct.unpack_from("<I", payload)[0]
+        return len(payload) - 4 if n == 0 else int(np.frombuffer(payload, "<u4", n, 4).sum(dtype=np.int64))
 
 
 class Text(FieldKind):
@@ -209,23 +253,27 @@ NAMED_IDS = ("box_labels", "mask")
 class Field:
     """One declared field: its ``name`` (the sample dict's key), ``kind`` (in FIELD_KINDS) and dtype;
     ``classes``: for box labels and masks, the name of each id (id i at position i, "" for an id
-    without one), empty where the ids are unnamed."""
+    without one), empty where the ids are unnamed. ``encoding``: its payloads' layout, for a kind
+    that has several (FieldKind.encodings), else ""."""
 
     name: str
     kind: str
     dtype: str
     classes: tuple[str, ...] = ()
+    encoding: str = ""
 
-    @property
+    @functools.cached_property  # per sample on the read path: made once
     def of(self) -> FieldKind:
-        return FIELD_KINDS[self.kind]
+        return FIELD_KINDS[self.kind].using(self.encoding)
 
     @functools.cached_property  # per sample on the read path: made once
     def numpy_dtype(self) -> np.dtype:
         return np.dtype(self.dtype) if self.kind != "text" else np.dtype(np.uint8)
 
     def to_json(self) -> dict[str, Any]:
-        named = {"classes": list(self.classes)} if self.classes else {}
+        named: dict[str, Any] = {"classes": list(self.classes)} if self.classes else {}
+        if self.encoding and self.encoding != self.of.encodings[0]:  # the first layout: named by no key
+            named["encoding"] = self.encoding
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype, **named}
 
 
@@ -243,16 +291,18 @@ def _array_dtype(text: Any) -> bool:
 def declare(spec: Any) -> tuple[Field, ...]:
     """The fields ``spec`` declares, checked (ValueError naming the problem): a mapping of name to
     kind (``{"boxes": "boxes", "caption": "text", "emb": ("array", "float32")}``, or to a dict
-    ``{"kind", "dtype", "classes"}``), or a list of manifest entries (``{"name", "kind", "dtype"}``
-    and for box labels and masks optionally ``classes``). Kinds with a fixed dtype take theirs."""
-    items: list[tuple[Any, Any, Any, Any]] = []
+    ``{"kind", "dtype", "classes", "encoding"}``), or a list of manifest entries (``{"name", "kind",
+    "dtype"}`` and for box labels and masks optionally ``classes``, for a mask ``encoding``). Kinds
+    with a fixed dtype take theirs. A kind with several encodings gets, when none is named, its
+    newest in a mapping (a new dataset's) and its first in a list (a manifest's from before them)."""
+    items: list[tuple[Any, Any, Any, Any, Any]] = []
     if isinstance(spec, dict):
         for name, kind in spec.items():
             if isinstance(kind, dict):
-                items.append((name, kind.get("kind"), kind.get("dtype"), kind.get("classes", ())))
+                items.append((name, kind.get("kind"), kind.get("dtype"), kind.get("classes", ()), kind.get("encoding")))
                 continue
             kind, dtype = kind if isinstance(kind, (tuple, list)) and len(kind) == 2 else (kind, None)
-            items.append((name, kind, dtype, ()))
+            items.append((name, kind, dtype, (), None))
     elif isinstance(spec, (list, tuple)):
         for entry in spec:
             if isinstance(entry, Field):
@@ -262,14 +312,17 @@ def declare(spec: Any) -> tuple[Field, ...]:
                 "kind",
                 "dtype",
                 "classes",
+                "encoding",
             }:
-                raise ValueError(f"field entry {entry!r}: expected {{name, kind, dtype}} (and classes)")
-            items.append((entry["name"], entry["kind"], entry["dtype"], entry.get("classes", ())))
+                raise ValueError(f"field entry {entry!r}: expected {{name, kind, dtype}} (and classes, encoding)")
+            items.append(
+                (entry["name"], entry["kind"], entry["dtype"], entry.get("classes", ()), entry.get("encoding"))
+            )
     else:
         raise ValueError(f"fields: a dict of name -> kind or a list of fields, not {type(spec).__name__}")
     given = isinstance(spec, dict)  # a user's declaration, not a manifest's (which must be canonical)
     out: list[Field] = []
-    for name, kind, dtype, classes in items:
+    for name, kind, dtype, classes, encoding in items:
         if not isinstance(name, str) or not _NAME.match(name) or name in RESERVED:
             raise ValueError(f"field name {name!r}: letters, digits and _ (not 'image' or 'id')")
         if not isinstance(kind, str) or kind not in FIELD_KINDS:
@@ -291,7 +344,13 @@ def declare(spec: Any) -> tuple[Field, ...]:
             or not all(isinstance(c, str) for c in classes)
         ):
             raise ValueError(f"field {name!r}: classes (a list of names) are for {' and '.join(NAMED_IDS)} fields")
-        out.append(Field(name, kind, dtype, tuple(classes)))
+        encodings = FIELD_KINDS[kind].encodings
+        if encoding is None:
+            encoding = (encodings[-1] if given else encodings[0]) if encodings else ""
+        elif encoding not in encodings or (not given and encoding == encodings[0]):
+            named = f"one of {', '.join(encodings)}" if encodings else "none (it has one layout)"
+            raise ValueError(f"field {name!r}: encoding {encoding!r}; a {kind} field's encodings: {named}")
+        out.append(Field(name, kind, dtype, tuple(classes), encoding))
     names = [f.name for f in out]
     if len(set(names)) != len(names):
         raise ValueError(f"fields: a name twice ({names})")

@@ -71,8 +71,11 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> to
     packer.read.batchpool) when one is free; else fresh memory, in shared memory when ``shared``
     (where a DataLoader worker's batch must end up; default_collate allocates it the same way)."""
     lent = batchpool.lend(shape, dtype)
-    if lent is not None:
-        return lent
+    return lent if lent is not None else fresh_tensor(shape, dtype, shared)
+
+
+def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised tensor in fresh memory, in shared memory when ``shared``."""
     if not shared:
         return torch.empty(shape, dtype=dtype)
     numel = 1
@@ -99,6 +102,21 @@ def collate_samples(
     # class ids: one torch.tensor call (half the time of default_collate's); tensors: stacked
     rest = [torch.tensor(c, dtype=torch.int64) if isinstance(c[0], int) else default_collate(c) for c in columns]
     return [stack_images([s.image for s in batch]), *rest]
+
+
+def stack_tensors(column: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one shape stacked (in a worker into shared memory, as torch's own collate does),
+    by numpy where they have its dtype: torch.stack starts its intra-op threads, several times
+    slower for a batch of masks on a busy host (docs/PERFORMANCE.md, "Fields")."""
+    from torch.utils.data import default_collate
+
+    try:
+        arrays = [t.numpy() for t in column]
+    except (TypeError, RuntimeError):  # a dtype numpy lacks, a tensor that needs grad or is not on the CPU
+        return default_collate(list(column))
+    out = fresh_tensor((len(arrays), *arrays[0].shape), column[0].dtype, get_worker_info() is not None)
+    np.stack(arrays, out=out.numpy())
+    return out
 
 
 def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -144,10 +162,15 @@ def collate_fields(
     (``DataLoader(collate_fn=functools.partial(collate_fields, padded=True))``): boxes and box
     labels instead as one B x N x ... tensor each, N the batch's most, padded with zeros (boxes)
     and -1 (labels), with ``<name>_lengths``, each sample's count (int64 B)."""
-    from torch.utils.data import default_collate
+    return {"image": stack_images([s["image"] for s in batch]), **collate_columns(batch, padded=padded)}
+
+
+def collate_columns(batch: Sequence[FieldSample], *, padded: bool = False) -> dict[str, Any]:
+    """What :func:`collate_fields` makes of everything in a batch but its images (what a
+    ``batch_transform`` on a dataset with fields receives beside them)."""
 
     first = batch[0]
-    out: dict[str, Any] = {"image": stack_images([s["image"] for s in batch])}
+    out: dict[str, Any] = {}
     for key, value in first.items():
         if key == "image":
             continue
@@ -167,7 +190,7 @@ def collate_fields(
             and key not in first.ragged
             and all(isinstance(v, torch.Tensor) and v.shape == value.shape for v in column)
         ):
-            out[key] = default_collate(column)  # in a worker: into shared memory, as torch's own collate
+            out[key] = stack_tensors(column)
         else:
             out[key] = column
     return out
@@ -176,6 +199,18 @@ def collate_fields(
 default_collate_fn_map[Sample] = default_collate_fn_map[TargetSample] = collate_samples
 default_collate_fn_map[FieldSample] = collate_fields
 AnySample = Union[Sample, TargetSample, FieldSample]
+
+
+def _shown(indices: Sequence[int]) -> str:
+    """A batch's first records, for an error naming them."""
+    return ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
+
+
+def _described(out: Any) -> str:
+    """What a transform returned, for an error: its type, or a tuple's items' types."""
+    if isinstance(out, tuple):
+        return f"({', '.join(type(v).__name__ for v in out)})"
+    return type(out).__name__
 
 
 def position(i: Any, n: int, noun: str, of: str) -> int:
@@ -225,7 +260,9 @@ class ShardDataset(Dataset):
     record); a uint8 output is converted to ``dtype`` last (so it must be C x H x W, C the number of
     ``mean`` values), a floating one is written as it is. ``batch_transform(images, labels)`` then
     receives the whole batch (``dtype``, labels int64) in the worker and returns ``(images,
-    labels)``, as many of each as it was given.
+    labels)``, as many of each as it was given. With fields both get them: ``transform(image,
+    fields) -> (image, fields)``, ``batch_transform(images, fields) -> (images, fields)`` (the
+    batch's dict less its images).
     """
 
     def __init__(
@@ -664,6 +701,11 @@ class ShardDataset(Dataset):
                 return []
             if self.batch_transform is not None:  # seeded by the first draw's key complemented: no sample's
                 seed(rng.sample_seeds(self.seed, epoch, ~np.asarray(keys[:1], dtype=np.int64))[0])
+                if self._fields:
+                    samples: list[Any] = [
+                        self._sample(images[k], parts, values[k], indices[k]) for k, parts in enumerate(extras)
+                    ]
+                    return self._batch_transformed_fields(images, samples, indices)
                 images, extras = self._batch_transformed(images, extras, indices)
         return [self._sample(images[k], parts, values[k], indices[k]) for k, parts in enumerate(extras)]
 
@@ -702,14 +744,57 @@ class ShardDataset(Dataset):
                 if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
                 else type(out).__name__
             )
-            shown = ", ".join(map(str, indices[:8])) + (", ..." if n > 8 else "")
             raise ValueError(
-                f"batch_transform returned {got} for a batch of {n} (records {shown}): it must return "
+                f"batch_transform returned {got} for a batch of {n} (records {_shown(indices)}): it must return "
                 f"(images, labels) with {n} of each"
             )
         images, labels = out
         split = labels.tolist() if labels.dtype == torch.int64 and labels.dim() == 1 else labels.unbind(0)
         return images, [(label, *parts[1:]) for label, parts in zip(split, extras)]
+
+    def _batch_transformed_fields(
+        self, images: torch.Tensor, samples: list[FieldSample], indices: Sequence[int]
+    ) -> list[AnySample]:
+        """``batch_transform(images, fields) -> (images, fields)`` on a batch of a dataset with
+        fields: ``fields`` is the batch as :func:`collate_fields` gives it, less its images (label
+        and id int64 B, boxes and box labels lists of per-sample tensors, masks B x H x W, text a
+        list); what it returns, the same keys with a value per sample each, is split back into the
+        samples (a label or id tensor back into ints), so the batch still collates as before."""
+        assert self.batch_transform is not None, "called only with a batch_transform"
+        fields = collate_columns(samples)
+        out = self.batch_transform(images, fields)
+        n = len(samples)
+
+        def per_sample(v: Any) -> bool:
+            return (isinstance(v, list) or (isinstance(v, torch.Tensor) and v.dim() > 0)) and len(v) == n
+
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and isinstance(out[0], torch.Tensor)
+            and per_sample(out[0])
+            and isinstance(out[1], dict)
+            and set(out[1]) == set(fields)
+            and all(per_sample(v) for v in out[1].values())
+        ):
+            raise ValueError(
+                f"batch_transform returned {_described(out)} for a batch of {n} (records {_shown(indices)}): on a "
+                f"dataset with fields it is called as batch_transform(images, fields) and returns (images, fields), "
+                f"{n} images and a dict of the keys it was given ({', '.join(fields)}), {n} values each"
+            )
+        images, fields = out
+        first = samples[0]
+        columns = {
+            key: v.tolist() if isinstance(first[key], int) and isinstance(v, torch.Tensor) else v
+            for key, v in fields.items()
+        }
+        batch: list[AnySample] = []
+        for k in range(n):
+            sample = FieldSample(image=images[k])
+            sample.update({key: column[k] for key, column in columns.items()})
+            sample.ragged = self._ragged
+            batch.append(sample)
+        return batch
 
     def _whole(self, i: int) -> tuple[torch.Tensor, Optional[dict[str, Any]]]:
         """Record ``i``'s whole stored image as a C x H x W tensor of ``dtype``, and its fields' values."""

@@ -20,9 +20,10 @@ import torch
 from ..transform import IMAGENET_MEAN, IMAGENET_STD, Augment
 from .remote import parse_limit
 
-#: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``.
+#: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``,
+#: on a dataset with fields ``batch_transform(images, fields) -> (images, fields)`` (fields: a dict).
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
-BatchTransform = Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]
+BatchTransform = Optional[Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]]
 
 
 def _setting(default: Any, doc: str, check: Optional[Callable[[Any], bool]] = None, must: str = "", **meta: Any) -> Any:
@@ -122,7 +123,8 @@ class ReadOptions:
     batch_transform: BatchTransform = _setting(
         None,
         "`f(images, labels) -> (images, labels)` on the whole batch (`dtype`; labels as the batch has them: "
-        "int64 B, or float32 B x C multi-hot), in the worker",
+        "int64 B, or float32 B x C multi-hot), in the worker; with fields `f(images, fields) -> (images, fields)`, "
+        "`fields` the batch's dict less its images",
         _callable,
         "a callable or None",
     )

@@ -35,12 +35,13 @@ def image_region(crop: Crop, fmt: str, size: int) -> Region:
 
 def move_boxes(
     boxes: Sequence[np.ndarray], regions: np.ndarray, flips: Sequence[bool], size: int, min_visible: float
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each sample's ``boxes`` (N x 4, x0 y0 x1 y1, stored pixels) in the ``size`` x ``size`` output
     of its ``regions`` row (B x 4: top, left, height, width), mirrored where ``flips``, clipped to
-    it; and which boxes each keeps: those with some area left in the output and at least
-    ``min_visible`` of their own area in it (the rest are dropped, with their labels). One pass
-    over the whole batch's boxes: the per-sample cost is a split, not a dozen numpy calls."""
+    it, keeping those with some area left in the output and at least ``min_visible`` of their own
+    area in it (the rest are dropped, with their labels). Returns the kept boxes of the whole batch
+    (M x 4, sample after sample), how many each sample keeps (B) and which of the batch's boxes,
+    concatenated, are kept. One pass over the whole batch's boxes: no per-sample numpy calls."""
     counts = [len(b) for b in boxes]
     every = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
     at = np.repeat(np.arange(len(counts)), counts)
@@ -56,9 +57,7 @@ def move_boxes(
     keep = (seen > 0) & (seen >= min_visible * area)
     out = np.empty((len(every), 4), np.float32)
     out[:, 0::2], out[:, 1::2] = x, y
-    ends = np.cumsum(counts)[:-1]
-    keeps = np.split(keep, ends)
-    return [b[k] for b, k in zip(np.split(out, ends), keeps)], keeps
+    return out[keep], np.bincount(at[keep], minlength=len(counts)), keep
 
 
 def move_mask(mask: np.ndarray, region: Region, flip: bool, size: int) -> np.ndarray:
@@ -92,14 +91,20 @@ def cropped(
     out = [dict(v) for v in values]
     boxes = next((f.name for f in fields if f.kind == "boxes"), None)
     if boxes is not None and out:
-        moved, keeps = move_boxes(
+        kept, counts, keep = move_boxes(
             [v[boxes] for v in values], np.array(regions), [c.flip for c in crops], size, min_visible
         )
-        labels = next((f.name for f in fields if f.kind == "box_labels"), None)
-        for v, b, keep in zip(out, moved, keeps):
+        # Each sample's boxes and labels are views of one batch tensor: a DataLoader worker then
+        # sends the batch's boxes as one shared-memory segment, not one per sample (which cost
+        # more than all the rest of the fields' work: docs/PERFORMANCE.md, "Fields").
+        sizes = counts.tolist()
+        for v, b in zip(out, torch.from_numpy(kept).split(sizes)):
             v[boxes] = b
-            if labels is not None:
-                v[labels] = v[labels][keep]
+        labels = next((f.name for f in fields if f.kind == "box_labels"), None)
+        if labels is not None:
+            every = np.concatenate([v[labels] for v in values])[keep]
+            for v, b in zip(out, torch.from_numpy(every).split(sizes)):
+                v[labels] = b
     masks = [f.name for f in fields if f.kind == "mask"]
     for v, region, crop in zip(out, regions, crops):
         for name in masks:

@@ -92,7 +92,9 @@ def test_pack_writes_fields_beside_the_image(tmp_path: Path, backend: str, fmt: 
         expected = np.asarray(sample["boxes"], np.float64).reshape(-1, 4) * scale
         np.testing.assert_allclose(np.frombuffer(boxes, "<f4").reshape(-1, 4), expected, rtol=1e-6)
         assert np.frombuffer(box_labels, "<i4").tolist() == sample["box_labels"]
-        m = np.frombuffer(mask, np.uint8).reshape(h, w)
+        runs = int(np.frombuffer(mask[:4], "<u4")[0])  # run-length encoded (docs/FORMAT.md, "Fields")
+        pixels = np.repeat(np.frombuffer(mask, np.uint8, runs, 4 + 4 * runs), np.frombuffer(mask, "<u4", runs, 4))
+        m = pixels.reshape(h, w)
         ys, xs = np.nonzero(m)
         assert set(np.unique(m)) == {0, i + 1}
         assert abs(ys.min() - 100 * h / 480) <= 1 and abs(xs.max() + 1 - 400 * w / 640) <= 1

@@ -16,7 +16,7 @@ def test_a_record_round_trips() -> None:
     payloads = [
         boxes.tobytes(),
         np.array([5], "<i4").tobytes(),
-        bytes(range(6)),
+        FIELDS[2].of.encode(np.arange(6).reshape(2, 3), dtype=np.dtype("|u1"), height=2, width=3),
         "h\u00e9".encode(),
         FIELD_KINDS["array"].encode(np.ones((2, 0, 3)), dtype=np.dtype("<f8"), height=2, width=3),
     ]
@@ -24,7 +24,64 @@ def test_a_record_round_trips() -> None:
     assert bytes(image) == b"IMG"
     values = decode_fields(FIELDS, parts, height=2, width=3)
     assert values["boxes"].tolist() == boxes.tolist() and values["box_labels"].tolist() == [5]
-    assert values["mask"].shape == (2, 3) and values["t"] == "h\u00e9" and values["a"].shape == (2, 0, 3)
+    assert (
+        values["mask"].tolist() == [[0, 1, 2], [3, 4, 5]]
+        and values["t"] == "h\u00e9"
+        and values["a"].shape == (2, 0, 3)
+    )
+
+
+def _segmentation(h: int, w: int) -> np.ndarray:
+    mask = np.zeros((h, w), np.uint8)
+    mask[10:40, 5:60], mask[30:70, 50:90] = 3, 7
+    return mask
+
+
+def test_masks_are_run_length_encoded() -> None:
+    """A new mask field stores runs (4 + 5 bytes each, far fewer than the pixels), declared as such
+    in the manifest; a noisy mask, whose runs would outweigh its pixels, its pixels after a 0."""
+    mask = FIELDS[2]
+    assert (mask.encoding, mask.to_json()["encoding"]) == ("rle", "rle")
+    seg = _segmentation(80, 100)
+    payload = mask.of.encode(seg, dtype=np.dtype("|u1"), height=80, width=100)
+    runs = int(np.frombuffer(payload[:4], "<u4")[0])
+    assert len(payload) == 4 + 5 * runs < 1000 < seg.size
+    decoded = mask.of.decode(memoryview(payload), dtype=np.dtype("|u1"), height=80, width=100)
+    assert np.array_equal(decoded, seg) and mask.of.count(memoryview(payload)) == seg.size
+    noise = np.random.default_rng(0).integers(0, 4, (80, 100), dtype=np.uint8)
+    payload = mask.of.encode(noise, dtype=np.dtype("|u1"), height=80, width=100)
+    assert payload[:4] == b"\0\0\0\0" and len(payload) == 4 + noise.size
+    assert np.array_equal(mask.of.decode(memoryview(payload), dtype=np.dtype("|u1"), height=80, width=100), noise)
+    assert mask.of.count(memoryview(payload)) == noise.size
+
+
+def test_masks_of_the_first_layout_keep_reading() -> None:
+    """A manifest entry naming no encoding is a mask of the first datasets with fields: raw pixels."""
+    old = declare([{"name": "mask", "kind": "mask", "dtype": "|u1"}])[0]
+    assert old.encoding == "raw" and "encoding" not in old.to_json()
+    seg = _segmentation(80, 100)
+    decoded = old.of.decode(memoryview(seg.tobytes()), dtype=np.dtype("|u1"), height=80, width=100)
+    assert np.array_equal(decoded, seg) and old.of.count(memoryview(seg.tobytes())) == seg.size
+    assert old.of.encode(seg, dtype=np.dtype("|u1"), height=80, width=100) == seg.tobytes()
+    assert declare({"m": {"kind": "mask", "encoding": "raw"}})[0].encoding == "raw"
+    with pytest.raises(ValueError, match="mask payload of 7999 bytes"):
+        old.of.decode(memoryview(seg.tobytes()[1:]), dtype=np.dtype("|u1"), height=80, width=100)
+
+
+@pytest.mark.parametrize(
+    "payload, why",
+    [
+        (b"\x01\x00", "shorter than its run count"),
+        (np.array([2, 3], "<u4").tobytes() + b"\x01\x02", "does not hold its 2 runs"),
+        (np.array([2**31], "<u4").tobytes(), "does not hold its 2147483648 runs"),
+        (np.array([2, 2**32 - 1, 2**32 - 1], "<u4").tobytes() + b"\x01\x02", "runs cover 8589934590 pixels"),
+        (np.array([1, 5], "<u4").tobytes() + b"\x01", "runs cover 5 pixels"),
+        (np.array([0], "<u4").tobytes() + b"\x01" * 5, "mask payload of 9 bytes"),
+    ],
+)
+def test_hostile_mask_runs_allocate_nothing(payload: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        FIELDS[2].of.decode(memoryview(payload), dtype=np.dtype("|u1"), height=2, width=3)
 
 
 def test_random_bytes_fail_as_value_errors_only() -> None:
@@ -80,6 +137,9 @@ def test_a_table_that_does_not_add_up() -> None:
         ({"name": "b", "kind": "boxes", "dtype": "<f4", "classes": ["a"]}, "classes .* are for"),
         ({"name": "m", "kind": "mask", "dtype": "|u1", "classes": [1]}, "classes .* are for"),
         ({"name": "m", "kind": "mask", "dtype": "|u1", "extra": 1}, "expected {name, kind, dtype}"),
+        ({"name": "m", "kind": "mask", "dtype": "|u1", "encoding": "png"}, "encodings: one of raw, rle"),
+        ({"name": "m", "kind": "mask", "dtype": "|u1", "encoding": "raw"}, "encoding 'raw'"),  # named by none
+        ({"name": "t", "kind": "text", "dtype": "utf-8", "encoding": "rle"}, "none .it has one layout"),
     ],
 )
 def test_manifest_entries_are_checked(entry: dict, why: str) -> None:

@@ -254,3 +254,71 @@ def test_a_mix_of_datasets_with_fields(drawn: Path, tmp_path: Path) -> None:
     plain = ShardDataset(tmp_path / "l", crop_size=64, dtype=torch.uint8)  # classes "0", "1" as drawn's
     with pytest.raises(ValueError, match="MixDataset members differ in fields"):
         MixDataset([a, plain])
+
+
+def test_masks_of_the_first_layout_read_as_run_lengths_do(tmp_path: Path) -> None:
+    """A mask field declared with encoding "raw" is written as packer's first datasets with fields
+    were (the pixels as they are, no "encoding" in its manifest entry): such datasets read, verify
+    and batch as the run-length encoded ones do, which take a fraction of their bytes."""
+    import json
+
+    from packer.tools.verify import verify
+
+    samples = [_drawn(p, k) for k, p in enumerate(sorted(PHOTOS.glob("*.jpg"))[:6])]
+    paths = {}
+    for encoding in ("raw", "rle"):
+        paths[encoding] = tmp_path / encoding
+        fields = {**FIELDS, "mask": {"kind": "mask", "encoding": encoding}}
+        packer.pack(samples, paths[encoding], fields=fields, format="jpeg", backend="memmap")
+        assert verify(paths[encoding]).ok
+    manifest = json.loads((paths["raw"] / "manifest.json").read_text())
+    assert next(f for f in manifest["fields"] if f["name"] == "mask") == {
+        "name": "mask",
+        "kind": "mask",
+        "dtype": "|u1",
+    }
+    sizes = {e: int(np.load(p / "index.npy", allow_pickle=False)["length"].sum()) for e, p in paths.items()}
+    assert sizes["rle"] < sizes["raw"] / 2
+    old, new = (ShardDataset(paths[e], crop_size=96, dtype=torch.uint8, seed=5) for e in ("raw", "rle"))
+    for a, b in zip(DataLoader(old, batch_size=3, num_workers=2), DataLoader(new, batch_size=3, num_workers=2)):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["mask"], b["mask"]) and a["mask"].any()
+        assert all(torch.equal(x, y) for x, y in zip(a["boxes"], b["boxes"]))
+    whole = ShardDataset(paths["raw"], crop_size=None, dtype=torch.uint8)[1]["mask"]
+    assert torch.equal(whole, ShardDataset(paths["rle"], crop_size=None, dtype=torch.uint8)[1]["mask"])
+
+
+def test_a_batch_transform_receives_the_fields(drawn: Path) -> None:
+    """On a dataset with fields, batch_transform(images, fields) -> (images, fields): fields is the
+    batch's dict less its images; what it returns is the batch. Here a vertical flip of the whole
+    batch moving boxes and masks, and the first sample's boxes dropped, checked as above."""
+    seen: list[set] = []
+
+    def vflip(images: torch.Tensor, fields: dict) -> tuple[torch.Tensor, dict]:
+        seen.append(set(fields))
+        size = images.shape[2]
+        boxes = []
+        for b in fields["boxes"]:
+            b = b.clone()
+            b[:, 1], b[:, 3] = size - b[:, 3], size - b[:, 1]
+            boxes.append(b)
+        boxes[0], labels = boxes[0][:0], [fields["box_labels"][0][:0], *fields["box_labels"][1:]]
+        return images.flip(2), {**fields, "boxes": boxes, "box_labels": labels, "mask": fields["mask"].flip(1)}
+
+    tol = 1.0 if drawn.name.endswith("raw") else 1.5
+    ds = ShardDataset(drawn, crop_size=96, dtype=torch.uint8, batch_transform=vflip)
+    plain = ShardDataset(drawn, crop_size=96, dtype=torch.uint8)
+    batches = list(DataLoader(ds, batch_size=6, num_workers=2))
+    assert len(batches) == 3
+    for n, batch in enumerate(batches):
+        assert batch["id"].tolist() == list(range(n * 6, n * 6 + 6)) and len(batch["boxes"][0]) == 0
+        assert batch["label"].dtype == torch.int64 and isinstance(batch["caption"][0], str)
+        for k in range(6):
+            if k:  # the first: its mask keeps the objects whose boxes went
+                _check(batch["image"][k], batch["boxes"][k], batch["box_labels"][k], batch["mask"][k], tol)
+            assert torch.equal(batch["image"][k], plain[n * 6 + k]["image"].flip(1))
+    sample = ds[4]  # one sample: a batch of one
+    assert sample["id"] == 4 and isinstance(sample["label"], int) and len(sample["boxes"]) == 0
+    assert seen[-1] == {"label", "boxes", "box_labels", "mask", "caption", "id"}
+    missing = ShardDataset(drawn, crop_size=96, batch_transform=lambda images, fields: (images, {"id": fields["id"]}))
+    with pytest.raises(ValueError, match=r"called as batch_transform\(images, fields\) and returns \(images, fields\)"):
+        missing[0]
