@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import mmap
 import os
 import shutil
 import time
@@ -36,6 +37,7 @@ from .options import CHECKPOINT_RECORDS, SHARD_SIZE, BuildOptions
 from .paths import check_target, dataset_path, lock_outputs
 from .preprocess import PreprocessSpec, Record, Skip, describe, load_bytes, load_image
 from .scan import Paths, PathsBuilder, Scan, Source, Sources, open_source
+from .shared import Blocks, attach, detach
 from .staging import BuildReport, RecordSink, complete, open_staging, staging_path
 from .workers import ordered
 
@@ -146,20 +148,26 @@ class Writer:
                 self.write(sample)
             return
         sources: deque[str] = deque()  # the names of the samples handed over, in order
+        blocks = Blocks()  # their arrays, in shared memory until their results are in
 
         def chunks() -> Iterator[list[dict[str, Any]]]:
             it = iter(samples)
             while batch := list(itertools.islice(it, CHUNK)):
                 sources.extend(self._checked(s) for s in batch)  # in this process: a BuildError stops all
-                yield batch
+                yield blocks.share(batch)
 
         job = functools.partial(encode_chunk, job=self._job)
 
         def name(sample: dict[str, Any]) -> str:
             return str(sample.get("source") or "a sample")
 
-        for result in ordered(chunks(), job, processes, name=name, depth=1):  # 1: samples carry pixels
-            self._accept(sources.popleft(), result)
+        try:
+            # depth 1: a sample may still carry big bytes or a Pillow image through the pipe
+            for result in ordered(chunks(), job, processes, name=name, depth=1):
+                self._accept(sources.popleft(), result)
+                blocks.taken()
+        finally:
+            blocks.close()
 
     def _checked(self, sample: Any) -> str:
         """The name of a sample this Writer can take (BuildError for one it cannot: a dict with an
@@ -252,24 +260,28 @@ class SampleJob:
 
 #: A packed sample: its label (-1 without a label field), its record and its fields' payloads.
 Encoded = tuple[int, Record, list[bytes]]
-CHUNK = 4  # samples per task handed to a worker (a few: their pixels travel through a pipe)
+CHUNK = 4  # samples per task handed to a worker (their arrays in one shared-memory block)
 
 
 def encode_chunk(samples: list[dict[str, Any]], *, job: SampleJob) -> list[Encoded | Skip]:
     """Each sample's record, or a Skip saying what is wrong with it (never raising for a sample's fault)."""
-    out: list[Encoded | Skip] = []
-    for sample in samples:
-        if sample.get("skip") is not None:
-            out.append(Skip(str(sample["skip"])))
-            continue
-        try:
-            label = _label(sample.get("label"), job.classes) if job.labelled else -1
-            out.append((label, *_record(sample, job)))
-        except MemoryError:
-            out.append(Skip("out of memory while decoding"))
-        except Exception as e:  # the sample's problem: reported with its name, as a bad file is
-            out.append(Skip(describe(e)))
-    return out
+    blocks: dict[str, mmap.mmap] = {}  # the shared-memory blocks its arrays lie in (packer.builder.shared)
+    try:
+        return [_encode(attach(sample, blocks), job) for sample in samples]
+    finally:
+        detach(blocks)
+
+
+def _encode(sample: dict[str, Any], job: SampleJob) -> Encoded | Skip:
+    if sample.get("skip") is not None:
+        return Skip(str(sample["skip"]))
+    try:
+        label = _label(sample.get("label"), job.classes) if job.labelled else -1
+        return (label, *_record(sample, job))
+    except MemoryError:
+        return Skip("out of memory while decoding")
+    except Exception as e:  # the sample's problem: reported with its name, as a bad file is
+        return Skip(describe(e))
 
 
 def _label(value: Any, classes: Optional[int]) -> int:
@@ -288,10 +300,8 @@ def _record(sample: dict[str, Any], job: SampleJob) -> tuple[Record, list[bytes]
             im, (w0, h0) = load_bytes(file.read(), spec)
     elif isinstance(image, (bytes, bytearray, memoryview)):
         im, (w0, h0) = load_bytes(bytes(image), spec)
-    elif isinstance(image, Image.Image):
+    elif isinstance(image, Image.Image) or _is_pixels(image):
         im, (w0, h0) = load_image(image, spec)
-    elif isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3:
-        im, (w0, h0) = load_image(Image.fromarray(image, "RGB"), spec)
     else:
         raise ValueError(f"image: a path, bytes, a PIL image or an H x W x 3 uint8 array, not {_kind(image)}")
     rgb = np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
@@ -312,6 +322,11 @@ def _record(sample: dict[str, Any], job: SampleJob) -> tuple[Record, list[bytes]
     payloads = encode_fields(job.fields, values, height=h, width=w)
     data = join_record(FORMATS[spec.format].encode(rgb, quality=spec.quality), payloads)
     return Record(data, h, w, zlib.crc32(data)), payloads
+
+
+def _is_pixels(value: Any) -> bool:
+    """An H x W x 3 uint8 array."""
+    return isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3 and value.shape[2] == 3
 
 
 def _kind(value: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -244,8 +245,10 @@ def test_pack_in_worker_processes(tmp_path: Path) -> None:
     sample that kills its worker is a reported skip, the others packed."""
     samples = _samples(6)
     one = packer.pack(samples, tmp_path / "one", fields=FIELDS, workers=0)
-    two = packer.pack(samples, tmp_path / "two", fields=FIELDS, workers=2)
+    blocks = {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+    two = packer.pack(samples, tmp_path / "two", fields=FIELDS, workers=2)  # images and masks in shared memory
     assert one.digest == two.digest and one.count == two.count == 6
+    assert {name for name in os.listdir("/dev/shm") if name.startswith("psm_")} <= blocks  # every block freed
     crashing = [*samples[:3], {"image": _KillsItsWorker(), "label": 0, "source": "the-crash"}, *samples[3:]]
     report = packer.pack(crashing, tmp_path / "three", fields=FIELDS, workers=2)
     assert (report.count, report.skipped) == (6, 1) and report.digest == one.digest
