@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zlib
@@ -254,3 +255,108 @@ def test_pack_in_worker_processes(tmp_path: Path) -> None:
     assert (report.count, report.skipped) == (6, 1) and report.digest == one.digest
     reasons = [json.loads(line) for line in (tmp_path / "three" / "report.jsonl").read_text().splitlines()]
     assert [(r["path"], "crashed its worker" in r["reason"]) for r in reasons] == [("the-crash", True)]
+
+
+_RESUMABLE = """
+import sys
+import time
+
+import numpy as np
+
+import packer
+
+FIELDS = {"label": "label", "boxes": "boxes", "caption": "text"}
+
+
+def samples(n, pause=0.0):
+    rng = np.random.default_rng(7)
+    for i in range(n):
+        time.sleep(pause)  # the killed run: slow enough to be killed half way
+        img = rng.integers(0, 255, (120 + i, 160, 3), dtype=np.uint8)
+        if i == 3:
+            yield {"image": b"not an image", "label": 0, "source": "broken"}
+            continue
+        yield {"image": img, "label": i % 2, "boxes": [[i, i, i + 20, i + 30]], "caption": f"n{i}", "source": f"s{i}"}
+
+
+if __name__ == "__main__":
+    out, workers = sys.argv[1], int(sys.argv[2])
+    packer.pack(samples(40, 0.05), out, fields=FIELDS, resume=True, checkpoint_seconds=0, workers=workers)
+"""
+
+
+@pytest.mark.parametrize("backend, workers", [("memmap", 2), ("lmdb", 0)])
+def test_a_killed_pack_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, workers: int) -> None:
+    """A pack killed with SIGKILL half way (a real process) continues from its last checkpoint when
+    given the same samples again with resume=True: the samples packed before are checked, not packed
+    again, and the dataset is the one an uninterrupted pack writes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from packer.builder import writer
+
+    script = tmp_path / "pack_script.py"
+    script.write_text(_RESUMABLE)
+    sys.path.insert(0, str(tmp_path))
+    monkeypatch.setattr(sys, "path", sys.path)
+    import pack_script  # type: ignore[import-not-found]
+
+    out = tmp_path / ("out.lmdb" if backend == "lmdb" else "out")
+    progress = tmp_path / f".{out.name}.packer-tmp" / "progress.json"
+    child = subprocess.Popen([sys.executable, str(script), str(out), str(workers)])
+    deadline, done = time.monotonic() + 120, 0
+    while done < 15 and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        with contextlib.suppress(OSError, ValueError):
+            done = json.loads(progress.read_text())["sources_done"]
+    assert done >= 15, "the pack was half way"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not out.exists() and (tmp_path / f".{out.name}.packer-tmp").is_dir()
+
+    packed: list[str] = []
+    record = writer._record
+
+    def counted(sample: dict, job: writer.SampleJob) -> tuple:
+        packed.append(sample["source"])
+        return record(sample, job)
+
+    monkeypatch.setattr(writer, "_record", counted)
+    report = packer.pack(pack_script.samples(40), out, fields=pack_script.FIELDS, resume=True, workers=0)
+    assert 15 <= report.resumed_from < 40 and report.processed == 40 - report.resumed_from == len(packed)
+    assert packed == [f"s{i}" for i in range(report.resumed_from, 40)]  # none packed again
+    assert (report.count, report.skipped) == (39, 1)
+
+    other = tmp_path / ("whole.lmdb" if backend == "lmdb" else "whole")
+    whole = packer.pack(pack_script.samples(40), other, fields=pack_script.FIELDS, resume=True, workers=0)
+    assert report.digest == whole.digest
+    for name in ("index.npy", "sources.npy", "report.jsonl"):  # identities, places, lengths, CRCs: all equal
+        assert (out / name).read_bytes() == (other / name).read_bytes(), name
+    assert Manifest.load(out).field_counts == Manifest.load(other).field_counts
+    assert verify(out).ok
+
+
+def test_resume_refuses_other_samples(tmp_path: Path) -> None:
+    """Samples that are not the interrupted pack's (another order, another content) are refused,
+    the interrupted work kept; so is a pack that was not made resumable."""
+    out = tmp_path / "out"
+    samples = [{"image": np.full((40, 40, 3), i, np.uint8), "source": f"s{i}"} for i in range(6)]
+
+    def interrupted(given):
+        yield from given[:4]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        packer.pack(interrupted(samples), out, fields={}, resume=True, checkpoint_seconds=0, workers=0)
+    assert not out.exists() and (tmp_path / ".out.packer-tmp").is_dir()
+    with pytest.raises(packer.BuildError, match=r"sample 1 \(s2\) is not the one the interrupted pack"):
+        packer.pack([samples[0], samples[2], samples[1], *samples[3:]], out, fields={}, resume=True, workers=0)
+    assert (tmp_path / ".out.packer-tmp").is_dir()
+    report = packer.pack(samples, out, fields={}, resume=True, workers=0)
+    assert (report.resumed_from, report.processed, report.count) == (4, 2, 6)
+
+    with pytest.raises(KeyboardInterrupt):
+        packer.pack(interrupted(samples), tmp_path / "plain", fields={}, checkpoint_seconds=0, workers=0)
+    assert not (tmp_path / ".plain.packer-tmp").exists()  # without resume: nothing kept
