@@ -360,3 +360,94 @@ def test_resume_refuses_other_samples(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         packer.pack(interrupted(samples), tmp_path / "plain", fields={}, checkpoint_seconds=0, workers=0)
     assert not (tmp_path / ".plain.packer-tmp").exists()  # without resume: nothing kept
+
+
+def _keyed(n: int, seed: int = 0) -> list[dict]:
+    """Samples keyed by ``source`` (as a user's image ids), each of its own content."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "image": rng.integers(0, 255, (90, 120, 3), dtype=np.uint8),
+            "label": i % 3,
+            "boxes": [[i, 2, i + 30, 40]],
+            "caption": f"c{i}",
+            "source": f"img-{i}",
+        }
+        for i in range(n)
+    ]
+
+
+KEYED = {"label": "label", "boxes": "boxes", "caption": "text"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_update_keyed_by_source_keeps_unchanged_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """update=True: a sample with the source and content OUT holds keeps its record (not encoded
+    again, left in OUT's linked data file), a changed one is packed again, a removed one dropped, a
+    new one added: the dataset a fresh pack of the same samples writes."""
+    from packer.builder import writer
+
+    out = tmp_path / "out"
+    v1 = _keyed(10)
+    packer.pack(v1, out, fields=KEYED, update=True, workers=workers)
+    first_shard = os.stat(out / "shard-00000.bin")
+    v2 = [dict(s) for s in v1]
+    v2[2]["image"] = v2[2]["image"] // 2  # new pixels
+    v2[5]["boxes"] = [[0, 0, 5, 5]]  # new boxes
+    del v2[7]
+    new = _keyed(12, seed=1)[10:]
+    v2 = [*v2[:4], new[0], *v2[4:], new[1]]
+
+    packed: list[str] = []
+    record = writer._record
+
+    def counted(sample: dict, job: writer.SampleJob) -> tuple:
+        packed.append(sample["source"])
+        return record(sample, job)
+
+    monkeypatch.setattr(writer, "_record", counted)
+    report = packer.pack(v2, out, fields=KEYED, update=True, workers=0)  # in this process: counted
+    assert sorted(packed) == ["img-10", "img-11", "img-2", "img-5"]
+    assert (report.count, report.reused, report.processed) == (11, 7, 4)
+    assert report.changes is not None
+    assert (list(report.changes.added), list(report.changes.changed), list(report.changes.deleted)) == (
+        ["img-10", "img-11"],
+        ["img-2", "img-5"],
+        ["img-7"],
+    )
+    manifest = Manifest.load(out)
+    assert manifest.segments == 2 and manifest.dead_bytes > 0  # the old file linked, its dead record left
+    assert os.path.samestat(os.stat(out / "shard-00000.bin"), first_shard)
+    assert verify(out).ok
+
+    fresh = packer.pack(v2, tmp_path / "fresh", fields=KEYED, update=True, workers=workers)
+    assert report.digest == fresh.digest and manifest.field_counts == Manifest.load(tmp_path / "fresh").field_counts
+    a, b = packer.ShardDataset(out, crop_size=None), packer.ShardDataset(tmp_path / "fresh", crop_size=None)
+    for i in range(len(v2)):
+        assert a.source(i) == b.source(i) == v2[i]["source"]
+        x, y = a[i], b[i]
+        assert x["image"].equal(y["image"]) and x["boxes"].equal(y["boxes"]) and x["caption"] == y["caption"]
+
+    packed.clear()
+    again = packer.pack(v2, out, fields=KEYED, update=True, workers=workers)
+    assert again.up_to_date and not packed and Manifest.load(out).digest == report.digest
+
+
+def test_update_refuses_duplicate_sources_and_packs_all_without_digests(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    samples = _keyed(4)
+    samples[3]["source"] = "img-1"
+    with pytest.raises(packer.BuildError, match=r"samples 1 and 3 both have source 'img-1'"):
+        packer.pack(samples, tmp_path / "a", fields=KEYED, update=True, workers=0)
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(packer.BuildError, match=r"sample 0 has no 'source'"):
+        packer.pack([{"image": np.zeros((40, 40, 3), np.uint8)}], tmp_path / "a", fields={}, update=True)
+
+    packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, workers=0)  # no digests taken
+    report = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0, quiet=False)
+    assert report.reused == 0 and report.processed == 4 and "holds no digest of its samples" in capsys.readouterr().err
+    again = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0)
+    assert again.up_to_date
