@@ -201,6 +201,17 @@ class Writer:
             self._counts[name] = tally
         say(f"resuming the pack of {self.out} after its first {len(self._resumed)} samples", self._quiet)
 
+    @classmethod
+    def pack(
+        cls, samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any, **options: Any
+    ) -> BuildReport:
+        """Every sample of ``samples`` into a dataset at ``out``, by a Writer of this class
+        (``packer.pack``)."""
+        with cls(out, fields=fields, **options) as w:
+            w.write_all(samples)
+        assert w.report is not None, "closed on leaving the with block"
+        return w.report
+
     def __enter__(self) -> Writer:
         return self
 
@@ -496,8 +507,10 @@ class Refresh:
             self.base = self._reuse.base = link_base(
                 self.out, staging, files[:keep], quiet, remote=self._fetch is not None
             )
-        linked = len(self.base.files) if self.base is not None else 0
-        missing = [str(f["file"]) for f in files[linked:] if not os.path.lexists(self.out / str(f["file"]))]
+        # every old data file not on this disk (OUT a copy of a version in object storage): those
+        # whose records are copied, and those left in the store, whose kept records are read to
+        # count their fields (a folder build's refresh reads none of them)
+        missing = [str(f["file"]) for f in files if not os.path.lexists(self.out / str(f["file"]))]
         if self._fetch is not None and missing:
             self._fetch(self.out, missing)
 
@@ -730,7 +743,4 @@ def _scan(paths: Paths | Sequence[str], labels: Any, classes: Sequence[str] = ()
 
 def pack(samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any, **options: Any) -> BuildReport:
     """Every sample of ``samples`` into a dataset at ``out`` (see :class:`Writer` for the rest)."""
-    with Writer(out, fields=fields, **options) as w:
-        w.write_all(samples)
-    assert w.report is not None, "closed on leaving the with block"
-    return w.report
+    return Writer.pack(samples, out, fields=fields, **options)
