@@ -88,9 +88,11 @@ def pack_against_build(root: Path, records: int, repeats: int, workers: Optional
             runs[name].append(time.perf_counter() - t0)
     base = statistics.median(runs["packer build"])
     for name, seconds in runs.items():
+        # each round's own ratio too: the three run back to back, so a ratio sees the same load
+        rounds = [b / s for b, s in zip(runs["packer build"], seconds)]
         print(
             f"{name:<20} {_spread(seconds, '.2f')} s, {records / statistics.median(seconds):6.1f} images/s  "
-            f"{base / statistics.median(seconds):.2f}x"
+            f"{base / statistics.median(seconds):.2f}x; per round {_spread(rounds, '.2f')}x"
         )
 
 
