@@ -257,6 +257,22 @@ def test_pack_in_worker_processes(tmp_path: Path) -> None:
     assert [(r["path"], "crashed its worker" in r["reason"]) for r in reasons] == [("the-crash", True)]
 
 
+def _count_encoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sources of the samples encoded in this process from now on (the Writer's own encoding,
+    counted on its way)."""
+    from packer.builder import writer
+
+    packed: list[str] = []
+    record = writer._record
+
+    def counted(sample: dict, job: writer.SampleJob) -> tuple:
+        packed.append(sample["source"])
+        return record(sample, job)
+
+    monkeypatch.setattr(writer, "_record", counted)
+    return packed
+
+
 _RESUMABLE = """
 import sys
 import time
@@ -295,8 +311,6 @@ def test_a_killed_pack_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     import sys
     import time
 
-    from packer.builder import writer
-
     script = tmp_path / "pack_script.py"
     script.write_text(_RESUMABLE)
     sys.path.insert(0, str(tmp_path))
@@ -316,14 +330,7 @@ def test_a_killed_pack_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     child.wait()
     assert not out.exists() and (tmp_path / f".{out.name}.packer-tmp").is_dir()
 
-    packed: list[str] = []
-    record = writer._record
-
-    def counted(sample: dict, job: writer.SampleJob) -> tuple:
-        packed.append(sample["source"])
-        return record(sample, job)
-
-    monkeypatch.setattr(writer, "_record", counted)
+    packed = _count_encoded(monkeypatch)
     report = packer.pack(pack_script.samples(40), out, fields=pack_script.FIELDS, resume=True, workers=0)
     assert 15 <= report.resumed_from < 40 and report.processed == 40 - report.resumed_from == len(packed)
     assert packed == [f"s{i}" for i in range(report.resumed_from, 40)]  # none packed again
@@ -387,7 +394,6 @@ def test_update_keyed_by_source_keeps_unchanged_samples(
     """update=True: a sample with the source and content OUT holds keeps its record (not encoded
     again, left in OUT's linked data file), a changed one is packed again, a removed one dropped, a
     new one added: the dataset a fresh pack of the same samples writes."""
-    from packer.builder import writer
 
     out = tmp_path / "out"
     v1 = _keyed(10)
@@ -400,14 +406,7 @@ def test_update_keyed_by_source_keeps_unchanged_samples(
     new = _keyed(12, seed=1)[10:]
     v2 = [*v2[:4], new[0], *v2[4:], new[1]]
 
-    packed: list[str] = []
-    record = writer._record
-
-    def counted(sample: dict, job: writer.SampleJob) -> tuple:
-        packed.append(sample["source"])
-        return record(sample, job)
-
-    monkeypatch.setattr(writer, "_record", counted)
+    packed = _count_encoded(monkeypatch)
     report = packer.pack(v2, out, fields=KEYED, update=True, workers=0)  # in this process: counted
     assert sorted(packed) == ["img-10", "img-11", "img-2", "img-5"]
     assert (report.count, report.reused, report.processed) == (11, 7, 4)
@@ -451,3 +450,6 @@ def test_update_refuses_duplicate_sources_and_packs_all_without_digests(
     assert report.reused == 0 and report.processed == 4 and "holds no digest of its samples" in capsys.readouterr().err
     again = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0)
     assert again.up_to_date
+    lmdb = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0, backend="lmdb")
+    assert (lmdb.reused, lmdb.processed) == (4, 0) and lmdb.digest == again.digest  # copied, not encoded
+    assert Manifest.load(tmp_path / "b").backend == "lmdb" and verify(tmp_path / "b").ok
