@@ -302,6 +302,10 @@ class Plan:
         """Into the staging folder, with the scan identities its journal rows will come from."""
         identities = np.ascontiguousarray(found.identities(), dtype=IDENTITY_DTYPE)
         write_atomic(staging / IDENTITIES, lambda f: f.write(identities.tobytes()))
+        self.write(staging)
+
+    def write(self, staging: Path) -> None:
+        """Into the staging folder alone (a packer.Writer's, whose samples come later)."""
         write_json_atomic(staging / PLAN, asdict(self))
 
     @classmethod

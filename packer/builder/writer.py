@@ -37,14 +37,17 @@ from ..format.fields import Field, declare, encode_fields, join_record, nearest,
 from ..format.records import FORMATS
 from .options import CHECKPOINT_RECORDS, SHARD_SIZE, BuildOptions, Resolved
 from .paths import check_target, dataset_path, lock_outputs
+from .pipeline import continue_plan
 from .preprocess import PreprocessSpec, Record, Skip, describe, load_bytes, load_image
 from .scan import Paths, PathsBuilder, Scan, Source, Sources, open_source
 from .segments import Base, Fetch, link_base, old_files, plan
 from .shared import Blocks, attach, detach
 from .staging import (
+    PLAN,
     SAMPLE_DTYPE,
     SAMPLES_PART,
     BuildReport,
+    Plan,
     RecordSink,
     cannot_resume,
     complete,
@@ -147,10 +150,10 @@ class Writer:
             lock_outputs(self._locks, self.out, self._resolved, quiet)
             check_target(self.out, replaces=self.options.force, keeps=self.options.update or self.options.resume)
             if self.options.update and not self.options.force:
-                if self.options.resume:
-                    raise BuildError("packer.Writer: update and resume together are not supported yet")
                 self._refresh = Refresh.of(self.out, self._resolved, self.fields, quiet, self._fetch)
             elif (self.out / MANIFEST).is_file() and not self.options.force:
+                if self.options.resume and (self._staging / PLAN).is_file():
+                    continue_plan(self.out, self._staging, None, quiet, None)  # refused if it was a refresh
                 raise BuildError(
                     f"{self.out} is a complete dataset: nothing to resume (update=True refreshes it, "
                     f"force=True replaces it)"
@@ -162,8 +165,16 @@ class Writer:
                 "classes": self.classes,
             }
             state = open_staging(self._staging, settings, resume=self.options.resume)
-            if self._refresh is not None:
-                self._refresh.link(self._staging, self._resolved, quiet)
+            reuse = self._refresh.reuse if self._refresh is not None else None
+            if state is None:  # what a resume must repeat: which old data files it links (update)
+                if self._refresh is not None:
+                    self._refresh.link(self._staging, self._resolved, quiet)
+                of = reuse.manifest.computed_digest if reuse is not None else None
+                Plan.made(self._staging, of, reuse.base if reuse is not None else None).write(self._staging)
+            else:
+                continue_plan(self.out, self._staging, reuse, quiet, self._fetch)
+                if self._refresh is not None:
+                    self._refresh.relinked()
             backend, shard_size = BACKENDS[self._resolved.backend], self._resolved.shard_size
             base = self._refresh.base if self._refresh is not None else None
             first = len(base.files) if base is not None else 0
@@ -181,7 +192,9 @@ class Writer:
             self._locks.close()
             raise
         classes_count = len(self.classes) if self.classes is not None else None
-        self._job = SampleJob(self._spec, self.fields, self._labelled, classes_count, self._identified)
+        # with update, this process takes each sample's digest (to compare it), not the workers
+        identified = self._identified and self._refresh is None
+        self._job = SampleJob(self._spec, self.fields, self._labelled, classes_count, identified)
 
     def _resume(self, state: dict[str, Any]) -> None:
         """Continue the interrupted pack whose checkpoint is ``state``: its samples, to check against
@@ -232,11 +245,11 @@ class Writer:
         if self._again(sample):
             return
         source = self._checked(sample)
-        kept = self._kept(source, sample)
+        identity, kept = self._kept(source, sample)
         if kept is not None:
             self._keep(source, *kept)
         else:
-            self._accept(source, encode_chunk([sample], job=self._job)[0])
+            self._accept(source, encode_chunk([sample], job=self._job)[0], identity)
 
     def write_all(self, samples: Iterable[dict[str, Any]]) -> None:
         """Pack every sample of ``samples``, in order, decoded by the build's worker processes
@@ -251,16 +264,17 @@ class Writer:
         if self._resumed is not None:  # the interrupted pack's samples, checked in this process
             for sample in itertools.islice(it, max(0, len(self._resumed) - self._written)):
                 self._again(sample)
-        #: the samples handed over, in order: a name to encode, or a name and the record kept for it
-        pending: deque[tuple[str, Optional[tuple[int, np.void, Any, list[bytes]]]]] = deque()
+        #: the samples handed over, in order: a name (and, with update, its identity) to encode, or a
+        #: name and the record kept for it
+        pending: deque[tuple[str, Optional[np.void], Optional[Reused]]] = deque()
         blocks = Blocks()  # their arrays, in shared memory until their results are in
 
         def chunks() -> Iterator[list[dict[str, Any]]]:
             batch: list[dict[str, Any]] = []
             for sample in it:
                 source = self._checked(sample)  # in this process: a BuildError stops all
-                kept = self._kept(source, sample)
-                pending.append((source, kept))
+                identity, kept = self._kept(source, sample)
+                pending.append((source, identity, kept))
                 if kept is None:
                     batch.append(sample)
                     if len(batch) == CHUNK:
@@ -275,8 +289,8 @@ class Writer:
             return str(sample.get("source") or "a sample")
 
         def kept_ones() -> None:
-            while pending and pending[0][1] is not None:
-                source, kept = pending.popleft()
+            while pending and pending[0][2] is not None:
+                source, _, kept = pending.popleft()
                 assert kept is not None
                 self._keep(source, *kept)
 
@@ -284,7 +298,8 @@ class Writer:
             # depth 1: a sample may still carry big bytes or a Pillow image through the pipe
             for result in ordered(chunks(), job, processes, name=name, depth=1):
                 kept_ones()
-                self._accept(pending.popleft()[0], result)
+                source, identity, _ = pending.popleft()
+                self._accept(source, result, identity)
                 blocks.taken()
             kept_ones()
         finally:
@@ -305,6 +320,8 @@ class Writer:
                 f"sample {k} ({source}) is not the one the interrupted pack of {self.out} packed there "
                 f"(its content differs): give the same samples in the same order, or pack again without resume"
             )
+        if self._refresh is not None:
+            self._refresh.resumed(source, identity)
         self._paths.add(source)
         self._written += 1
         return True
@@ -331,21 +348,26 @@ class Writer:
             self._refresh.seen(str(named), n)
         return str(named) if named else f"sample-{n}"
 
-    def _kept(self, source: str, sample: dict[str, Any]) -> Optional[tuple[int, np.void, Any, list[bytes]]]:
-        """With update: the record OUT holds for this same sample (label, identity, the record or
-        where it lies, its field payloads), or None to pack it."""
+    def _kept(self, source: str, sample: dict[str, Any]) -> tuple[Optional[np.void], Optional[Reused]]:
+        """With update: the sample's identity, and the record OUT holds for this same sample, or
+        None to pack it; (None, None) without update."""
         if self._refresh is None:
-            return None
-        return self._refresh.kept(source, sample_identity(sample, self.fields), len(self._in_record))
+            return None, None
+        identity = sample_identity(sample, self.fields)
+        return identity, self._refresh.kept(source, identity, len(self._in_record))
 
     def _keep(self, source: str, label: int, identity: np.void, record: Any, payloads: list[bytes]) -> None:
         self._sink.reuse(Source(source, label), identity, record)
         self._add(source, label, identity, payloads)
 
-    def _accept(self, source: str, result: tuple[np.void, Encoded | Skip] | Skip) -> None:
+    def _accept(
+        self, source: str, result: tuple[np.void, Encoded | Skip] | Skip, identity: Optional[np.void] = None
+    ) -> None:
         """A sample's result, in order: its record into the sink (with its field counts), or a skip
-        (a bare Skip: the sample crashed its worker, and has no identity)."""
-        identity, outcome = (np.zeros(1, IDENTITY_DTYPE)[0], result) if isinstance(result, Skip) else result
+        (a bare Skip: the sample crashed its worker, and has no identity). ``identity``: the one this
+        process took (update), else the worker's."""
+        taken, outcome = (np.zeros(1, IDENTITY_DTYPE)[0], result) if isinstance(result, Skip) else result
+        identity = identity if identity is not None else taken
         if isinstance(outcome, Skip):
             self.skip(source, outcome.reason, identity)
         else:
@@ -417,7 +439,8 @@ class Writer:
             refresh = self._refresh
             if refresh is not None:
                 refresh.close()  # before the new version replaces OUT
-            if refresh is not None and refresh.unchanged(self._written, self._sink, classes, self._resolved):
+            unchanged = refresh is not None and refresh.unchanged(self._written, self._sink, classes, self._resolved)
+            if refresh is not None and unchanged and self._resumed is None:  # (a resumed one: written all the same)
                 self._sink.close()
                 shutil.rmtree(self._staging)
                 assert refresh.old is not None
@@ -468,8 +491,8 @@ class Refresh:
         self._changed: list[str] = []
         self.base: Optional[Base] = None
         self._finder = PathIndex(old[1], old[2]) if old else None
-        self._reuse = ReusePlan(out, old[0], old[1], np.zeros(0, np.int64), _NO_CHANGES) if old else None
-        self._records = OldRecords(self._reuse) if self._reuse is not None else None
+        self.reuse = ReusePlan(out, old[0], old[1], np.zeros(0, np.int64), _NO_CHANGES) if old else None
+        self._records = OldRecords(self.reuse) if self.reuse is not None else None
 
     @classmethod
     def of(cls, out: Path, options: Resolved, fields: Sequence[Field], quiet: bool, fetch: Optional[Fetch]) -> Refresh:
@@ -494,24 +517,34 @@ class Refresh:
         return cls(out, old, fetch)
 
     def link(self, staging: Path, options: Resolved, quiet: bool) -> None:
-        """Link the old data files into ``staging`` (as many as the refresh keeps), and fetch from
-        object storage those whose records it copies."""
-        if self.old is None or self._reuse is None:
+        """Link the old data files into ``staging`` (as many as the refresh keeps: every one, bar
+        :func:`~packer.builder.segments.plan`'s segment limit), then :meth:`fetch` what is not here."""
+        if self.old is None or self.reuse is None:
             return
         manifest, index, _ = self.old
         keep, why = plan(manifest, index, np.arange(len(index)), options.backend, options.shard_size)
         if why:
             say(f"{self.out}: {why}", quiet)
-        files = old_files(manifest, index)
         if keep:
-            self.base = self._reuse.base = link_base(
-                self.out, staging, files[:keep], quiet, remote=self._fetch is not None
-            )
-        # every old data file not on this disk (OUT a copy of a version in object storage): those
-        # whose records are copied, and those left in the store, whose kept records are read to
-        # count their fields (a folder build's refresh reads none of them)
-        missing = [str(f["file"]) for f in files if not os.path.lexists(self.out / str(f["file"]))]
-        if self._fetch is not None and missing:
+            files = old_files(manifest, index)[:keep]
+            self.base = self.reuse.base = link_base(self.out, staging, files, quiet, remote=self._fetch is not None)
+        self.fetch()
+
+    def relinked(self) -> None:
+        """The old data files linked again by a resume (its recorded plan's), then :meth:`fetch`."""
+        if self.reuse is not None:
+            self.base = self.reuse.base
+            self.fetch()
+
+    def fetch(self) -> None:
+        """Every old data file not on this disk (OUT a copy of a version in object storage) brought
+        here: those whose records are copied, and those left in the store, whose kept records are
+        read to count their fields (a folder build's refresh reads none of them)."""
+        if self.old is None or self._fetch is None:
+            return
+        files = [str(f["file"]) for f in old_files(self.old[0], self.old[1])]
+        missing = [name for name in files if not os.path.lexists(self.out / name)]
+        if missing:
             self._fetch(self.out, missing)
 
     def seen(self, source: str, n: int) -> None:
@@ -523,30 +556,40 @@ class Refresh:
                 f"samples by their source, which must be unique"
             )
 
-    def kept(
-        self, source: str, identity: np.void, fields: int
-    ) -> Optional[tuple[int, np.void, Record | Kept, list[bytes]]]:
-        """The old record of this sample (its label, identity, the record or where it lies, its
-        field payloads) when OUT holds it unchanged, else None (it is packed)."""
-        if self._finder is None or self._records is None or self._reuse is None:
+    def _old_row(self, source: str, identity: np.void) -> int:
+        """The old row holding this sample (its source, with this identity), or -1 (then it is
+        counted as added or changed)."""
+        j = int(self._finder.find([source])[0]) if self._finder is not None else -1
+        if j < 0 or self.reuse is None:
             self._added.append(source)
-            return None
-        j = int(self._finder.find([source])[0])
-        if j < 0:
-            self._added.append(source)
-            return None
+            return -1
         self._matched[j] = True
-        row = self._reuse.index[j]
-        record = None
-        if (int(row["src_size"]), int(row["src_hash"])) == (int(identity["src_size"]), int(identity["src_hash"])):
-            record = self._records.record(j)  # read and checked, not decoded: its fields are counted
-        if record is None:  # changed, or damaged since it was written
+        row = self.reuse.index[j]
+        if (int(row["src_size"]), int(row["src_hash"])) != (int(identity["src_size"]), int(identity["src_hash"])):
+            self._changed.append(source)
+            return -1
+        return j
+
+    def kept(self, source: str, identity: np.void, fields: int) -> Optional[Reused]:
+        """The old record of this sample when OUT holds it unchanged, else None (it is packed)."""
+        j = self._old_row(source, identity)
+        if j < 0 or self._records is None or self.reuse is None:
+            return None
+        record = self._records.record(j)  # read and checked, not decoded: its fields are counted
+        if record is None:  # damaged since it was written
             self._changed.append(source)
             return None
         self._kept.append(j)
         _, payloads = split_record(memoryview(record.data), fields)
-        place = self._reuse.kept(np.array([j]))[0]
-        return int(row["label"]), identity, place if place is not None else record, [bytes(p) for p in payloads]
+        place = self.reuse.kept(np.array([j]))[0]
+        label = int(self.reuse.index[j]["label"])
+        return label, identity, place if place is not None else record, [bytes(p) for p in payloads]
+
+    def resumed(self, source: str, identity: np.void) -> None:
+        """A sample the interrupted refresh that this one resumes did already (for the changes)."""
+        j = self._old_row(source, identity)
+        if j >= 0:
+            self._kept.append(j)
 
     def unchanged(self, count: int, sink: RecordSink, classes: list[str], options: Resolved) -> bool:
         """Whether the samples given were OUT's, in its order, all kept: OUT is then left as it is."""
@@ -583,6 +626,9 @@ class Refresh:
 
 
 _NO_CHANGES = Changes.only_retried(Paths.of(()))
+#: A record kept from the dataset being refreshed: its label, the sample's identity, the record (copied)
+#: or where it lies (linked), its field payloads.
+Reused = tuple[int, np.void, Record | Kept, list[bytes]]
 
 
 @dataclass(frozen=True)

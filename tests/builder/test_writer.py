@@ -7,6 +7,7 @@ import json
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -453,3 +454,30 @@ def test_update_refuses_duplicate_sources_and_packs_all_without_digests(
     lmdb = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0, backend="lmdb")
     assert (lmdb.reused, lmdb.processed) == (4, 0) and lmdb.digest == again.digest  # copied, not encoded
     assert Manifest.load(tmp_path / "b").backend == "lmdb" and verify(tmp_path / "b").ok
+
+
+def test_an_interrupted_update_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """update=True with resume=True: an interrupted refresh continues with the plan it recorded (the
+    old data files it linked); resumed without update it is refused; the result is a fresh pack's."""
+    out = tmp_path / "out"
+    v1 = _keyed(8)
+    packer.pack(v1, out, fields=KEYED, update=True, workers=0)
+    v2 = [*v1[:3], *_keyed(10, seed=2)[8:], *v1[3:7]]  # two new in the middle, the last one dropped
+    v2[1] = {**v2[1], "caption": "changed"}
+
+    def interrupted():
+        yield from v2[:5]
+        raise KeyboardInterrupt
+
+    options: dict[str, Any] = {"fields": KEYED, "update": True, "resume": True, "checkpoint_seconds": 0}
+    with pytest.raises(KeyboardInterrupt):
+        packer.pack(interrupted(), out, workers=0, **options)
+    with pytest.raises(packer.BuildError, match=r"refreshed .* reusing its records"):
+        packer.pack(v2, out, fields=KEYED, resume=True, workers=0)
+    packed = _count_encoded(monkeypatch)
+    report = packer.pack(v2, out, workers=0, **options)
+    assert report.resumed_from == 5 and packed == [] and report.reused == 4  # the last four, kept
+    assert report.changes is not None and list(report.changes.deleted) == ["img-7"]
+    assert sorted(report.changes.added) == ["img-8", "img-9"] and list(report.changes.changed) == ["img-1"]
+    fresh = packer.pack(v2, tmp_path / "fresh", fields=KEYED, workers=0)
+    assert report.digest == fresh.digest and verify(out).ok
