@@ -67,8 +67,9 @@ from .update import (
 )
 from .workers import ordered
 
-#: BuildOptions that walk a folder, which a Writer has none of.
-FOLDER_ONLY = ("labels", "split", "checksum", "coco")
+#: BuildOptions of a folder build, which a Writer has no use for: they walk a folder, split it, compare
+#: its files, or renumber its folder-named classes (a Writer's label ids are the caller's).
+FOLDER_ONLY = ("labels", "split", "split_seed", "checksum", "coco", "on_class_change")
 #: What a sample dict holds besides its fields: ``skip``, a reason found before it came (a converter's
 #: own check), reports it skipped instead of packing it (no image needed).
 SAMPLE_KEYS = ("image", "source", "skip")

@@ -153,6 +153,8 @@ def test_bad_samples_and_declarations(tmp_path: Path) -> None:
         packer.Writer(tmp_path / "a", fields={"x": ("array", "O")})
     with pytest.raises(packer.BuildError, match="does not take split"):
         packer.Writer(tmp_path / "a", fields={}, split={"val": 0.1})
+    with pytest.raises(packer.BuildError, match="does not take split_seed, on_class_change"):
+        packer.Writer(tmp_path / "a", fields={}, split_seed=3, on_class_change="fail")
     img = np.zeros((64, 80, 3), np.uint8)
     samples = [
         {"image": img, "boxes": [[0, 0, 10, 10]], "box_labels": [1, 2], "source": "two-labels"},
