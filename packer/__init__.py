@@ -59,10 +59,10 @@ def __getattr__(name: str) -> Any:
         from .tools.publish import publish_build
 
         return publish_build
-    if name in ("Writer", "pack"):  # a dataset from code, with fields (packer.builder.writer)
-        from .builder import writer as _writer
+    if name in ("Writer", "pack"):  # a dataset from code, with fields (packer.builder.writer), to a URL too
+        from .tools import publish as _publish
 
-        return getattr(_writer, name)
+        return getattr(_publish, name)
     if name == "Labelling":
         from .builder.labels import Labelling
 

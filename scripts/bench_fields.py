@@ -71,8 +71,8 @@ def rates(paths: dict[str, Path], repeats: int, workers: int) -> dict[str, list[
 
 def pack_against_build(root: Path, records: int, repeats: int, workers: Optional[int]) -> None:
     """Seconds to pack ``records`` photos (the test photos, copied): ``packer build`` of their
-    folder, ``packer.pack`` of their paths, and of their pixels decoded beforehand; each ``repeats``
-    times in turn, median."""
+    folder, ``packer.pack`` of their paths, and of their pixels decoded beforehand (and so again
+    with update=True, into a new OUT: the digests' cost); each ``repeats`` times in turn, median."""
     raw = root / "raw" / "photos"
     raw.mkdir(parents=True)
     photos = sorted(PHOTOS.glob("*.jpg"))
@@ -80,7 +80,12 @@ def pack_against_build(root: Path, records: int, repeats: int, workers: Optional
         (raw / f"{i:05d}.jpg").write_bytes(photos[i % len(photos)].read_bytes())
     paths = sorted(raw.iterdir())
     pixels = [np.asarray(ImageOps.exif_transpose(Image.open(p)).convert("RGB")) for p in paths]
-    runs: dict[str, list[float]] = {"packer build": [], "packer.pack, paths": [], "packer.pack, arrays": []}
+    runs: dict[str, list[float]] = {
+        "packer build": [],
+        "packer.pack, paths": [],
+        "packer.pack, arrays": [],
+        "arrays, update=True": [],  # a digest of every sample taken (what a later refresh compares)
+    }
     for r in range(repeats):
         for name in runs:
             out = root / f"out-{r}-{name.replace(' ', '').replace(',', '-')}"
@@ -89,14 +94,19 @@ def pack_against_build(root: Path, records: int, repeats: int, workers: Optional
                 packer.build(raw.parent, out, workers=workers, quiet=True)
             elif name.endswith("paths"):
                 packer.pack([{"image": p} for p in paths], out, fields={}, workers=workers)
-            else:
+            elif name.endswith("arrays"):
                 packer.pack([{"image": a} for a in pixels], out, fields={}, workers=workers)
+            else:
+                keyed = [{"image": a, "source": f"{i}"} for i, a in enumerate(pixels)]
+                packer.pack(keyed, out, fields={}, workers=workers, update=True)
             runs[name].append(time.perf_counter() - t0)
     base = statistics.median(runs["packer build"])
     for name, seconds in runs.items():
+        # each round's own ratio too: the three run back to back, so a ratio sees the same load
+        rounds = [b / s for b, s in zip(runs["packer build"], seconds)]
         print(
-            f"{name:<20} {_spread(seconds, '.2f')} s, {records / statistics.median(seconds):6.1f} images/s  "
-            f"{base / statistics.median(seconds):.2f}x"
+            f"{name:<21} {_spread(seconds, '.2f')} s, {records / statistics.median(seconds):6.1f} images/s  "
+            f"{base / statistics.median(seconds):.2f}x; per round {_spread(rounds, '.2f')}x"
         )
 
 

@@ -1,5 +1,5 @@
 """Memory and time of `--update`'s path join (which old record each scanned file had) at ImageNet
-scale: ``packer.builder.update._same_paths`` against the dict of every old path it replaced, on synthetic
+scale: ``packer.builder.update.PathIndex`` against the dict of every old path it replaced, on synthetic
 ImageNet-style paths (``n01440764/n01440764_10026.JPEG``), each in a fresh process, alternately. Peak
 memory is the process's peak RSS growth over the join (VmHWM after minus VmRSS before).
 
@@ -19,7 +19,7 @@ _RUN = """
 import sys, time
 import numpy as np
 from packer.format import INDEX_DTYPE
-from packer.builder.update import _same_paths
+from packer.builder.update import PathIndex
 
 def status(field):
     with open("/proc/self/status") as f:
@@ -45,7 +45,7 @@ if how == "dict":  # what reuse_plan did before
     }
     candidate = np.array([old.get(r, -1) for r in scan], dtype=np.int64)
 else:
-    candidate = _same_paths(index, paths, scan)
+    candidate = PathIndex(index, paths).find(scan)
 seconds = time.perf_counter() - start
 assert (candidate >= 0).sum() == n - 1
 print(seconds, (status("VmHWM:") - base) / 1024)

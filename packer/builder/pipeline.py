@@ -245,9 +245,16 @@ def _resume(
     fetch: Optional[Fetch],
 ) -> Optional[dict[str, Any]]:
     """The checkpoint the interrupted build at ``staging`` continues from, with its recorded
-    :class:`~packer.builder.staging.Plan` (not a new one: the journal's rows point into the data files it
-    chose), or BuildError where this command cannot continue that plan: a refresh resumed as a build
-    that writes every record, or the other way round, or a refresh of an OUT replaced since."""
+    :class:`~packer.builder.staging.Plan` (:func:`continue_plan`)."""
+    recorded = continue_plan(out, staging, reuse, quiet, fetch)
+    return rewind(staging, found, state, options.backend, recorded.first, quiet)
+
+
+def continue_plan(out: Path, staging: Path, reuse: Optional[ReusePlan], quiet: bool, fetch: Optional[Fetch]) -> Plan:
+    """The :class:`~packer.builder.staging.Plan` the interrupted build at ``staging`` recorded, its old
+    data files linked again (not a new plan: the journal's rows point into the data files it chose),
+    or BuildError where this command cannot continue it: a refresh resumed as a build that writes
+    every record, or the other way round, or a refresh of an OUT replaced since."""
     recorded = Plan.recorded(staging)
     if recorded.of is not None and reuse is None:
         raise cannot_resume(
@@ -268,7 +275,7 @@ def _resume(
             if reuse.base is None:
                 raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
         _fetch_copied(out, reuse, fetch)
-    return rewind(staging, found, state, options.backend, recorded.first, quiet)
+    return recorded
 
 
 def _link_old_files(

@@ -171,17 +171,24 @@ def load_bytes(data: bytes, opts: PreprocessSpec) -> tuple[Image.Image, tuple[in
     return _finish(rgb, target, orientation), _upright(width, height, orientation)
 
 
-def load_image(im: Image.Image, opts: PreprocessSpec) -> tuple[Image.Image, tuple[int, int]]:
-    """A decoded Pillow image (its EXIF orientation honoured, as a file's is) as :func:`load_bytes` makes one."""
-    width, height = im.size
+def load_image(im: Image.Image | np.ndarray, opts: PreprocessSpec) -> tuple[Image.Image, tuple[int, int]]:
+    """A decoded Pillow image (its EXIF orientation honoured, as a file's is), or H x W x 3 uint8
+    pixels, as :func:`load_bytes` makes one. Pixels are shrunk where they lie (no full-size copy
+    into a Pillow image and back)."""
+    height, width = im.shape[:2] if isinstance(im, np.ndarray) else im.size[::-1]
     problem = _check_geometry(width, height, opts)
     if problem:
         raise ValueError(problem)
-    orientation = im.getexif().get(0x0112, 1)
-    rgb = to_rgb(im)
     target = target_size(width, height, opts.short_edge)
-    if rgb.size != target and native_shrink():
-        rgb = Image.fromarray(shrink(np.asarray(rgb), target), "RGB")
+    if isinstance(im, np.ndarray):
+        orientation = 1
+        small = (width, height) != target and native_shrink()
+        rgb = Image.fromarray(shrink(np.ascontiguousarray(im), target) if small else im, "RGB")
+    else:
+        orientation = im.getexif().get(0x0112, 1)
+        rgb = to_rgb(im)
+        if rgb.size != target and native_shrink():
+            rgb = Image.fromarray(shrink(np.asarray(rgb), target), "RGB")
     return _finish(rgb, target, orientation), _upright(width, height, orientation)
 
 

@@ -75,8 +75,12 @@ IDENTITIES = "identities.part"  # the scan identities of the sources, in scan or
 #: a checkpoint per CHECKPOINT_RECORDS sources, one per line: what a rewind goes back to (one per
 #: checkpoint would grow with the build's length times its memmap shards)
 CHECKPOINTS = "checkpoints.jsonl"
+#: a packer.Writer's journal of every sample given, packed or skipped, in order (SAMPLE_DTYPE): what
+#: its resume checks the samples given again against, and the label and identity of each
+SAMPLES_PART = "samples.part"
+SAMPLE_DTYPE = np.dtype([("label", "<i4"), *((name, IDENTITY_DTYPE[name]) for name in IDENTITY_FIELDS)])
 #: what a finished staging folder drops before it becomes the dataset
-STAGING_STATE = (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART, PLAN, IDENTITIES, CHECKPOINTS)
+STAGING_STATE = (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART, PLAN, IDENTITIES, CHECKPOINTS, SAMPLES_PART)
 
 
 @dataclass
@@ -151,11 +155,14 @@ def old_path(out: Path) -> Path:
 
 
 class Journal:
-    """Append-only index rows, source paths and report lines, truncated back to a checkpoint on resume."""
+    """Append-only index rows, source paths and report lines (and, for a packer.Writer, ``samples``:
+    SAMPLES_PART), truncated back to a checkpoint on resume."""
 
-    def __init__(self, root: Path, state: dict[str, int] | None) -> None:
+    def __init__(self, root: Path, state: dict[str, int] | None, samples: bool = False) -> None:
         self.root = root
         names = {"index": INDEX_PART, "sources": SOURCES_PART, "report": REPORT}
+        if samples:
+            names["samples"] = SAMPLES_PART
         self.files = {}
         for key, name in names.items():
             f = open(root / name, "r+b" if state else "w+b")
@@ -166,6 +173,10 @@ class Journal:
     def add_record(self, row: np.ndarray, rel: bytes) -> None:
         self.files["index"].write(row.tobytes())
         self.files["sources"].write(rel)
+
+    def add_sample(self, row: np.ndarray) -> None:
+        """A sample given to a packer.Writer (a row of SAMPLE_DTYPE), packed or skipped."""
+        self.files["samples"].write(row.tobytes())
 
     def add_report(self, rel: str, status: str, reason: str) -> None:
         line = json_text({"path": rel, "status": status, "reason": reason})
@@ -291,6 +302,10 @@ class Plan:
         """Into the staging folder, with the scan identities its journal rows will come from."""
         identities = np.ascontiguousarray(found.identities(), dtype=IDENTITY_DTYPE)
         write_atomic(staging / IDENTITIES, lambda f: f.write(identities.tobytes()))
+        self.write(staging)
+
+    def write(self, staging: Path) -> None:
+        """Into the staging folder alone (a packer.Writer's, whose samples come later)."""
         write_json_atomic(staging / PLAN, asdict(self))
 
     @classmethod
@@ -377,7 +392,8 @@ def rewind(
 class RecordSink:
     """Where each record goes, in scan order, whichever engine decoded it: writer, index row, source
     path, report line. ``state`` (a checkpoint) continues a journal. ``base``: the old data files a
-    refresh linked into the staging folder (the writer numbers its own after them)."""
+    refresh linked into the staging folder (the writer numbers its own after them). ``samples``: a
+    packer.Writer's, which journals every sample (:data:`SAMPLES_PART`)."""
 
     def __init__(
         self,
@@ -386,9 +402,10 @@ class RecordSink:
         state: Optional[dict[str, Any]],
         writer: Callable[[Optional[dict[str, Any]]], Writer],
         base: Optional[Base] = None,
+        samples: bool = False,
     ) -> None:
         self.staging, self.base = staging, base
-        self.journal = Journal(staging, state["journal"] if state else None)
+        self.journal = Journal(staging, state["journal"] if state else None, samples)
         if state is None:
             self.journal.add_scan_report(found)
         self.writer = writer(state["writer"] if state else None)
@@ -424,14 +441,15 @@ class RecordSink:
         self.journal.add_report(rel, "skipped", reason)
         self.skipped += 1
 
-    def checkpoint(self, sources_done: int) -> None:
-        """Make everything so far durable, then say so in progress.json (what --resume continues from)."""
+    def checkpoint(self, sources_done: int, more: Optional[dict[str, Any]] = None) -> None:
+        """Make everything so far durable, then say so in progress.json (what --resume continues from),
+        with ``more``: what else the engine needs to continue (a packer.Writer's field counts)."""
         progress = {
             "sources_done": sources_done,
             "skipped": self.skipped,
             "writer": self.writer.checkpoint(),
             "journal": self.journal.checkpoint(),
-        }
+        } | ({"more": more} if more is not None else {})
         if sources_done // CHECKPOINT_RECORDS != self._stretch:
             self._stretch = sources_done // CHECKPOINT_RECORDS
             self._history.write(json.dumps(progress, sort_keys=True).encode() + b"\n")

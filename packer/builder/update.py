@@ -148,7 +148,7 @@ class Kept:
     crc32: int
 
 
-class _OldRecords:
+class OldRecords:
     """The old dataset's records by number, copied (those of the data files a refresh does not link):
     read in sequential walks (packer.backends.walk.InOrder: readahead, the disk's speed)."""
 
@@ -186,7 +186,7 @@ class _OldRecords:
             self._records = None
 
 
-def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]:
+def stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]:
     """Why the old records are not what this build would write (options, codec, version), or None.
 
     Backend and shard size only change the layout, so records are reused across them.
@@ -210,36 +210,43 @@ def _stale_reason(manifest: Manifest, settings: dict[str, Any]) -> Optional[str]
     return ", ".join(changed) or None
 
 
-def _old_paths(index: np.ndarray, paths: np.ndarray, start: int, stop: int) -> list[str]:
+def old_paths(index: np.ndarray, paths: np.ndarray, start: int, stop: int) -> list[str]:
     """The source paths of old rows ``start:stop``."""
     view = np.ascontiguousarray(paths).data
     spans = zip(index["src_offset"][start:stop].tolist(), index["src_length"][start:stop].tolist())
     return [bytes(view[o : o + n]).decode("utf-8", "surrogateescape") for o, n in spans]
 
 
-def _same_paths(index: np.ndarray, paths: np.ndarray, rels: Sequence[str], step: int = 1 << 16) -> np.ndarray:
-    """Per path of ``rels``, the old row with that source path, or -1. A join on the paths' 64-bit
-    hashes (a sort and a binary search), each match then confirmed on the path itself: a few numpy
-    arrays, not a dict of a million old paths (measured: docs/PERFORMANCE.md, "Refresh cost with segments");
-    the old paths are decoded a chunk at a time. A hash shared by two old paths (~1e-8 at 1M files)
-    leaves one of them unmatched: its file is decoded again, the result the same."""
-    hashes = np.empty(len(index), np.int64)
-    for start in range(0, len(index), step):
-        hashes[start : start + step] = [hash(p) for p in _old_paths(index, paths, start, start + step)]
-    order = np.argsort(hashes, kind="stable")
-    hashes = hashes[order]
-    wanted = np.fromiter((hash(r) for r in rels), np.int64, count=len(rels))
-    at = np.minimum(np.searchsorted(hashes, wanted), max(len(hashes) - 1, 0))
-    hit = np.flatnonzero(hashes[at] == wanted) if len(hashes) else np.zeros(0, np.int64)
-    del hashes, wanted
-    candidate = np.full(len(rels), -1, np.int64)
-    for start in range(0, len(hit), step):
-        part = hit[start : start + step]
-        rows = order[at[part]]
-        for k, j, p in zip(part.tolist(), rows.tolist(), _old_paths(index[rows], paths, 0, len(rows))):
-            if p == rels[k]:
-                candidate[k] = j
-    return candidate
+class PathIndex:
+    """The old rows by source path: a join on the paths' 64-bit hashes (a sort, then a binary search
+    per path looked up), each match confirmed on the path itself: a few numpy arrays, not a dict of a
+    million old paths (measured: docs/PERFORMANCE.md, "Refresh cost with segments"); the old paths
+    are decoded a chunk at a time. A hash shared by two old paths (~1e-8 at 1M files) leaves one of
+    them unmatched: its file is decoded again, the result the same."""
+
+    def __init__(self, index: np.ndarray, paths: np.ndarray, step: int = 1 << 16) -> None:
+        self._index, self._paths, self._step = index, paths, step
+        hashes = np.empty(len(index), np.int64)
+        for start in range(0, len(index), step):
+            hashes[start : start + step] = [hash(p) for p in old_paths(index, paths, start, start + step)]
+        self._order = np.argsort(hashes, kind="stable")
+        self._hashes = hashes[self._order]
+
+    def find(self, rels: Sequence[str]) -> np.ndarray:
+        """Per path of ``rels``, the old row with that source path, or -1."""
+        hashes, step = self._hashes, self._step
+        wanted = np.fromiter((hash(r) for r in rels), np.int64, count=len(rels))
+        at = np.minimum(np.searchsorted(hashes, wanted), max(len(hashes) - 1, 0))
+        hit = np.flatnonzero(hashes[at] == wanted) if len(hashes) else np.zeros(0, np.int64)
+        del wanted
+        candidate = np.full(len(rels), -1, np.int64)
+        for start in range(0, len(hit), step):
+            part = hit[start : start + step]
+            rows = self._order[at[part]]
+            for k, j, p in zip(part.tolist(), rows.tolist(), old_paths(self._index[rows], self._paths, 0, len(rows))):
+                if p == rels[k]:
+                    candidate[k] = j
+        return candidate
 
 
 def reuse_plan(
@@ -248,11 +255,11 @@ def reuse_plan(
     """Match each source to an old record by path and identity (size and mtime, or size and content
     hash with --checksum); None when the old records were built differently."""
     manifest, index, paths = previous
-    why = _stale_reason(manifest, settings)
+    why = stale_reason(manifest, settings)
     if why:
         say(f"{out}: cannot reuse its records ({why}): rebuilding every record", quiet)
         return None
-    candidate = _same_paths(index, paths, found.sources.paths)
+    candidate = PathIndex(index, paths).find(found.sources.paths)
     known = np.flatnonzero(candidate >= 0)
     same = np.ones(len(known), dtype=bool)
     for name in ("src_size", "src_hash") if settings["checksum"] else ("src_size", "src_mtime_ns"):
@@ -288,7 +295,7 @@ def _changes(
     return Changes(
         rels.select(added),
         rels.select(edited),
-        Paths.of(_old_paths(index[gone], paths, 0, len(gone))),
+        Paths.of(old_paths(index[gone], paths, 0, len(gone))),
         rels.select(retried),
     )
 
@@ -309,7 +316,7 @@ def ordered_results(
     if fresh is None:
         rels = todo.paths.select(old_of < 0)
         fresh = results(str(raw), rels, opts, workers if rels else 1, chunk=2)  # nothing to decode: start no pool
-    old = _OldRecords(reuse) if reuse is not None else None
+    old = OldRecords(reuse) if reuse is not None else None
     step = 4096
     kept: Iterator[Optional[Kept]] = (
         itertools.chain.from_iterable(reuse.kept(old_of[at : at + step]) for at in range(0, len(old_of), step))

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -44,7 +45,8 @@ from ..builder.pipeline import LocalEngine, run_build
 from ..builder.segments import Fetch
 from ..builder.split import TRAIN, split_path
 from ..builder.staging import BuildReport, write_json_atomic
-from ..errors import DatasetError, PreconditionFailed, URLNotSupported, say
+from ..builder.writer import Writer as LocalWriter
+from ..errors import DatasetError, PreconditionFailed, URLNotSupported, is_url, say
 from ..format import INDEX, LABELS, MANIFEST, REPORT, SOURCES, TARGETS, Manifest
 from ..read.remote import Remote, default_cache_dir
 from ..store import ObjectNotFound, Store, open_store
@@ -63,7 +65,7 @@ from ..store.published import (
 )
 from .compact import compact as compact_local
 
-__all__ = ["Published", "publish_build", "publish_compact"]
+__all__ = ["Published", "Writer", "pack", "publish_build", "publish_compact"]
 
 #: The metadata files of a version, uploaded into its ``versions/<id>/`` folder (those it has).
 METADATA = (MANIFEST, INDEX, SOURCES, LABELS, TARGETS, REPORT)
@@ -354,6 +356,73 @@ def publish_build(
             say(f"{_overtaken(late[0])}; --wait: refreshing its version instead", quiet)
     report.out = url
     return report, published
+
+
+class Writer(LocalWriter):
+    """``packer.Writer``, whose OUT may also be an ``s3://`` URL: the dataset is written into its
+    local copy (under the cache directory, or ``staging``), then published when the Writer closes,
+    as ``packer build raw/ URL`` publishes (see the module docstring); ``published`` says what the
+    publish did. Over a dataset the store holds already: ``update=True`` refreshes it (keyed by each
+    sample's ``source``: only the new records' data file is uploaded), ``force=True`` replaces it.
+    Another writer publishing meanwhile is a BuildError (the samples cannot be given again here:
+    run it again, the local copy makes that a refresh)."""
+
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        *,
+        fields: Any,
+        options: Optional[BuildOptions] = None,
+        staging: Optional[str | os.PathLike] = None,
+        quiet: bool = True,
+        **changes: Any,
+    ) -> None:
+        self.published: Optional[Published] = None
+        self._target: Optional[_Target] = None
+        self._lease = contextlib.ExitStack()
+        if not is_url(out):
+            super().__init__(out, fields=fields, options=options, quiet=quiet, **changes)
+            return
+        options = (options or BuildOptions()).but(**changes)
+        local, targets = _targets(os.fspath(out), options.but(split=None), staging)  # split: refused below
+        (t,) = targets
+        # the local copy is refreshed with update (the samples keyed by source), else written whole
+        here = options.but(force=not options.update or options.force)
+        try:
+            self._lease.enter_context(build_lock(local.with_name(local.name + ".publish"), options.wait, quiet))
+            self._seen = _prepare(t, options)
+            self._fetch = _fetch({t.local: t})
+            super().__init__(t.local, fields=fields, options=here, quiet=quiet)
+        except BaseException:
+            self._lease.close()
+            raise
+        self._target = t
+
+    def close(self) -> BuildReport:
+        """Finish the local copy, then publish it (once)."""
+        t = self._target
+        if t is None or self.published is not None:
+            return super().close()
+        try:
+            report = super().close()
+            done = _publish(t, self._seen, self.options.wait, self._quiet)
+            if done is None:
+                raise _overtaken(t)
+            self.published = done
+        finally:
+            self._lease.close()
+        report.out = t.url
+        return report
+
+    def abort(self) -> None:
+        super().abort()
+        self._lease.close()
+
+
+def pack(samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any, **options: Any) -> BuildReport:
+    """``packer.pack``: every sample of ``samples`` into a dataset at ``out``, a local path or an
+    ``s3://`` URL (:class:`Writer`)."""
+    return Writer.pack(samples, out, fields=fields, **options)
 
 
 def publish_compact(

@@ -445,3 +445,71 @@ def test_resume_of_a_refresh_from_the_store(raw: Path, s3_server: S3Server, prox
     assert files is not None
     assert len([key for key in puts(proxy) if key.rsplit("/", 1)[-1] in files]) == 1
     assert sorted(numbers(url, tmp_path / "r")) == [*range(10), 47, 48]
+
+
+def _samples(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Samples keyed by source, each of its own flat colour, with a caption naming it."""
+    import numpy as np
+
+    return [
+        {"image": np.full((20, 24, 3), (10 * i + seed, 3 * i, 200), np.uint8), "caption": f"n{i}", "source": f"id-{i}"}
+        for i in range(n)
+    ]
+
+
+def test_pack_publishes_like_a_build(s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """packer.pack / packer.Writer to an s3:// URL: written into its local copy, then published the
+    way `packer build raw/ URL` publishes; update=True uploads only the new records' data file;
+    nothing changed: nothing written."""
+    url = _url(s3_server, "packed")
+    options: dict[str, Any] = {"fields": {"caption": "text"}, "workers": 0, "format": "raw", "shard_size": 4}
+    report = packer.pack(_samples(6), url, **options)
+    assert report.out == url and report.count == 6
+    local = packer.pack(_samples(6), tmp_path / "local", **options)
+    ds = ShardDataset(url, crop_size=None, cache_dir=tmp_path / "r1")
+    assert report.digest == local.digest and [ds[i]["caption"] for i in range(6)] == [f"n{i}" for i in range(6)]
+    with pytest.raises(BuildError, match=r"packed already exists \(use --force"):
+        packer.pack(_samples(6), url, **options)
+
+    report = packer.pack(_samples(6), url, update=True, **options)  # no digests yet: every sample packed once
+    assert report.reused == 0 and report.count == 6
+    store = open_store(url)
+    first = read_files(store, version_id(store.get("manifest.json")))
+    assert first is not None
+    changed = _samples(7)
+    changed[2] = _samples(3, seed=5)[2]
+    proxy.clear()
+    with packer.Writer(url, update=True, **options) as w:
+        w.write_all(changed)
+    assert w.published is not None and not w.published.up_to_date
+    assert w.report is not None and (w.report.reused, w.report.processed, w.report.count) == (5, 2, 7)
+    files = read_files(store, w.published.version)
+    assert files is not None
+    new = {name for name, e in files.items() if e.key.startswith(f"versions/{w.published.version}/")}
+    assert len(new) == 1 and all(files[n] == first[n] for n in files if n not in new)  # old data objects reused
+    data = [key for key in puts(proxy) if key.rsplit("/", 1)[-1] in files]
+    assert len(data) == 1 and data[0].endswith(files[next(iter(new))].key)
+    ds = ShardDataset(url, crop_size=None, cache_dir=tmp_path / "r2")
+    fresh = packer.pack(changed, tmp_path / "fresh", **options)
+    assert ds.manifest.digest == fresh.digest and [ds.source(i) for i in range(7)] == [f"id-{i}" for i in range(7)]
+
+    proxy.clear()
+    again = packer.pack(changed, url, update=True, **options)
+    assert again.up_to_date and writes(proxy) == []
+
+
+def test_pack_update_from_the_store_alone(s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
+    """Another machine (another staging folder) refreshes a packed dataset from the store: it reads
+    the old records it keeps (to count their fields) but uploads only the new segment."""
+    url = _url(s3_server, "packed-elsewhere")
+    options: dict[str, Any] = {"fields": {"caption": "text"}, "workers": 0, "format": "raw", "shard_size": 4}
+    packer.pack(_samples(6), url, update=True, staging=tmp_path / "machine-a", **options)
+    proxy.clear()
+    report = packer.pack(_samples(7), url, update=True, staging=tmp_path / "machine-b", **options)
+    assert (report.reused, report.processed) == (6, 1)
+    store = open_store(url)
+    files = read_files(store, version_id(store.get("manifest.json")))
+    assert files is not None
+    assert len([key for key in puts(proxy) if key.rsplit("/", 1)[-1] in files]) == 1
+    ds = ShardDataset(url, crop_size=None, cache_dir=tmp_path / "r")
+    assert [ds[i]["caption"] for i in range(7)] == [f"n{i}" for i in range(7)]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -152,6 +155,8 @@ def test_bad_samples_and_declarations(tmp_path: Path) -> None:
         packer.Writer(tmp_path / "a", fields={"x": ("array", "O")})
     with pytest.raises(packer.BuildError, match="does not take split"):
         packer.Writer(tmp_path / "a", fields={}, split={"val": 0.1})
+    with pytest.raises(packer.BuildError, match="does not take split_seed, on_class_change"):
+        packer.Writer(tmp_path / "a", fields={}, split_seed=3, on_class_change="fail")
     img = np.zeros((64, 80, 3), np.uint8)
     samples = [
         {"image": img, "boxes": [[0, 0, 10, 10]], "box_labels": [1, 2], "source": "two-labels"},
@@ -246,10 +251,237 @@ def test_pack_in_worker_processes(tmp_path: Path) -> None:
     sample that kills its worker is a reported skip, the others packed."""
     samples = _samples(6)
     one = packer.pack(samples, tmp_path / "one", fields=FIELDS, workers=0)
-    two = packer.pack(samples, tmp_path / "two", fields=FIELDS, workers=2)
+    blocks = {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+    two = packer.pack(samples, tmp_path / "two", fields=FIELDS, workers=2)  # images and masks in shared memory
     assert one.digest == two.digest and one.count == two.count == 6
+    assert {name for name in os.listdir("/dev/shm") if name.startswith("psm_")} <= blocks  # every block freed
     crashing = [*samples[:3], {"image": _KillsItsWorker(), "label": 0, "source": "the-crash"}, *samples[3:]]
     report = packer.pack(crashing, tmp_path / "three", fields=FIELDS, workers=2)
     assert (report.count, report.skipped) == (6, 1) and report.digest == one.digest
     reasons = [json.loads(line) for line in (tmp_path / "three" / "report.jsonl").read_text().splitlines()]
     assert [(r["path"], "crashed its worker" in r["reason"]) for r in reasons] == [("the-crash", True)]
+
+
+def _count_encoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sources of the samples encoded in this process from now on (the Writer's own encoding,
+    counted on its way)."""
+    from packer.builder import writer
+
+    packed: list[str] = []
+    record = writer._record
+
+    def counted(sample: dict, job: writer.SampleJob) -> tuple:
+        packed.append(sample["source"])
+        return record(sample, job)
+
+    monkeypatch.setattr(writer, "_record", counted)
+    return packed
+
+
+_RESUMABLE = """
+import sys
+import time
+
+import numpy as np
+
+import packer
+
+FIELDS = {"label": "label", "boxes": "boxes", "caption": "text"}
+
+
+def samples(n, pause=0.0):
+    rng = np.random.default_rng(7)
+    for i in range(n):
+        time.sleep(pause)  # the killed run: slow enough to be killed half way
+        img = rng.integers(0, 255, (120 + i, 160, 3), dtype=np.uint8)
+        if i == 3:
+            yield {"image": b"not an image", "label": 0, "source": "broken"}
+            continue
+        yield {"image": img, "label": i % 2, "boxes": [[i, i, i + 20, i + 30]], "caption": f"n{i}", "source": f"s{i}"}
+
+
+if __name__ == "__main__":
+    out, workers = sys.argv[1], int(sys.argv[2])
+    packer.pack(samples(40, 0.05), out, fields=FIELDS, resume=True, checkpoint_seconds=0, workers=workers)
+"""
+
+
+@pytest.mark.parametrize("backend, workers", [("memmap", 2), ("lmdb", 0)])
+def test_a_killed_pack_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, workers: int) -> None:
+    """A pack killed with SIGKILL half way (a real process) continues from its last checkpoint when
+    given the same samples again with resume=True: the samples packed before are checked, not packed
+    again, and the dataset is the one an uninterrupted pack writes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "pack_script.py"
+    script.write_text(_RESUMABLE)
+    sys.path.insert(0, str(tmp_path))
+    monkeypatch.setattr(sys, "path", sys.path)
+    import pack_script  # type: ignore[import-not-found]
+
+    out = tmp_path / ("out.lmdb" if backend == "lmdb" else "out")
+    progress = tmp_path / f".{out.name}.packer-tmp" / "progress.json"
+    child = subprocess.Popen([sys.executable, str(script), str(out), str(workers)])
+    deadline, done = time.monotonic() + 120, 0
+    while done < 15 and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        with contextlib.suppress(OSError, ValueError):
+            done = json.loads(progress.read_text())["sources_done"]
+    assert done >= 15, "the pack was half way"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not out.exists() and (tmp_path / f".{out.name}.packer-tmp").is_dir()
+
+    packed = _count_encoded(monkeypatch)
+    report = packer.pack(pack_script.samples(40), out, fields=pack_script.FIELDS, resume=True, workers=0)
+    assert 15 <= report.resumed_from < 40 and report.processed == 40 - report.resumed_from == len(packed)
+    assert packed == [f"s{i}" for i in range(report.resumed_from, 40)]  # none packed again
+    assert (report.count, report.skipped) == (39, 1)
+
+    other = tmp_path / ("whole.lmdb" if backend == "lmdb" else "whole")
+    whole = packer.pack(pack_script.samples(40), other, fields=pack_script.FIELDS, resume=True, workers=0)
+    assert report.digest == whole.digest
+    for name in ("index.npy", "sources.npy", "report.jsonl"):  # identities, places, lengths, CRCs: all equal
+        assert (out / name).read_bytes() == (other / name).read_bytes(), name
+    assert Manifest.load(out).field_counts == Manifest.load(other).field_counts
+    assert verify(out).ok
+
+
+def test_resume_refuses_other_samples(tmp_path: Path) -> None:
+    """Samples that are not the interrupted pack's (another order, another content) are refused,
+    the interrupted work kept; so is a pack that was not made resumable."""
+    out = tmp_path / "out"
+    samples = [{"image": np.full((40, 40, 3), i, np.uint8), "source": f"s{i}"} for i in range(6)]
+
+    def interrupted(given):
+        yield from given[:4]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        packer.pack(interrupted(samples), out, fields={}, resume=True, checkpoint_seconds=0, workers=0)
+    assert not out.exists() and (tmp_path / ".out.packer-tmp").is_dir()
+    with pytest.raises(packer.BuildError, match=r"sample 1 \(s2\) is not the one the interrupted pack"):
+        packer.pack([samples[0], samples[2], samples[1], *samples[3:]], out, fields={}, resume=True, workers=0)
+    assert (tmp_path / ".out.packer-tmp").is_dir()
+    report = packer.pack(samples, out, fields={}, resume=True, workers=0)
+    assert (report.resumed_from, report.processed, report.count) == (4, 2, 6)
+
+    with pytest.raises(KeyboardInterrupt):
+        packer.pack(interrupted(samples), tmp_path / "plain", fields={}, checkpoint_seconds=0, workers=0)
+    assert not (tmp_path / ".plain.packer-tmp").exists()  # without resume: nothing kept
+
+
+def _keyed(n: int, seed: int = 0) -> list[dict]:
+    """Samples keyed by ``source`` (as a user's image ids), each of its own content."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "image": rng.integers(0, 255, (90, 120, 3), dtype=np.uint8),
+            "label": i % 3,
+            "boxes": [[i, 2, i + 30, 40]],
+            "caption": f"c{i}",
+            "source": f"img-{i}",
+        }
+        for i in range(n)
+    ]
+
+
+KEYED = {"label": "label", "boxes": "boxes", "caption": "text"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_update_keyed_by_source_keeps_unchanged_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """update=True: a sample with the source and content OUT holds keeps its record (not encoded
+    again, left in OUT's linked data file), a changed one is packed again, a removed one dropped, a
+    new one added: the dataset a fresh pack of the same samples writes."""
+
+    out = tmp_path / "out"
+    v1 = _keyed(10)
+    packer.pack(v1, out, fields=KEYED, update=True, workers=workers)
+    first_shard = os.stat(out / "shard-00000.bin")
+    v2 = [dict(s) for s in v1]
+    v2[2]["image"] = v2[2]["image"] // 2  # new pixels
+    v2[5]["boxes"] = [[0, 0, 5, 5]]  # new boxes
+    del v2[7]
+    new = _keyed(12, seed=1)[10:]
+    v2 = [*v2[:4], new[0], *v2[4:], new[1]]
+
+    packed = _count_encoded(monkeypatch)
+    report = packer.pack(v2, out, fields=KEYED, update=True, workers=0)  # in this process: counted
+    assert sorted(packed) == ["img-10", "img-11", "img-2", "img-5"]
+    assert (report.count, report.reused, report.processed) == (11, 7, 4)
+    assert report.changes is not None
+    assert (list(report.changes.added), list(report.changes.changed), list(report.changes.deleted)) == (
+        ["img-10", "img-11"],
+        ["img-2", "img-5"],
+        ["img-7"],
+    )
+    manifest = Manifest.load(out)
+    assert manifest.segments == 2 and manifest.dead_bytes > 0  # the old file linked, its dead record left
+    assert os.path.samestat(os.stat(out / "shard-00000.bin"), first_shard)
+    assert verify(out).ok
+
+    fresh = packer.pack(v2, tmp_path / "fresh", fields=KEYED, update=True, workers=workers)
+    assert report.digest == fresh.digest and manifest.field_counts == Manifest.load(tmp_path / "fresh").field_counts
+    a, b = packer.ShardDataset(out, crop_size=None), packer.ShardDataset(tmp_path / "fresh", crop_size=None)
+    for i in range(len(v2)):
+        assert a.source(i) == b.source(i) == v2[i]["source"]
+        x, y = a[i], b[i]
+        assert x["image"].equal(y["image"]) and x["boxes"].equal(y["boxes"]) and x["caption"] == y["caption"]
+
+    packed.clear()
+    again = packer.pack(v2, out, fields=KEYED, update=True, workers=workers)
+    assert again.up_to_date and not packed and Manifest.load(out).digest == report.digest
+
+
+def test_update_refuses_duplicate_sources_and_packs_all_without_digests(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    samples = _keyed(4)
+    samples[3]["source"] = "img-1"
+    with pytest.raises(packer.BuildError, match=r"samples 1 and 3 both have source 'img-1'"):
+        packer.pack(samples, tmp_path / "a", fields=KEYED, update=True, workers=0)
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(packer.BuildError, match=r"sample 0 has no 'source'"):
+        packer.pack([{"image": np.zeros((40, 40, 3), np.uint8)}], tmp_path / "a", fields={}, update=True)
+
+    packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, workers=0)  # no digests taken
+    report = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0, quiet=False)
+    assert report.reused == 0 and report.processed == 4 and "holds no digest of its samples" in capsys.readouterr().err
+    again = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0)
+    assert again.up_to_date
+    lmdb = packer.pack(_keyed(4), tmp_path / "b", fields=KEYED, update=True, workers=0, backend="lmdb")
+    assert (lmdb.reused, lmdb.processed) == (4, 0) and lmdb.digest == again.digest  # copied, not encoded
+    assert Manifest.load(tmp_path / "b").backend == "lmdb" and verify(tmp_path / "b").ok
+
+
+def test_an_interrupted_update_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """update=True with resume=True: an interrupted refresh continues with the plan it recorded (the
+    old data files it linked); resumed without update it is refused; the result is a fresh pack's."""
+    out = tmp_path / "out"
+    v1 = _keyed(8)
+    packer.pack(v1, out, fields=KEYED, update=True, workers=0)
+    v2 = [*v1[:3], *_keyed(10, seed=2)[8:], *v1[3:7]]  # two new in the middle, the last one dropped
+    v2[1] = {**v2[1], "caption": "changed"}
+
+    def interrupted():
+        yield from v2[:5]
+        raise KeyboardInterrupt
+
+    options: dict[str, Any] = {"fields": KEYED, "update": True, "resume": True, "checkpoint_seconds": 0}
+    with pytest.raises(KeyboardInterrupt):
+        packer.pack(interrupted(), out, workers=0, **options)
+    with pytest.raises(packer.BuildError, match=r"refreshed .* reusing its records"):
+        packer.pack(v2, out, fields=KEYED, resume=True, workers=0)
+    packed = _count_encoded(monkeypatch)
+    report = packer.pack(v2, out, workers=0, **options)
+    assert report.resumed_from == 5 and packed == [] and report.reused == 4  # the last four, kept
+    assert report.changes is not None and list(report.changes.deleted) == ["img-7"]
+    assert sorted(report.changes.added) == ["img-8", "img-9"] and list(report.changes.changed) == ["img-1"]
+    fresh = packer.pack(v2, tmp_path / "fresh", fields=KEYED, workers=0)
+    assert report.digest == fresh.digest and verify(out).ok
