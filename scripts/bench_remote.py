@@ -273,19 +273,23 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.pid))]
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
-    half, half_window = half_cache(url, args, proxy, rule, names, data, tmp) if per_unit else ([], 0)
+    skip = set(args.skip.split(",")) - {""}
+    half: list[float] = []
+    half_window = 0
+    if per_unit and "half" not in skip:
+        half, half_window = half_cache(url, args, proxy, rule, names, data, tmp)
 
     proxy.rule(rule)
     ctx = mp.get_context("spawn")
     ranks = [
         ctx.Process(target=rank_epoch, args=(url, str(tmp / f"ranks-{backend}"), r, args, order, env)) for r in range(2)
     ]
-    for r in ranks:
+    for r in ranks if "ranks" not in skip else ():
         r.start()
-    for r in ranks:
+    for r in ranks if "ranks" not in skip else ():
         r.join()
     twice = sum(1 for n in names if proxy.fetched(n) > (out / n).stat().st_size)
-    ranks_ratio = fetched(proxy, names) / data
+    ranks_ratio = fetched(proxy, names) / data if "ranks" not in skip else float("nan")
     proxy.stop()
     med = statistics.median
     return {
@@ -333,6 +337,7 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.02, help="first-byte delay per request, seconds")
     p.add_argument("--cap", type=float, default=1.25, help="bandwidth cap as a multiple of the warm consumption")
     p.add_argument("--stream-cap", type=float, default=0.0, help="the same, per GET (0: none)")
+    p.add_argument("--skip", default="", help="parts left out, comma-separated: half (the half cache), ranks")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench-remote")
     args = p.parse_args()
     knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams

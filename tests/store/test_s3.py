@@ -4,6 +4,7 @@ the same samples as the local dataset, each data file fetched once per node and 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import itertools
 import json
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -401,13 +402,7 @@ def test_default_sampler_two_workers_many_evictions(
     loader = DataLoader(
         remote, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context, persistent_workers=True
     )
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        want_sampler.set_epoch(epoch)
-        got, want = list(loader), list(DataLoader(local, batch_size=4, sampler=want_sampler))
-        assert len(got) == len(want) == 18
-        for g, w in zip(got, want):
-            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    same_epochs(loader, sampler, local, want_sampler, 18)
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())
 
 
@@ -429,6 +424,41 @@ def _on_disk(cache: Path) -> tuple[int, int]:
     return sizes, blocks
 
 
+def same_epochs(
+    loader: DataLoader, sampler: ShardSampler, local: ShardDataset, want: ShardSampler, batches: int
+) -> None:
+    """Two epochs of ``loader`` (drawing from ``sampler``), each ``batches`` batches equal to the
+    ``local`` dataset's read in ``want``'s order."""
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        want.set_epoch(epoch)
+        got, wanted = list(loader), list(DataLoader(local, batch_size=loader.batch_size, sampler=want))
+        assert len(got) == len(wanted) == batches
+        for g, w in zip(got, wanted):
+            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+
+
+@contextlib.contextmanager
+def du_peak(cache: Path) -> Iterator[list[int]]:
+    """The most :func:`_on_disk` saw of ``cache`` (sizes, blocks), sampled every 2 ms in a thread
+    while the block runs (filled in as it goes)."""
+    highest = [0, 0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            highest[:] = map(max, highest, _on_disk(cache))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        yield highest
+    finally:
+        done.set()
+        watcher.join()
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_cache_limit_holds_as_du_sees_it(
     small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context: str
@@ -442,17 +472,7 @@ def test_cache_limit_holds_as_du_sees_it(
     limit = 6 * max(sizes.values())
     url = s3_server.upload(small_shards, f"du/{context}")
     cache = tmp_path / "cache"
-    highest = [0, 0]
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            highest[:] = map(max, highest, _on_disk(cache))
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=poll)
-    watcher.start()
-    try:
+    with du_peak(cache) as highest:
         remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
         local = ShardDataset(small_shards, crop_size=16, seed=5)
         sampler = ShardSampler(remote, seed=0)  # in the store: block order, its window within the limit
@@ -463,9 +483,6 @@ def test_cache_limit_holds_as_du_sees_it(
             want_sampler.set_epoch(epoch)
             got, want = list(loader), list(DataLoader(local, batch_size=2, sampler=want_sampler))
             assert len(got) == len(want) == 36 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
-    finally:
-        done.set()
-        watcher.join()
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it evicted
     assert 0 < max(highest) <= limit, (highest, limit)
 

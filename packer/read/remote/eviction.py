@@ -21,7 +21,8 @@ from .settings import VERIFY_ATTEMPTS
 
 
 class NoRoom(Exception):
-    """A prefetch found no room without evicting what is needed sooner: the batch fetches it."""
+    """A prefetch found no room without evicting what is needed sooner (the batch fetches it), or a
+    batch's download found none at all (the batch reads its records past the cache)."""
 
 
 def _eviction_order(entry: tuple[Path, Optional[int]]) -> tuple[int, int, int]:
@@ -178,6 +179,7 @@ def make_room(
     let_go: Callable[[], None],
     url: str,
     named: Optional[str],
+    past: bool = False,
 ) -> None:
     """Evict units no reader holds (see packer.read.remote's docstring for the order) until the
     room of ``files`` (:func:`room_for`) fits under ``limit`` in ``cache_dir``, and reserve it: the
@@ -188,8 +190,10 @@ def make_room(
     its reservation would keep their downloads from the room), leaves the room of the units
     needed before it (``needed_before`` the units ``there``, of dataset ``home``), and else
     raises NoRoom; ``next_use`` ranks a cached unit, ``let_go`` lets go of the units the caller
-    holds. A limit that cannot hold ``files`` beside what no eviction frees fails at once
-    (``named``: the download, for the message); where ``named`` is None (a version's metadata,
+    holds. A batch's download that can read its records past the cache instead (``past``: a memmap
+    unit, packer.read.remote.ranges) raises NoRoom where the room cannot be made at once, rather
+    than wait for other readers. A limit that cannot hold ``files`` beside what no eviction frees
+    fails at once (``named``: the download, for the message); where ``named`` is None (a version's metadata,
     which the dataset's check of its limit needs: packer.read.remote.client.Remote.pin) the files
     are made once every unit no reader holds is evicted."""
     need = room_for(files)
@@ -201,6 +205,8 @@ def make_room(
             units, partial, fixed = taken.units, taken.partial, taken.fixed()
             overfull = fixed + need > limit
             if overfull and named is not None:
+                if past:
+                    raise NoRoom()
                 raise too_small(limit, url, named, need, fixed)
             for stale in partial:  # a download whose process died or gave up: its room first
                 if taken.used + need > limit and _drop_partial(stale):
@@ -218,7 +224,7 @@ def make_room(
                 create(files)
                 return
             used = taken.used
-        if not demand:
+        if not demand or past:
             raise NoRoom()
         let_go()  # this batch's other units too: two batches that each hold some never wait on each other
         if time.monotonic() > deadline:
