@@ -13,9 +13,10 @@ from torch.utils.data import DataLoader
 from packer import ShardDataset, ShardSampler
 from packer.format import DatasetError
 
+from .du import du_peak
 from .proxy import Faults, Proxy
 from .seaweed import S3Server
-from .test_s3 import _files, _least_limit, du_peak, same_epochs
+from .test_s3 import _files, _least_limit, same_epochs
 from .test_s3 import small_shards as small_shards  # the fixture: 18 shards of 4 records
 
 

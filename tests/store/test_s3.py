@@ -4,7 +4,6 @@ the same samples as the local dataset, each data file fetched once per node and 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import gc
 import itertools
 import json
@@ -17,7 +16,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from packer.read.remote.locks import locked as cache_lock
 from packer.store import StoreError
 from packer.store.base import PerProcess
 
+from .du import du_peak, on_disk
 from .furthest import furthest_future_bytes
 from .proxy import Faults, Proxy, serve_folder
 from .seaweed import S3Server
@@ -250,7 +250,7 @@ def test_cache_limit_that_cannot_work_refused_at_once(built, s3_server: S3Server
         ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=least - 1)
     remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=least)
     _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    assert max(_on_disk(tmp_path / "cache")) <= least
+    assert max(on_disk(tmp_path / "cache")) <= least
 
 
 def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
@@ -271,7 +271,7 @@ def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: 
     local_ds = ShardDataset(local, crop_size=None, dtype=torch.uint8)
     assert torch.equal(ds[10][0], local_ds[10][0])  # shard-00001: the stale part made room
     assert torch.equal(ds[0][0], local_ds[0][0]) and _cached(cache) <= max(sizes.values())
-    assert max(_on_disk(cache)) <= least
+    assert max(on_disk(cache)) <= least
 
 
 def _least_limit(url: str, cache: Path) -> tuple[int, int]:
@@ -406,24 +406,6 @@ def test_default_sampler_two_workers_many_evictions(
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())
 
 
-def _on_disk(cache: Path) -> tuple[int, int]:
-    """The bytes under ``cache`` as ``du`` counts them, taken without any lock of the cache: every
-    file and folder, each inode once (a unit and its link in its version's folder are one); their
-    sizes, and their allocated blocks (``du``'s default)."""
-    seen: set[tuple[int, int]] = set()
-    sizes = blocks = 0
-    for folder, folders, files in os.walk(cache):
-        for path in [folder, *(os.path.join(folder, name) for name in folders + files)]:
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:  # evicted meanwhile
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                sizes, blocks = sizes + st.st_size, blocks + st.st_blocks * 512
-    return sizes, blocks
-
-
 def same_epochs(
     loader: DataLoader, sampler: ShardSampler, local: ShardDataset, want: ShardSampler, batches: int
 ) -> None:
@@ -436,27 +418,6 @@ def same_epochs(
         assert len(got) == len(wanted) == batches
         for g, w in zip(got, wanted):
             assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
-
-
-@contextlib.contextmanager
-def du_peak(cache: Path) -> Iterator[list[int]]:
-    """The most :func:`_on_disk` saw of ``cache`` (sizes, blocks), sampled every 2 ms in a thread
-    while the block runs (filled in as it goes)."""
-    highest = [0, 0]
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            highest[:] = map(max, highest, _on_disk(cache))
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=poll)
-    watcher.start()
-    try:
-        yield highest
-    finally:
-        done.set()
-        watcher.join()
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -497,7 +458,7 @@ def test_second_dataset_makes_room_for_its_index(small_shards: Path, s3_server: 
     first = ShardDataset(first_url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=least * 4)
     local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
     _same(first, local)
-    full = max(_on_disk(cache))  # the cache now, as the second dataset's limit: not a block to spare
+    full = max(on_disk(cache))  # the cache now, as the second dataset's limit: not a block to spare
     second = ShardDataset(
         s3_server.upload(small_shards, "du/second"),
         crop_size=None,
@@ -505,9 +466,9 @@ def test_second_dataset_makes_room_for_its_index(small_shards: Path, s3_server: 
         cache_dir=cache,
         cache_limit=full,
     )
-    assert max(_on_disk(cache)) <= full
+    assert max(on_disk(cache)) <= full
     _same(second, local)
-    assert max(_on_disk(cache)) <= full
+    assert max(on_disk(cache)) <= full
 
 
 @pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])

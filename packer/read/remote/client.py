@@ -148,8 +148,7 @@ class Remote:
         manifest = pinned.manifest
         ranged = BACKENDS[manifest.backend].concatenated
         if ranged and not self.per_unit:
-            mean = sum(int(s["bytes"]) for s in manifest.shards) / max(1, len(pinned.index))
-            self.per_unit = 1 << max(0, int(settings.UNIT_BYTES / max(mean, 1.0)).bit_length() - 1)
+            self.per_unit = settings.unit_records(sum(int(s["bytes"]) for s in manifest.shards), len(pinned.index))
         units = self._units = Units(manifest, pinned.index, self.per_unit if ranged else 0)
         if ranged:  # the reader maps each shard's units as it reads them, not whole shards
             pinned.shards = [
