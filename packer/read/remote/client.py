@@ -233,6 +233,8 @@ class Remote:
         pending = self._pending.get()
         futures = {}
         numbers = units.of[records]
+        if wait:
+            self._next.reading = len(records)
         _, first = np.unique(numbers, return_index=True)
         order = numbers[np.sort(first)].tolist()  # in the order the records need them
         if not wait:
@@ -604,6 +606,7 @@ class Remote:
             url=self.url,
             named=None if name is None else self._named(name),
             past=past,
+            after=lambda: self._next.after(self._units.numbers[name]) if self._units is not None and name else -1,
         )
 
     def _next_use(self, unit: Path) -> Optional[int]:
