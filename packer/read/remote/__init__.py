@@ -8,7 +8,8 @@ readers (packer.backends) then read local files as they read any dataset; nothin
 reaches them.
 
 - **Units**: an LMDB segment is fetched whole (packer.pin's ``fetch``: the environment maps the
-  file). A memmap shard is fetched in ranges of a power of two records (about :data:`UNIT_BYTES`;
+  file). A memmap shard is fetched in ranges of a power of two records (about :data:`UNIT_BYTES`,
+  less for a dataset of fewer than :data:`MIN_UNITS` units: :func:`unit_records`;
   global record numbers ``u * per_unit`` and up, cut at shard ends, so ShardSampler's blocks of a
   power of two records up to that never straddle two units), each its own file
   ``FILE@START-END`` (a whole shard is named as its file): one file per range, not a sparse file
