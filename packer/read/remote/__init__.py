@@ -63,9 +63,10 @@ reaches them.
   byte ranges, nearby ones in one GET, each record checked), so any order works down to that
   limit (where the process has the epoch's plan, such a download evicts no unit needed before its
   own next use: Belady with bypass); an LMDB batch that cannot make room lets go of its own
-  units (they are opened again, fetched again if evicted meanwhile), so two batches never wait on each other, and waits up to
-  :data:`ROOM_WAIT` seconds for other readers to let go, then fails clearly. Every count of the
-  cache and every change to it (a reservation, an eviction, a download renamed into ``units/``) is under one lock.
+  units (they are opened again, fetched again if evicted meanwhile), so two batches never wait
+  on each other, and waits up to :data:`ROOM_WAIT` seconds for other readers to let go, then
+  fails clearly. Every count of the cache and every change to it (a reservation, an eviction, a
+  download renamed into ``units/``) is under one lock.
 - **Holding and letting go**: a process holds a unit (a shared flock on its own descriptor: no
   process evicts it; the kernel drops it if the holder dies) from before its download is renamed
   into ``units/`` (so none evicts it between its arrival and its first use), or from when it
