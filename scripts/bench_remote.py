@@ -20,7 +20,8 @@ the dataset in the store: block order, blocks of one cache unit, a window sized 
   start, the batch's decode), also reported;
 - memmap, a cache of half the data files: one epoch read in this process and one with 2
   DataLoader workers (this process fetching the sampler's next blocks for them), bytes fetched
-  against the offline furthest-future optimum for the same batches (tests/store/furthest.py);
+  against the offline furthest-future optimum for the same batches (tests/store/furthest.py) and
+  against the data, and the most the cache held as ``du`` counts it, against the limit;
 - 2 ranks x 2 workers reading one node cache: bytes fetched / data files and units downloaded twice.
 
     python scripts/bench_remote.py                       # 8,000 photos, memmap and LMDB JPEG, 3 runs
@@ -57,6 +58,7 @@ from packer.read.remote import settings as knobs  # noqa: E402
 from packer.read.sampler import label_entropy  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
+from tests.store.du import du_peak  # noqa: E402
 from tests.store.furthest import furthest_future_bytes  # noqa: E402
 from tests.store.proxy import Faults, start  # noqa: E402
 from tests.store.seaweed import seaweed  # noqa: E402
@@ -110,10 +112,16 @@ def rank_epoch(
     url: str, cache: str, rank: int, args: argparse.Namespace, order: dict[str, Any], env: dict[str, str]
 ) -> None:
     os.environ.update(env)
-    knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
+    set_knobs(args)
     ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache)
     for _ in loader(ds, args, order, 2, num_replicas=2, rank=rank):
         pass
+
+
+def set_knobs(args: argparse.Namespace) -> None:
+    """The remote path's tunables the command line sets (packer.read.remote.settings)."""
+    knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
+    knobs.MIN_UNITS, knobs.MIN_UNIT_BYTES = args.min_units, args.min_unit_bytes
 
 
 def serve_proxy(upstream: str, control: Any) -> None:
@@ -169,26 +177,31 @@ def units_of(ds: ShardDataset, records: list[int]) -> list[str]:
 
 def half_cache(
     url: str, args: argparse.Namespace, proxy: ProxyProcess, rule: Faults, names: list[str], data: int, tmp: Path
-) -> tuple[list[float], int]:
-    """Bytes fetched / the offline optimum, a cache of half the data, in the order ShardSampler takes
-    for the dataset with that limit: read in this process (the sampler's epoch order known), then by 2
-    DataLoader workers (its announcements only); NaN where one batch's units alone exceed the limit
-    (``--order random``: no order of fetches fits). Also the window that order has."""
+) -> tuple[list[tuple[float, float, float]], int]:
+    """A cache of half the data, in the order ShardSampler takes for the dataset with that limit: read
+    in this process (the sampler's epoch order known), then by 2 DataLoader workers (its announcements
+    only); for each, bytes fetched / the offline optimum (NaN where one batch's units alone exceed the
+    limit, as a global shuffle's do: no order of unit fetches fits, and the batch reads records past
+    the cache), bytes fetched / the data, and the most the cache held as ``du`` counts it (sampled
+    every 2 ms) / the limit. Also the window that order has."""
     ratios, window = [], 0
     for workers in (0, 2):
         proxy.rule(rule)
         limit = data // 2
-        ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / f"half-{workers}", cache_limit=limit)
-        order = chosen_order(ds, args)
-        draws = sampler(ds, order).sequence(0).tolist()
-        batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
-        try:
-            for _ in loader(ds, args, order, workers):
-                pass
-        except DatasetError as e:  # what a user of this order and limit meets
-            print(f"half cache, {workers} workers, order {order['order']}: {e}", file=sys.stderr)
-            ratios.append(float("nan"))
-            continue
+        cache = tmp / f"half-{workers}"
+        with du_peak(cache) as peak:
+            ds = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=cache, cache_limit=limit)
+            order = chosen_order(ds, args)
+            draws = sampler(ds, order).sequence(0).tolist()
+            batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
+            try:
+                for _ in loader(ds, args, order, workers):
+                    pass
+            except DatasetError as e:  # what a user of this order and limit meets
+                print(f"half cache, {workers} workers, order {order['order']}: {e}", file=sys.stderr)
+                ratios.append((float("nan"),) * 3)
+                continue
+        got, held = fetched(proxy, names), max(peak) / limit
         units = ds._remote._units
         sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
         needs = [units_of(ds, b) for b in batches]
@@ -197,10 +210,9 @@ def half_cache(
         # its sidecar (a block for a unit of up to ~200 records)
         room = {key: eviction.footprint(size) + eviction.BLOCK for key, size in sizes.items()}
         units_limit = limit - eviction.fixed_room(tmp / f"half-{workers}") - eviction.BLOCK
-        if max(sum(room[u] for u in n) for n in needs) > units_limit:  # no schedule fits: one batch exceeds it
-            ratios.append(float("nan"))
-        else:
-            ratios.append(fetched(proxy, names) / furthest_future_bytes(needs, sizes, units_limit, room))
+        fits = max(sum(room[u] for u in n) for n in needs) <= units_limit  # else one batch's units exceed it
+        best = furthest_future_bytes(needs, sizes, units_limit, room) if fits else float("nan")
+        ratios.append((got / best, got / data, held))
         window = order["window"]
     return ratios, window
 
@@ -273,19 +285,23 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     local_cpu = [b - a for a, b in zip(before, cpu_seconds(server.pid, proxy.pid))]
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
-    half, half_window = half_cache(url, args, proxy, rule, names, data, tmp) if per_unit else ([], 0)
+    skip = set(args.skip.split(",")) - {""}
+    half: list[tuple[float, float, float]] = []
+    half_window = 0
+    if per_unit and "half" not in skip:
+        half, half_window = half_cache(url, args, proxy, rule, names, data, tmp)
 
     proxy.rule(rule)
     ctx = mp.get_context("spawn")
     ranks = [
         ctx.Process(target=rank_epoch, args=(url, str(tmp / f"ranks-{backend}"), r, args, order, env)) for r in range(2)
     ]
-    for r in ranks:
+    for r in ranks if "ranks" not in skip else ():
         r.start()
-    for r in ranks:
+    for r in ranks if "ranks" not in skip else ():
         r.join()
     twice = sum(1 for n in names if proxy.fetched(n) > (out / n).stat().st_size)
-    ranks_ratio = fetched(proxy, names) / data
+    ranks_ratio = fetched(proxy, names) / data if "ranks" not in skip else float("nan")
     proxy.stop()
     med = statistics.median
     return {
@@ -323,6 +339,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs of each measurement (medians reported)")
     p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
     p.add_argument("--unit-bytes", type=int, default=knobs.UNIT_BYTES, help="about the bytes of a memmap unit")
+    p.add_argument("--min-units", type=int, default=knobs.MIN_UNITS, help="the fewest units a dataset is cut into")
+    p.add_argument("--min-unit-bytes", type=int, default=knobs.MIN_UNIT_BYTES, help="down to units of this many bytes")
     p.add_argument("--unit-streams", type=int, default=knobs.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
     p.add_argument("--order", choices=("default", "random", "block"), default="default", help="ShardSampler's order")
     p.add_argument("--window", type=int, default=0, help="ShardSampler's window (0: its default)")
@@ -333,9 +351,10 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.02, help="first-byte delay per request, seconds")
     p.add_argument("--cap", type=float, default=1.25, help="bandwidth cap as a multiple of the warm consumption")
     p.add_argument("--stream-cap", type=float, default=0.0, help="the same, per GET (0: none)")
+    p.add_argument("--skip", default="", help="parts left out, comma-separated: half (the half cache), ranks")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "packer-bench-remote")
     args = p.parse_args()
-    knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
+    set_knobs(args)
 
     raw = args.work / f"raw-{args.images}"
     make_folder(raw, args.images, size=(480, 360), workers=2)
@@ -359,7 +378,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---:|---:|---|---:|---|---|---:|---|")
     for r in rows:
-        half = ", ".join(f"{h:.3f}x" for h in r["half"]) + f" (window {r['half_window']})" if r["half"] else "-"
+        half = "; ".join(f"{o:.3f}x ({d:.2f}x data, du peak {h:.2f} of the limit)" for o, d, h in r["half"])
+        half = half + f" (window {r['half_window']})" if r["half"] else "-"
         print(
             f"| {r['backend']} | {r['files']} | {r['units']} | {r['order']}, {r['mixing']:.3f} | "
             f"{r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "
@@ -370,8 +390,10 @@ def main() -> None:
         )
     for r in rows:
         wall, server_cpu, proxy_cpu, mine, workers = (c / args.runs for c in r["cpu"])
+        total = server_cpu + proxy_cpu + mine + workers
         print(
-            f"{r['backend']}: CPU per cold epoch ({wall:.2f} s x {os.cpu_count()} cores): server "
+            f"{r['backend']}: CPU per cold epoch ({wall:.2f} s x {os.cpu_count()} cores, {total / wall:.2f} busy; "
+            f"the store side's share {(server_cpu + proxy_cpu) / total:.0%}): server "
             f"{server_cpu:.2f} s, proxy {proxy_cpu:.2f} s, this process (the loop, the downloads) {mine:.2f} s, "
             f"DataLoader workers {workers:.2f} s; per warm local epoch: this process "
             f"{r['local_cpu'][2] / args.runs:.2f} s, workers {r['local_cpu'][3] / args.runs:.2f} s"

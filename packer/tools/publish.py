@@ -184,7 +184,7 @@ def _fetch(targets: dict[Path, _Target]) -> Fetch:
         if remote.version != record.get("version"):  # the files not on this disk are that version's
             raise BuildError(f"{t.url} changed while this build read it (another publish?); run the build again")
         for name in names:
-            os.close(remote._open_unit(root, name))
+            os.close(remote._open_file(root, name))
             _link_or_copy(root / name, out / name)
 
     return fetch

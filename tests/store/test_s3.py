@@ -35,6 +35,7 @@ from packer.read.remote.locks import locked as cache_lock
 from packer.store import StoreError
 from packer.store.base import PerProcess
 
+from .du import du_peak, on_disk
 from .furthest import furthest_future_bytes
 from .proxy import Faults, Proxy, serve_folder
 from .seaweed import S3Server
@@ -249,7 +250,7 @@ def test_cache_limit_that_cannot_work_refused_at_once(built, s3_server: S3Server
         ShardDataset(url, cache_dir=tmp_path / "cache", cache_limit=least - 1)
     remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=least)
     _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    assert max(_on_disk(tmp_path / "cache")) <= least
+    assert max(on_disk(tmp_path / "cache")) <= least
 
 
 def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
@@ -266,11 +267,12 @@ def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: 
     proxy.faults.append(Faults(match="shard-00000", fail=2))
     with pytest.raises(StoreError, match=r"shard-00000\.bin: failed 2 times"):
         ds[0]
-    assert _cached(cache) == sizes["shard-00000.bin"]  # reserved, kept for a resume
+    units = ds._remote._units  # record 0's unit: shard-00000's first range (units of 2 MiB or more)
+    assert units is not None and _cached(cache) == int(units.sizes[units.of[0]])  # reserved, kept for a resume
     local_ds = ShardDataset(local, crop_size=None, dtype=torch.uint8)
     assert torch.equal(ds[10][0], local_ds[10][0])  # shard-00001: the stale part made room
     assert torch.equal(ds[0][0], local_ds[0][0]) and _cached(cache) <= max(sizes.values())
-    assert max(_on_disk(cache)) <= least
+    assert max(on_disk(cache)) <= least
 
 
 def _least_limit(url: str, cache: Path) -> tuple[int, int]:
@@ -401,32 +403,22 @@ def test_default_sampler_two_workers_many_evictions(
     loader = DataLoader(
         remote, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context, persistent_workers=True
     )
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        want_sampler.set_epoch(epoch)
-        got, want = list(loader), list(DataLoader(local, batch_size=4, sampler=want_sampler))
-        assert len(got) == len(want) == 18
-        for g, w in zip(got, want):
-            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    same_epochs(loader, sampler, local, want_sampler, 18)
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())
 
 
-def _on_disk(cache: Path) -> tuple[int, int]:
-    """The bytes under ``cache`` as ``du`` counts them, taken without any lock of the cache: every
-    file and folder, each inode once (a unit and its link in its version's folder are one); their
-    sizes, and their allocated blocks (``du``'s default)."""
-    seen: set[tuple[int, int]] = set()
-    sizes = blocks = 0
-    for folder, folders, files in os.walk(cache):
-        for path in [folder, *(os.path.join(folder, name) for name in folders + files)]:
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:  # evicted meanwhile
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                sizes, blocks = sizes + st.st_size, blocks + st.st_blocks * 512
-    return sizes, blocks
+def same_epochs(
+    loader: DataLoader, sampler: ShardSampler, local: ShardDataset, want: ShardSampler, batches: int
+) -> None:
+    """Two epochs of ``loader`` (drawing from ``sampler``), each ``batches`` batches equal to the
+    ``local`` dataset's read in ``want``'s order."""
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        want.set_epoch(epoch)
+        got, wanted = list(loader), list(DataLoader(local, batch_size=loader.batch_size, sampler=want))
+        assert len(got) == len(wanted) == batches
+        for g, w in zip(got, wanted):
+            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -442,17 +434,7 @@ def test_cache_limit_holds_as_du_sees_it(
     limit = 6 * max(sizes.values())
     url = s3_server.upload(small_shards, f"du/{context}")
     cache = tmp_path / "cache"
-    highest = [0, 0]
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            highest[:] = map(max, highest, _on_disk(cache))
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=poll)
-    watcher.start()
-    try:
+    with du_peak(cache) as highest:
         remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
         local = ShardDataset(small_shards, crop_size=16, seed=5)
         sampler = ShardSampler(remote, seed=0)  # in the store: block order, its window within the limit
@@ -463,9 +445,6 @@ def test_cache_limit_holds_as_du_sees_it(
             want_sampler.set_epoch(epoch)
             got, want = list(loader), list(DataLoader(local, batch_size=2, sampler=want_sampler))
             assert len(got) == len(want) == 36 and all(torch.equal(g[0], w[0]) for g, w in zip(got, want))
-    finally:
-        done.set()
-        watcher.join()
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # it evicted
     assert 0 < max(highest) <= limit, (highest, limit)
 
@@ -480,7 +459,7 @@ def test_second_dataset_makes_room_for_its_index(small_shards: Path, s3_server: 
     first = ShardDataset(first_url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=least * 4)
     local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
     _same(first, local)
-    full = max(_on_disk(cache))  # the cache now, as the second dataset's limit: not a block to spare
+    full = max(on_disk(cache))  # the cache now, as the second dataset's limit: not a block to spare
     second = ShardDataset(
         s3_server.upload(small_shards, "du/second"),
         crop_size=None,
@@ -488,9 +467,9 @@ def test_second_dataset_makes_room_for_its_index(small_shards: Path, s3_server: 
         cache_dir=cache,
         cache_limit=full,
     )
-    assert max(_on_disk(cache)) <= full
+    assert max(on_disk(cache)) <= full
     _same(second, local)
-    assert max(_on_disk(cache)) <= full
+    assert max(on_disk(cache)) <= full
 
 
 @pytest.mark.parametrize("block_size,window,prefetch", [(1, 2, 4), (1, 4, 2), (1, 1, 8)])

@@ -8,7 +8,8 @@ readers (packer.backends) then read local files as they read any dataset; nothin
 reaches them.
 
 - **Units**: an LMDB segment is fetched whole (packer.pin's ``fetch``: the environment maps the
-  file). A memmap shard is fetched in ranges of a power of two records (about :data:`UNIT_BYTES`;
+  file). A memmap shard is fetched in ranges of a power of two records (about :data:`UNIT_BYTES`,
+  less for a dataset of fewer than :data:`MIN_UNITS` units: :func:`unit_records`;
   global record numbers ``u * per_unit`` and up, cut at shard ends, so ShardSampler's blocks of a
   power of two records up to that never straddle two units), each its own file
   ``FILE@START-END`` (a whole shard is named as its file): one file per range, not a sparse file
@@ -56,11 +57,16 @@ reaches them.
   background prefetch takes free room or evicts units of no known next use only, else it leaves
   the unit to the batch that needs it. The room a failed or killed download reserved goes first
   (no process holds its unit's lock). A limit below the largest unit's room and what the cache
-  keeps of its versions is refused at once, in one line that says what limit would work; a batch that
-  cannot make room lets go of its own units (they are opened again, fetched again if evicted
-  meanwhile), so two batches never wait on each other, and waits up to :data:`ROOM_WAIT` seconds
-  for other readers to let go, then fails clearly. Every count of the cache and every change to
-  it (a reservation, an eviction, a download renamed into ``units/``) is under one lock.
+  keeps of its versions is refused at once, in one line that says what limit would work. A memmap
+  batch whose unit finds no room (the units the batches in flight hold fill the limit: a global
+  shuffle through a small cache) reads just its records of it past the cache (:mod:`.ranges`:
+  byte ranges, nearby ones in one GET, each record checked), so any order works down to that
+  limit (where the process has the epoch's plan, such a download evicts no unit needed before its
+  own next use: Belady with bypass); an LMDB batch that cannot make room lets go of its own
+  units (they are opened again, fetched again if evicted meanwhile), so two batches never wait
+  on each other, and waits up to :data:`ROOM_WAIT` seconds for other readers to let go, then
+  fails clearly. Every count of the cache and every change to it (a reservation, an eviction, a
+  download renamed into ``units/``) is under one lock.
 - **Holding and letting go**: a process holds a unit (a shared flock on its own descriptor: no
   process evicts it; the kernel drops it if the holder dies) from before its download is renamed
   into ``units/`` (so none evicts it between its arrival and its first use), or from when it
@@ -80,7 +86,8 @@ reaches them.
 
 Files: client (Remote: pin, hold, release, prefetch, fetch a unit), versions (the pointer, a
 version's metadata), units (what is fetched, a memmap shard mapped unit by unit), download (a
-unit's ranged parts), checks (digests, CRC-32s, sidecars), eviction and nextuse (cache_limit),
+unit's ranged parts), ranges (records read past the cache), checks (digests, CRC-32s, sidecars),
+eviction and nextuse (cache_limit),
 turns (the prefetch threads and their turns), locks (flocks, holds, fork), paths (the cache
 directory's layout), settings (the tunables named above, the cache's directory and limit).
 """

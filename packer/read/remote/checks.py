@@ -34,6 +34,15 @@ ROWS_DTYPE = np.dtype([("position", "<i8"), ("length", "<u8"), ("crc32", "<u4")]
 Expected = tuple[Backend, np.ndarray, np.ndarray]
 
 
+def rows_of(index: np.ndarray, positions: np.ndarray, records: np.ndarray, base: int = 0) -> np.ndarray:
+    """The (position, length, crc32) of ``records`` (their ``positions`` in their data file, less
+    ``base``: the start of the unit they are in) from the version's ``index``."""
+    rows = np.empty(len(records), ROWS_DTYPE)
+    rows["position"] = positions[records] - base
+    rows["length"], rows["crc32"] = index["length"][records], index["crc32"][records]
+    return rows
+
+
 def sidecar_bytes(rows: np.ndarray) -> bytes:
     """The sidecar of a unit checked for ``rows`` (ROWS_DTYPE), as written beside it."""
     out = io.BytesIO()

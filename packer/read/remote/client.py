@@ -35,12 +35,13 @@ from ...store import ObjectNotFound, Store, open_store
 from ...store.base import ObjectInfo, PerProcess
 from ...store.published import FILES, parse_files
 from . import settings, turns
-from .checks import ROWS_DTYPE, Expected, Received, checked_for, sidecar_bytes, unit_problem
+from .checks import ROWS_DTYPE, Expected, Received, checked_for, rows_of, sidecar_bytes, unit_problem
 from .download import download, starts
 from .eviction import Files, NoRoom, create, evicted_too_often, fixed_room, make_room, room_for, too_small
 from .locks import HOLDERS, LOCKING, Held, close_held, let_go, locked
 from .nextuse import NextUses
 from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, remove, sidecar_of, unit_span
+from .ranges import read_records
 from .settings import VERIFY_ATTEMPTS, default_cache_dir, parse_limit
 from .units import RangedShard, Units
 from .versions import fetch_version
@@ -94,6 +95,8 @@ class Remote:
         # cycle would keep the units held until the garbage collector runs)
         self._units: Optional[Units] = None
         self._keys: Optional[tuple[str, dict[str, str]]] = None  # (version, data file -> object key): _key
+        # (shard, byte position) -> a record the batch being read took past the cache (no room for its unit)
+        self._past: PerProcess[dict[tuple[int, int], bytes]] = PerProcess(dict)
 
     @property
     def store(self) -> Store:
@@ -141,16 +144,28 @@ class Remote:
         root = self.home / VERSIONS / self.version
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
-        pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
+        pinned = pin(str(root), expect, fetch=lambda name: self._open_file(root, name))
         manifest = pinned.manifest
         ranged = BACKENDS[manifest.backend].concatenated
         if ranged and not self.per_unit:
-            mean = sum(int(s["bytes"]) for s in manifest.shards) / max(1, len(pinned.index))
-            self.per_unit = 1 << max(0, int(settings.UNIT_BYTES / max(mean, 1.0)).bit_length() - 1)
+            self.per_unit = settings.unit_records(sum(int(s["bytes"]) for s in manifest.shards), len(pinned.index))
         units = self._units = Units(manifest, pinned.index, self.per_unit if ranged else 0)
         if ranged:  # the reader maps each shard's units as it reads them, not whole shards
             pinned.shards = [
-                cast(Shard, (RangedShard(int(s["bytes"]), units, k, lambda key: self._map_unit(root, key)), None))
+                cast(
+                    Shard,
+                    (
+                        RangedShard(
+                            int(s["bytes"]),
+                            units,
+                            k,
+                            lambda key: self._map_unit(root, key),
+                            self._past.get,
+                            functools.partial(self._record_past, root),
+                        ),
+                        None,
+                    ),
+                )
                 for k, s in enumerate(manifest.shards)
             ]
         self._pinned = weakref.ref(pinned)
@@ -164,9 +179,12 @@ class Remote:
                 raise too_small(self.limit, self.url, self._named(units.keys[largest]), need, fixed)
         return pinned
 
-    def _map_unit(self, root: Path, key: str) -> np.ndarray:
-        """Unit ``key`` of the version at ``root``, mapped (fetched first unless the cache has it)."""
+    def _map_unit(self, root: Path, key: str) -> Optional[np.ndarray]:
+        """Unit ``key`` of the version at ``root``, mapped (fetched first unless the cache has it);
+        None when the cache has no room for it (its records are read past the cache)."""
         fd = self._open_unit(root, key)
+        if fd is None:
+            return None
         try:
             size = os.fstat(fd).st_size
             mapping = Mapping(fd, size) if size else None
@@ -183,6 +201,7 @@ class Remote:
         download that finds no room (in any thread). With a cache limit their mappings go too (the
         disk space of an evicted unit is freed with its last mapping)."""
         pinned = self._pinned() if self._pinned is not None else None
+        self._past.get().clear()
         if pinned is None or not pinned.shards or not isinstance(pinned.shards[0][0], RangedShard):
             return
         with self._lock.get():
@@ -214,6 +233,8 @@ class Remote:
         pending = self._pending.get()
         futures = {}
         numbers = units.of[records]
+        if wait:
+            self._next.reading = len(records)
         _, first = np.unique(numbers, return_index=True)
         order = numbers[np.sort(first)].tolist()  # in the order the records need them
         if not wait:
@@ -235,23 +256,71 @@ class Remote:
                     pending[name].add_done_callback(functools.partial(_forget, pending, name))
             if name in pending:
                 futures[name] = pending[name]
-        for name, future in futures.items() if wait else ():
+        if not wait:
+            return
+        past = self._await(futures)
+        # a prefetch that found no room left its unit to this batch; one evicted since, too
+        again = [n for n in wanted if n not in past and not (root / n).exists()]
+        pool = turns.prefetcher.get()
+        past += self._await({n: pool.submit(self._fetch_into, root, n, demand=True) for n in again})
+        if past:  # no room in the cache for them: the batch's records of them read past it
+            self._read_past(root, records[np.isin(numbers, [units.numbers[n] for n in past])])
+        # read from now on: until its units are in, the batch is what comes next (needed_before)
+        self._next.count(units, numbers, wait, epoch)
+
+    def _await(self, futures: dict[str, concurrent.futures.Future]) -> list[str]:
+        """Wait for the fetches ``futures`` of a batch, raising the first failure (a failed fetch is
+        forgotten once raised, so a later batch tries again); the units that found no room."""
+        pending, past = self._pending.get(), []
+        for name, future in futures.items():
             failure = future.exception()
             pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
             if failure is not None:
                 raise failure
-        if wait:  # read from now on: until its units are in, the batch is what comes next (needed_before)
-            self._next.count(units, numbers, wait, epoch)
+            if future.result():
+                past.append(name)
+        return past
 
-    def _fetch_into(self, root: Path, name: str, *, demand: bool) -> None:
+    def _read_past(self, root: Path, records: np.ndarray) -> None:
+        """``records`` of the version at ``root``, read from the store past the cache for the batch
+        being read (packer.read.remote.ranges): until :meth:`release`, its reader finds them there."""
+        manifest, index, files, positions = self._places(root)
+        names = data_files(manifest)
+        records = np.unique(records)
+        got = self._past.get()
+        for k in np.unique(files[records]).tolist():
+            mine = records[files[records] == k]
+            rows = rows_of(index, positions, mine)
+            key = self._key(names[k])
+            listed = int(manifest.shards[k]["bytes"])
+
+            def seen(found: ObjectInfo, key: str = key, listed: int = listed) -> None:
+                self._same_size(key, found, listed)
+                self._infos.get().setdefault(key, found)
+
+            data = read_records(
+                self.store, key, self._infos.get().get(key), rows, mine, seen=seen, named=self.store.name(key)
+            )
+            got.update(zip(((k, int(p)) for p in rows["position"].tolist()), data))
+
+    def _record_past(self, root: Path, k: int, start: int) -> bytes:
+        """The record at byte ``start`` of shard ``k``, read past the cache now: its unit has no room
+        (a read the batch's :meth:`prefetch` did not foresee, or whose records a release dropped)."""
+        _, _, files, positions = self._places(root)
+        self._read_past(root, np.flatnonzero((files == k) & (positions == start))[:1])
+        return self._past.get()[(k, start)]
+
+    def _fetch_into(self, root: Path, name: str, *, demand: bool) -> bool:
         """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a
-        prefetch, entered in the turns when submitted, whose download waits for its turn)."""
+        prefetch, entered in the turns when submitted, whose download waits for its turn). True
+        when a batch's unit found no room in the cache (its records are read past it)."""
         try:
             fd = self._fetch_unit(root, name, demand=demand)
         finally:
             turns.process_turns.get().leave(self._turn_key(name))
         if fd is not None:
             os.close(fd)
+        return demand and fd is None
 
     def _turn_key(self, name: str) -> tuple[str, str]:
         """Unit ``name`` of this dataset, as the process's turns know it (they serve every dataset)."""
@@ -281,9 +350,16 @@ class Remote:
 
     # --- units ----------------------------------------------------------------------------------
 
-    def _open_unit(self, root: Path, name: str) -> int:
+    def _open_file(self, root: Path, name: str) -> int:
+        """:meth:`_open_unit` of a whole data file (an LMDB file; a memmap shard with no cache limit)."""
+        fd = self._open_unit(root, name)
+        assert fd is not None, "only a memmap unit is read past the cache, under a limit"
+        return fd
+
+    def _open_unit(self, root: Path, name: str) -> Optional[int]:
         """A descriptor of data file ``name`` of the version at ``root``: fetched and checked first
-        unless the version already has it; held (shared flock) so that no process evicts it."""
+        unless the version already has it; held (shared flock) so that no process evicts it. None
+        when the cache has no room for it (a memmap unit: its records are read past the cache)."""
         try:
             fd = open_regular(root / name)
         except FileNotFoundError:
@@ -293,9 +369,7 @@ class Remote:
             return fd
         if fd >= 0:
             os.close(fd)  # evicted between the open and the lock: fetch it again
-        fetched = self._fetch_unit(root, name)
-        assert fetched is not None, "a reader's fetch returns the unit"
-        return fetched
+        return self._fetch_unit(root, name)
 
     def _hold(self, fd: int, path: Path) -> bool:
         """Take the shared flock that keeps the unit open at ``fd`` (``path``) from eviction; False
@@ -327,9 +401,10 @@ class Remote:
     def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
         """Unit ``name`` (a data file, or ``FILE@START-END``: a byte range of one) of the version at
         ``root`` in the cache, checked, linked into ``root``.
-        A reader's fetch (``demand``) returns a descriptor of it, held; a prefetch of the sampler's
-        next blocks returns None and leaves it to eviction by next use, or skips it when there is no
-        room for it without evicting what is needed sooner."""
+        A reader's fetch (``demand``) returns a descriptor of it, held, or None where the cache has
+        no room for a memmap unit (the batch reads its records past the cache); a prefetch of the
+        sampler's next blocks returns None and leaves it to eviction by next use, or skips it when
+        there is no room for it without evicting what is needed sooner."""
         manifest, index, files, positions = self._places(root)
         file, span = unit_span(name)
         k = data_files(manifest).index(file)
@@ -338,9 +413,7 @@ class Remote:
         if span is not None:
             inside &= (positions >= span[0]) & (positions < span[1])
         mine = np.flatnonzero(inside)
-        rows = np.empty(len(mine), ROWS_DTYPE)
-        rows["position"] = positions[mine] - (span[0] if span is not None else 0)  # in the unit's own file
-        rows["length"], rows["crc32"] = index["length"][mine], index["crc32"][mine]
+        rows = rows_of(index, positions, mine, span[0] if span is not None else 0)  # in the unit's own file
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
         with locked(self.home / LOCKS / f"unit-{name}"):
@@ -358,7 +431,7 @@ class Remote:
                     os.close(fd)  # evicted before the lock was taken: fetch it again
                 got = self._fetch_held(root, name, k, (backend, mine, rows), demand=demand)
                 if got is None:
-                    return None  # no room for a prefetch: the batch that needs it fetches it
+                    return None  # no room: a prefetch leaves it to the batch, a batch reads past the cache
                 hold, unit = got
                 try:
                     with contextlib.suppress(FileExistsError):
@@ -478,7 +551,9 @@ class Remote:
                 learned[0],
                 unit_span(name)[1],
                 turn=functools.partial(turns.process_turns.get().turn, self._turn_key(name)),
-                reserve=lambda files: self._make_room(_with_sidecar(files, part, rows), name, demand=demand),
+                reserve=lambda files: self._make_room(
+                    _with_sidecar(files, part, rows), name, demand=demand, past=demand and expected[0].concatenated
+                ),
                 received=received,
                 seen=seen,
             )
@@ -508,11 +583,12 @@ class Remote:
             remove(part, log_of(part), sidecar_of(part))
         raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
-    def _make_room(self, files: Files, name: Optional[str], *, demand: bool) -> None:
+    def _make_room(self, files: Files, name: Optional[str], *, demand: bool, past: bool = False) -> None:
         """Room under the cache limit for the ``files`` a download of unit ``name`` (None: a
         version's metadata) starts with, reserved (packer.read.remote.eviction.make_room), and the
-        files made; a limit that cannot hold a unit fails (one that cannot hold the metadata and
-        the largest unit fails in pin())."""
+        files made; a limit that cannot hold a unit fails, or where the batch can read its records
+        past the cache (``past``) raises NoRoom (one that cannot hold the metadata and the largest
+        unit fails in pin())."""
         if self.limit is None:
             create(files)
             return
@@ -529,6 +605,8 @@ class Remote:
             let_go=self.release,
             url=self.url,
             named=None if name is None else self._named(name),
+            past=past,
+            after=lambda: self._next.after(self._units.numbers[name]) if self._units is not None and name else -1,
         )
 
     def _next_use(self, unit: Path) -> Optional[int]:

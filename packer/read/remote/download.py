@@ -77,16 +77,18 @@ def download(
                 )
             except ObjectChanged:
                 remove(part, done_file, sidecar_of(part))
-                raise DatasetError(
-                    f"{store.name(key)}: replaced in the store while it was read (the dataset "
-                    f"was refreshed: open it again)"
-                ) from None
+                raise replaced(store.name(key)) from None
             os.fsync(fd)
         finally:
             os.close(fd)
             os.close(log)
     finally:
         arrival.end()
+
+
+def replaced(name: str) -> DatasetError:
+    """The error of object ``name`` replaced in the store while a reader fetched from it."""
+    return DatasetError(f"{name}: replaced in the store while it was read (the dataset was refreshed: open it again)")
 
 
 def starts(part: Path, size: int) -> Files:

@@ -21,7 +21,8 @@ from .settings import VERIFY_ATTEMPTS
 
 
 class NoRoom(Exception):
-    """A prefetch found no room without evicting what is needed sooner: the batch fetches it."""
+    """A prefetch found no room without evicting what is needed sooner (the batch fetches it), or a
+    batch's download found none at all (the batch reads its records past the cache)."""
 
 
 def _eviction_order(entry: tuple[Path, Optional[int]]) -> tuple[int, int, int]:
@@ -178,20 +179,25 @@ def make_room(
     let_go: Callable[[], None],
     url: str,
     named: Optional[str],
+    past: bool = False,
+    after: Callable[[], int] = lambda: -1,
 ) -> None:
-    """Evict units no reader holds (see packer.read.remote's docstring for the order) until the
-    room of ``files`` (:func:`room_for`) fits under ``limit`` in ``cache_dir``, and reserve it: the
-    files are made (a download's part at its full size) before the lock goes, so they count for
-    the next one (the cache never exceeds the limit).
-    A batch's download (``demand``) waits for readers to let go; a prefetch evicts only units
-    of no known next use (it would otherwise push out what the next batches need before it, and
-    its reservation would keep their downloads from the room), leaves the room of the units
-    needed before it (``needed_before`` the units ``there``, of dataset ``home``), and else
-    raises NoRoom; ``next_use`` ranks a cached unit, ``let_go`` lets go of the units the caller
-    holds. A limit that cannot hold ``files`` beside what no eviction frees fails at once
-    (``named``: the download, for the message); where ``named`` is None (a version's metadata,
-    which the dataset's check of its limit needs: packer.read.remote.client.Remote.pin) the files
-    are made once every unit no reader holds is evicted."""
+    """Evict units no reader holds (see packer.read.remote's docstring for the order) until the room of
+    ``files`` (:func:`room_for`) fits under ``limit`` in ``cache_dir``, and reserve it: the files
+    are made (a download's part at its full size) before the lock goes, so they count for the next
+    one (the cache never exceeds the limit). A batch's download (``demand``) waits for readers to
+    let go; a prefetch evicts only units of no known next use (it would otherwise push out what the
+    next batches need before it, and its reservation would keep their downloads from the room),
+    leaves the room of the units needed before it (``needed_before`` the units ``there``, of dataset
+    ``home``), and else raises NoRoom; ``next_use`` ranks a cached unit, ``let_go`` lets go of the
+    units the caller holds. A batch's download that can read its records past the cache instead
+    (``past``: a memmap unit, packer.read.remote.ranges) evicts no unit needed before its own next
+    use after the batch (``after()``, packer.read.remote.nextuse.NextUses.after) and raises NoRoom
+    where the room cannot be made at once, rather than wait for other readers. A limit that cannot
+    hold ``files`` beside what no eviction frees fails at once (``named``: the download, for the
+    message); where ``named`` is None (a version's metadata, which the dataset's check of its limit
+    needs: packer.read.remote.client.Remote.pin) the files are made once every unit no reader holds
+    is evicted."""
     need = room_for(files)
     cache_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + settings.ROOM_WAIT
@@ -201,13 +207,16 @@ def make_room(
             units, partial, fixed = taken.units, taken.partial, taken.fixed()
             overfull = fixed + need > limit
             if overfull and named is not None:
+                if past:
+                    raise NoRoom()
                 raise too_small(limit, url, named, need, fixed)
             for stale in partial:  # a download whose process died or gave up: its room first
                 if taken.used + need > limit and _drop_partial(stale):
                     taken.give_back(stale, log_of(stale), sidecar_of(stale))
             evicted = set()
+            keep = after() if past else -1  # units needed no later than this are kept
             for unit, rank in sorted(((u, next_use(u)) for u in units), key=_eviction_order):
-                if taken.used + need <= limit or (rank is not None and not demand):
+                if taken.used + need <= limit or (rank is not None and (not demand or rank <= keep)):
                     break
                 if evict(unit):
                     taken.give_back(unit, sidecar_of(unit))  # its links in version folders are the same inode
@@ -218,7 +227,7 @@ def make_room(
                 create(files)
                 return
             used = taken.used
-        if not demand:
+        if not demand or past:
             raise NoRoom()
         let_go()  # this batch's other units too: two batches that each hold some never wait on each other
         if time.monotonic() > deadline:

@@ -29,6 +29,7 @@ class NextUses:
         self._unread = 0  # records of this epoch not read yet
         self.planned: Optional[tuple[int, list[np.ndarray]]] = None  # (epoch, per unit: its draws' places)
         self.at = 0  # draws of the planned epoch read so far
+        self.reading = 0  # draws of the batch being read (from ``at`` on)
         self._pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=_PACE)  # (when, at)
         self._left: tuple[Optional[int], np.ndarray] = (None, np.zeros(0, np.int64))
 
@@ -43,6 +44,18 @@ class NextUses:
         if len(self._pace) >= _PACE // 2 and t1 > t0:
             return (at1 - at0) / (t1 - t0)
         return None
+
+    def after(self, k: int) -> int:
+        """For a batch's download of unit ``k`` that may read past the cache instead: the rank
+        before which no unit is evicted for it, the next use of ``k`` after the batch (NEVER where
+        there is none; Belady with bypass: a unit needed later than every cached one is not
+        cached); -1, every unit, where this process has no plan of the epoch (its DataLoader
+        workers: their next uses are guesses)."""
+        if self.planned is None or self._left[0] not in (None, self.planned[0]):
+            return -1
+        uses = self.planned[1][k] if k < len(self.planned[1]) else np.zeros(0, np.int64)
+        j = int(np.searchsorted(uses, self.at + self.reading))
+        return int(uses[j]) if j < len(uses) else NEVER
 
     def soonest(self, k: int) -> int:
         """:meth:`rank` of unit ``k``, after every known next use when it has none: a sort key."""

@@ -18,12 +18,31 @@ UNIT_STREAMS = 1
 #: About the bytes of a memmap unit: a range of a shard of a power of two records (AWS advises
 #: 8-16 MB ranges), whole shards when they are smaller.
 UNIT_BYTES = 8 << 20
+#: The fewest units a memmap dataset is cut into where units of at least :data:`MIN_UNIT_BYTES`
+#: allow: ShardSampler's default order waits, before its first batch, for a window of units (the
+#: 16 or more its labels need to mix), which in 8 MB units is all of a small dataset
+#: (docs/PERFORMANCE.md, "A cold first epoch from S3").
+MIN_UNITS = 64
+#: The least bytes of a unit cut smaller for :data:`MIN_UNITS`: a GET that moves for at least as
+#: long as it waits for its first byte (~20 ms from S3, at ~100 MB/s), so one stream at a time
+#: still keeps the readers fed.
+MIN_UNIT_BYTES = 2 << 20
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
 #: Seconds a batch's download waits for other readers to let go of units when the cache is full.
 ROOM_WAIT = 60.0
 _UNITS_LIMIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def unit_records(data_bytes: int, records: int) -> int:
+    """Records per memmap unit of a dataset of ``records`` records in ``data_bytes``: a power of
+    two of about :data:`UNIT_BYTES`, less for a dataset of fewer than :data:`MIN_UNITS` such units
+    (down to :data:`MIN_UNIT_BYTES`). A function of the dataset alone: every rank and worker of a
+    node names the same units."""
+    mean = data_bytes / max(1, records)
+    target = min(UNIT_BYTES, max(MIN_UNIT_BYTES, data_bytes // MIN_UNITS))
+    return 1 << max(0, int(target / max(mean, 1.0)).bit_length() - 1)
 
 
 def default_cache_dir() -> Path:

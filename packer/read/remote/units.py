@@ -4,6 +4,7 @@ shard as its reader slices it, each unit mapped as it is first read."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 
@@ -49,11 +50,21 @@ class Units:
 
 class RangedShard:
     """Memmap shard ``k`` as its reader slices it (``array[start:end]``), each unit mapped when a
-    record of it is first read: ``open_unit(name)`` fetches it into the cache first. The mappings
-    are kept in ``opened`` until :meth:`Remote.release` drops them."""
+    record of it is first read: ``open_unit(name)`` fetches it into the cache first, or gives None
+    where the cache has no room for it. The mappings are kept in ``opened`` until
+    :meth:`Remote.release` drops them. A record read past the cache (packer.read.remote.ranges) is
+    in ``past()``, keyed by (shard, position), or read now by ``read_past(k, position)``."""
 
-    def __init__(self, size: int, units: Units, k: int, open_unit: Callable[[str], np.ndarray]) -> None:
-        self.size, self._open_unit = size, open_unit
+    def __init__(
+        self,
+        size: int,
+        units: Units,
+        k: int,
+        open_unit: Callable[[str], Optional[np.ndarray]],
+        past: Callable[[], dict[tuple[int, int], bytes]],
+        read_past: Callable[[int, int], bytes],
+    ) -> None:
+        self.size, self.k, self._open_unit, self._past, self._read_past = size, k, open_unit, past, read_past
         mine = np.flatnonzero(units.shard == k)
         order = np.argsort(units.starts[mine], kind="stable")
         self._units = mine[order]
@@ -68,6 +79,12 @@ class RangedShard:
         j = max(0, int(np.searchsorted(self._starts, where.start, side="right")) - 1)
         array = self.opened.get(j)
         if array is None:
-            array = self.opened[j] = self._open_unit(self._keys[int(self._units[j])])
+            record = self._past().get((self.k, where.start))
+            if record is not None and len(record) == where.stop - where.start:
+                return np.frombuffer(record, np.uint8)
+            opened = self._open_unit(self._keys[int(self._units[j])])
+            if opened is None:
+                return np.frombuffer(self._read_past(self.k, where.start), np.uint8)[: where.stop - where.start]
+            array = self.opened[j] = opened
         base = int(self._starts[j])
         return array[where.start - base : where.stop - base]

@@ -1,0 +1,85 @@
+"""Records read past the cache (packer.read.remote.ranges), from a real S3 server (SeaweedFS on
+127.0.0.1) through the fault proxy: a batch whose units the cache limit cannot hold reads just its
+records of them, as byte ranges, checked; any order works down to the limit refused at open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from packer import ShardDataset, ShardSampler
+from packer.format import DatasetError
+
+from .du import du_peak
+from .proxy import Faults, Proxy
+from .seaweed import S3Server
+from .test_s3 import _files, _least_limit, same_epochs
+from .test_s3 import small_shards as small_shards  # the fixture: 18 shards of 4 records
+
+
+def _past_reads(proxy: Proxy, sizes: dict[str, int]) -> int:
+    """GETs of a shard's bytes that asked for less than one of its units (whole shards here)."""
+    short = 0
+    for key, ranges in proxy.ranges.items():
+        name = key.rsplit("/", 1)[-1]
+        for asked in ranges if name in sizes else ():
+            first, _, last = asked.removeprefix("bytes=").partition("-")
+            short += bool(asked) and int(last) + 1 - int(first) < sizes[name]
+    return short
+
+
+@pytest.mark.parametrize("limit", ["least", "half"])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_random_order_through_a_small_cache(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, context: str, limit: str
+) -> None:
+    """A global shuffle, 2 workers, batches of 8 records of 8 shards each: the batches in flight
+    need more units than a cache of half the data (or the least limit the open accepts: one unit)
+    holds. They read what has no room past the cache, for two epochs: the batches equal a local
+    run's, the cache, sampled as ``du`` counts it throughout, never exceeds the limit, and records
+    were read as ranges shorter than their unit."""
+    sizes = _files(small_shards)
+    url = s3_server.upload(small_shards, f"ranges/{context}-{limit}")
+    cache = tmp_path / "cache"
+    least, _ = _least_limit(url, cache)
+    bytes_limit = least if limit == "least" else sum(sizes.values()) // 2
+    with du_peak(cache) as highest:
+        remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=bytes_limit)
+        local = ShardDataset(small_shards, crop_size=16, seed=5)
+        sampler = ShardSampler(remote, seed=0, order="random")
+        want_sampler = ShardSampler(local, seed=0, order="random")
+        loader = DataLoader(
+            remote,
+            batch_size=8,
+            sampler=sampler,
+            num_workers=2,
+            multiprocessing_context=context,
+            persistent_workers=True,
+        )
+        same_epochs(loader, sampler, local, want_sampler, 9)
+    assert 0 < max(highest) <= bytes_limit, (highest, bytes_limit)
+    assert _past_reads(proxy, sizes) > 0
+
+
+def test_records_read_past_the_cache_are_checked(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path
+) -> None:
+    """A cache of one unit, a batch of records of every shard: all but one shard's are read past
+    the cache. A damaged range is read again (its records' CRC-32s); a store that damages every
+    response fails in one line naming the object and the record, and serves no byte of it."""
+    url = s3_server.upload(small_shards, "ranges/checked")
+    least, _ = _least_limit(url, tmp_path / "cache")
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=least)
+    local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
+    batch = list(range(0, len(local), 3))
+    proxy.faults.append(Faults(match="shard-00005", corrupt=1))
+    got = remote.__getitems__(batch)
+    assert all(torch.equal(g[0], local[i][0]) and g[1] == local[i][1] for g, i in zip(got, batch, strict=True))
+    assert _past_reads(proxy, _files(small_shards)) > 0 and proxy.faults[0].seen >= 2
+    proxy.faults[:] = [Faults(match="shard-00007", corrupt=-1)]
+    damaged = r"shard-00007\.bin: record \d+: CRC-32 differs .* after 3 (reads|downloads)$"
+    with pytest.raises(DatasetError, match=damaged):
+        remote.__getitems__([i for i in range(len(local)) if local.index["shard"][i] == 7] + batch)
