@@ -141,7 +141,10 @@ class Remote:
         root = self.home / VERSIONS / self.version
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
-        pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
+        try:
+            pinned = pin(str(root), expect, fetch=lambda name: self._open_unit(root, name))
+        except DatasetError as e:  # the version's index refused: named by its URL, not the cache's folder
+            raise type(e)(str(e).replace(str(root), f"{self.url} (version {self.version})")) from None
         manifest = pinned.manifest
         ranged = BACKENDS[manifest.backend].concatenated
         if ranged and not self.per_unit:
@@ -443,8 +446,8 @@ class Remote:
     def _same_size(self, key: str, info: ObjectInfo, listed: Optional[int]) -> None:
         if listed is not None and info.size != listed:
             raise DatasetError(
-                f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset "
-                f"was replaced since this version was opened: open it again)"
+                f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset was "
+                f"replaced since this version was opened, or its manifest does not match the store: open it again)"
             )
 
     def _download_checked(
