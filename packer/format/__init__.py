@@ -177,8 +177,8 @@ class Manifest:
     @classmethod
     def parse(cls, text: builtins.bytes, path: str | os.PathLike) -> Manifest:
         """The manifest ``text`` (the bytes of ``path``), checked: every rule a reader applies, and
-        the one place they are, so that a build can apply them to what it writes (:meth:`encode`)."""
-        path = Path(path)
+        the one place they are, so that a build can apply them to what it writes (:meth:`encode`).
+        ``path`` is named as given (a URL's ``s3://`` would lose a slash to Path)."""
         if len(text) > MAX_MANIFEST:
             raise DatasetError(f"{path}: manifest is over {MAX_MANIFEST >> 20} MiB, the most packer reads")
         try:
@@ -206,7 +206,7 @@ class Manifest:
     # per instance but never written to manifest.json.
     computed_digest = ""
 
-    def _check(self, path: Path) -> None:
+    def _check(self, path: str | os.PathLike) -> None:
         """Types and ranges, so that later arithmetic on tampered values cannot misbehave."""
 
         def bad(what: str) -> DatasetError:

@@ -77,6 +77,8 @@ class HttpStore(Store):
         if status in (401, 403):
             raise StoreError(f"{self.name(key)}: access denied (HTTP {status}{text}); check the credentials")
         reading = method in ("GET", "HEAD")
+        if status == 416 and reading:  # a range past the object's end: it is shorter than its listing says
+            raise StoreError(f"{self.name(key)}: shorter than the bytes asked ({headers.get('Range', '')}, HTTP 416)")
         if status == 412 and reading:
             raise ObjectChanged(f"{self.name(key)}: replaced while it was being read (HTTP 412)")
         if status == 412 or (status == 409 and "ConditionalRequestConflict" in text):

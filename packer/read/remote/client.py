@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import fcntl
 import functools
 import glob
@@ -138,13 +139,19 @@ class Remote:
         """The version this object reads (the dataset's current one, the first time), pinned; its
         data files are fetched as readers first need them."""
         if not self.version:
-            self.version = fetch_version(
-                self.store, self.url, self.home, reserve=lambda files: self._make_room(files, None, demand=True)
-            )
+            try:
+                self.version = fetch_version(
+                    self.store, self.url, self.home, reserve=lambda files: self._make_room(files, None, demand=True)
+                )
+            except OSError as e:
+                raise self._disk_full(f"{self.url}/{MANIFEST}", e) from None
         root = self.home / VERSIONS / self.version
         if not (root / MANIFEST).is_file():
             raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
-        pinned = pin(str(root), expect, fetch=lambda name: self._open_file(root, name))
+        try:
+            pinned = pin(str(root), expect, fetch=lambda name: self._open_file(root, name))
+        except DatasetError as e:  # the version's index refused: named by its URL, not the cache's folder
+            raise type(e)(str(e).replace(str(root), f"{self.url} (version {self.version})")) from None
         manifest = pinned.manifest
         ranged = BACKENDS[manifest.backend].concatenated
         if ranged and not self.per_unit:
@@ -398,7 +405,24 @@ class Remote:
         if old is not None:
             let_go(old)
 
+    def _disk_full(self, named: str, e: OSError) -> OSError | DatasetError:
+        """``e`` as the one line a user reads where it says the cache's disk is full (a write of
+        ``named``'s bytes into the cache), else ``e`` itself."""
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        return DatasetError(
+            f"{named}: the disk of the cache {self.cache_dir} is full ({e.strerror}); free room there, "
+            f"or set a cache_limit that the disk holds"
+        )
+
     def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
+        """:meth:`_fetch_locked`, a full disk said in one line naming the unit's object."""
+        try:
+            return self._fetch_locked(root, name, demand=demand)
+        except OSError as e:
+            raise self._disk_full(self._named(name), e) from None
+
+    def _fetch_locked(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
         """Unit ``name`` (a data file, or ``FILE@START-END``: a byte range of one) of the version at
         ``root`` in the cache, checked, linked into ``root``.
         A reader's fetch (``demand``) returns a descriptor of it, held, or None where the cache has
@@ -516,8 +540,8 @@ class Remote:
     def _same_size(self, key: str, info: ObjectInfo, listed: Optional[int]) -> None:
         if listed is not None and info.size != listed:
             raise DatasetError(
-                f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset "
-                f"was replaced since this version was opened: open it again)"
+                f"{self.store.name(key)}: {info.size} bytes, the manifest says {listed} (the dataset was "
+                f"replaced since this version was opened, or its manifest does not match the store: open it again)"
             )
 
     def _download_checked(

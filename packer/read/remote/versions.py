@@ -97,6 +97,8 @@ def _fetch_metadata(
         problem = metadata_problem(manifest, arrays)
         if problem:
             return problem
+        if root.is_dir() and not (root / MANIFEST).is_file():  # a folder left without its manifest: no reader pins it
+            shutil.rmtree(root, ignore_errors=True)
         try:
             os.rename(staging, root)
         except OSError:
