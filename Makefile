@@ -103,7 +103,7 @@ package-check: setup
 	$(PACKAGE_DIR)/venv/bin/pip install -q "$$(ls $(PACKAGE_DIR)/dist/*.whl)"
 	cd $(PACKAGE_DIR) && venv/bin/python "$(CURDIR)/scripts/check_package.py" --installed
 
-# The detection recipe (docs/FIELDS.md, "Training a detector"), run by tests/recipes/test_detector.py in a venv
+# The detection recipe (docs/FIELDS.md, "Training a detector"), run by tests/behaviour/test_detector.py in a venv
 # of its own: torchvision's wheels need their own torch release (RECIPE_SPEC, a multi-GB CUDA build that runs
 # on CPU), not the project's CPU torch, so they cannot go into $(VENV). packer is installed there editable
 # from the checkout, so the recipe runs the sources as they are. PACKER_RECIPE=1: a missing torchvision fails.
@@ -115,7 +115,7 @@ $(RECIPE_DIR)/venv/.installed: pyproject.toml packer/_native.c packer/_resize.c 
 	touch $@
 
 recipe-check: setup $(RECIPE_DIR)/venv/.installed
-	PACKER_RECIPE=1 $(RECIPE_DIR)/venv/bin/python -m pytest -q -p no:cacheprovider tests/recipes
+	PACKER_RECIPE=1 $(RECIPE_DIR)/venv/bin/python -m pytest -q -p no:cacheprovider tests/behaviour/test_detector.py
 
 # packer/_native.c and _resize.c built with AddressSanitizer and UBSan (any report aborts), then fuzzed with
 # damaged and random JPEGs, crop boxes and buffer sizes (scripts/fuzz_native.py). Python itself is not

@@ -1,5 +1,5 @@
 """Train torchvision's Faster R-CNN for a few steps on a dataset packed with ``packer build --coco``:
-the recipe docs/FIELDS.md shows ("Training a detector"), run as it is by tests/recipes/test_detector.py
+the recipe docs/FIELDS.md shows ("Training a detector"), run as it is by tests/behaviour/test_detector.py
 (`make recipe-check`). One JSON line per step: the losses, and each sample's id and box labels.
 
     python scripts/train_detector.py coco.lmdb [--steps 20] [--batch-size 4] [--workers 2]

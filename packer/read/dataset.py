@@ -71,11 +71,8 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> to
     packer.read.batchpool) when one is free; else fresh memory, in shared memory when ``shared``
     (where a DataLoader worker's batch must end up; default_collate allocates it the same way)."""
     lent = batchpool.lend(shape, dtype)
-    return lent if lent is not None else fresh_tensor(shape, dtype, shared)
-
-
-def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """An uninitialised tensor in fresh memory, in shared memory when ``shared``."""
+    if lent is not None:
+        return lent
     if not shared:
         return torch.empty(shape, dtype=dtype)
     numel = 1
@@ -105,18 +102,19 @@ def collate_samples(
 
 
 def stack_tensors(column: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tensors of one shape stacked (in a worker into shared memory, as torch's own collate does),
-    by numpy where they have its dtype: torch.stack starts its intra-op threads, several times
-    slower for a batch of masks on a busy host (docs/PERFORMANCE.md, "Fields")."""
+    """Tensors of one shape stacked, by numpy where they have its dtype (torch.stack starts its
+    intra-op threads, several times slower for a batch of masks on a busy host), into a batch of
+    the process's pool (:func:`batch_tensor`: in a worker, reused shared memory, as the images'
+    batch is; docs/PERFORMANCE.md, "Fields")."""
     from torch.utils.data import default_collate
 
     try:
         arrays = [t.numpy() for t in column]
     except (TypeError, RuntimeError):  # a dtype numpy lacks, a tensor that needs grad or is not on the CPU
         return default_collate(list(column))
-    out = fresh_tensor((len(arrays), *arrays[0].shape), column[0].dtype, get_worker_info() is not None)
+    out = batch_tensor((len(arrays), *arrays[0].shape), column[0].dtype, get_worker_info() is not None)
     np.stack(arrays, out=out.numpy())
-    return out
+    return batchpool.pooled(out)
 
 
 def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
