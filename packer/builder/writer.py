@@ -44,6 +44,7 @@ from .segments import Base, Fetch, link_base, old_files, plan
 from .shared import Blocks, attach, detach
 from .staging import (
     PLAN,
+    PROGRESS,
     SAMPLE_DTYPE,
     SAMPLES_PART,
     BuildReport,
@@ -152,7 +153,7 @@ class Writer:
             check_target(self.out, replaces=self.options.force, keeps=self.options.update or self.options.resume)
             if self.options.update and not self.options.force:
                 self._refresh = Refresh.of(self.out, self._resolved, self.fields, quiet, self._fetch)
-            elif (self.out / MANIFEST).is_file() and not self.options.force:
+            elif (self.out / MANIFEST).is_file() and not self.options.force and not self._continues():
                 if self.options.resume and (self._staging / PLAN).is_file():
                     continue_plan(self.out, self._staging, None, quiet, None)  # refused if it was a refresh
                 raise BuildError(
@@ -196,6 +197,10 @@ class Writer:
         # with update, this process takes each sample's digest (to compare it), not the workers
         identified = self._identified and self._refresh is None
         self._job = SampleJob(self._spec, self.fields, self._labelled, classes_count, identified)
+
+    def _continues(self) -> bool:
+        """Whether this Writer resumes an interrupted pack (its staging folder has a checkpoint)."""
+        return self.options.resume and (self._staging / PROGRESS).is_file()
 
     def _resume(self, state: dict[str, Any]) -> None:
         """Continue the interrupted pack whose checkpoint is ``state``: its samples, to check against
