@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -309,8 +310,8 @@ class Lease:
         except (ObjectNotFound, ObjectChanged):
             return None
         except ValueError:  # not a lease packer wrote: treated as one held for the default time
-            return info, {}
-        return info, doc if isinstance(doc, dict) else {}
+            doc = {}
+        return info, _lease_fields(doc)
 
     def _take(self) -> None:
         """Create the lease, or take over an expired one, or raise/wait while another holds it."""
@@ -328,15 +329,18 @@ class Lease:
             if current is None:
                 continue  # released meanwhile: try to create it again
             info, doc = current
-            ttl = float(doc.get("ttl_s", LEASE_TTL_S))
+            ttl = doc["ttl_s"]
             seen = time.monotonic() - first_seen.setdefault(info.etag, time.monotonic())
             age = info.served - info.modified if info.modified and info.served else seen
-            # HTTP dates are whole seconds: the age by them may be a second too long
-            expired = max(age - DATE_RESOLUTION_S, seen) >= ttl or _died_here(doc)
+            # HTTP dates are whole seconds: the age by them may be a second too long. They are the store's
+            # (its Date and Last-Modified may come from two nodes whose clocks disagree), so a lease they
+            # call expired is taken over only once seen unchanged for two of its renewal periods too.
+            old = age - DATE_RESOLUTION_S >= ttl and seen >= 2 * ttl / 3
+            expired = seen >= ttl or old or _died_here(doc)
             if expired and self._take_over(info, doc):
                 return
-            holder = str(doc.get("holder", "another writer"))
-            since = f" since {utc(float(doc['since']))}" if isinstance(doc.get("since"), (int, float)) else ""
+            holder = doc["holder"]
+            since = f" since {utc(doc['since'])}" if "since" in doc else ""
             if not self.wait:
                 raise BuildError(
                     f"{self.store.url} is being built by {holder}{since} (lease renewed {max(0.0, age):.0f} s ago, "
@@ -362,7 +366,7 @@ class Lease:
         if mine is None or mine[1].get("token") != self.token:
             return False
         why = "its process is gone" if _died_here(doc) else "expired"
-        say(f"took over the lease of {doc.get('holder', 'another writer')} on {self.store.url} ({why})", self.quiet)
+        say(f"took over the lease of {doc['holder']} on {self.store.url} ({why})", self.quiet)
         return True
 
     def _probe(self) -> None:
@@ -394,13 +398,34 @@ class Lease:
                 last_ok = time.monotonic()
             except PreconditionFailed:
                 current = self._read()
-                who = current[1].get("holder", "another writer") if current else "nobody"
+                who = current[1]["holder"] if current else "nobody"
                 self.lost = f"{self.name} is now held by {who}"
                 return
             except StoreError as e:
                 if time.monotonic() - last_ok >= self.ttl_s:
                     self.lost = f"not renewed for {self.ttl_s:.0f} s: {e}"
                     return
+
+
+def _lease_fields(doc: object) -> dict[str, Any]:
+    """A lease document's fields as the lease uses them, whoever wrote it: a holder of one short line,
+    a finite ttl >= 0 (the default where it has none), and a ``since`` and ``pid`` only where they can
+    be one, so that a hostile or mangled lease ends in one line of BuildError, or an expiry, not a
+    crash or a message of its own size."""
+    doc = doc if isinstance(doc, dict) else {}
+    holder = str(doc.get("holder", "another writer")).splitlines() or [""]
+    out: dict[str, Any] = {"holder": holder[0][:200] or "another writer", "token": doc.get("token")}
+    ttl = doc.get("ttl_s", LEASE_TTL_S)
+    finite = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and math.isfinite(ttl)
+    out["ttl_s"] = max(0.0, float(ttl)) if finite else LEASE_TTL_S
+    since = doc.get("since")
+    if isinstance(since, (int, float)) and math.isfinite(since) and 0 <= since < 1e11:  # up to year 5138
+        out["since"] = float(since)
+    pid = doc.get("pid")
+    if isinstance(pid, int) and 0 < pid < 2**31:
+        out["pid"] = pid
+    out["machine"] = str(doc.get("machine", ""))
+    return out
 
 
 def _machine() -> str:

@@ -7,6 +7,7 @@ bytes per object, and keeps each GET's Range header."""
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import re
 import socket
@@ -55,6 +56,7 @@ class Faults:
     rate: float = 0.0
     stream_rate: float = 0.0
     then: Callable[[], object] | None = None
+    date_skew: float = 0.0  # seconds added to the Date header of its GET and HEAD answers (a skewed store clock)
     seen: int = 0
     free_at: float = 0.0  # when the bandwidth ``rate`` shares across all its responses is free again
 
@@ -162,6 +164,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                 applies = self.command if writing else "GET"
                 rule = next((f for f in proxy.faults if f.match in key and f.method == applies), None)
                 delay = rule.delay if rule is not None else 0.0  # a HEAD waits for its first byte too
+                skew = rule.date_skew if rule is not None else 0.0
                 rule = rule if self.command != "HEAD" else None  # and meets no other fault
                 n = -1
                 if rule is not None:
@@ -186,6 +189,9 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
                 self._reply(503, b"<Error><Code>SlowDown</Code></Error>", {})
                 return
             headers = {k: v for k, v in response.getheaders() if k.lower() not in ("connection", "transfer-encoding")}
+            if skew and "Date" in headers:
+                served = email.utils.parsedate_to_datetime(headers["Date"]).timestamp() + skew
+                headers["Date"] = email.utils.formatdate(served, usegmt=True)
             if self.command == "HEAD":
                 self._reply(response.status, b"", headers, length=headers.get("Content-Length"))
                 return
@@ -245,7 +251,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             rule: Faults | None = None,
             then: Callable[[], object] | None = None,
         ) -> None:
-            self.send_response(status)
+            self.send_response_only(status)  # the store's own Date and Server, not a second pair of the proxy's
             for k, v in headers.items():
                 if k.lower() != "content-length":
                     self.send_header(k, v)
