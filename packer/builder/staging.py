@@ -63,8 +63,8 @@ from ..format.label_arrays import arrays_digest, class_counts
 from .options import CHECKPOINT_RECORDS, BuildError, BuildOptions, Resolved
 from .preprocess import Record, Result, Skip
 from .scan import Scan, Source
-from .segments import Base, data_table
-from .update import Changes, Kept, inputs_digest
+from .segments import Base, Fetch, data_table, link_base, old_files
+from .update import Changes, Kept, ReusePlan, inputs_digest
 
 BUILD_STATE = "build.json"
 PROGRESS = "progress.json"
@@ -636,3 +636,41 @@ def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.
     else:
         staging.rename(out)
     fsync_path(out.parent)
+
+
+def continue_plan(out: Path, staging: Path, reuse: Optional[ReusePlan], quiet: bool, fetch: Optional[Fetch]) -> Plan:
+    """The :class:`~packer.builder.staging.Plan` the interrupted build at ``staging`` recorded, its old
+    data files linked again (not a new plan: the journal's rows point into the data files it chose),
+    or BuildError where this command cannot continue it: a refresh resumed as a build that writes
+    every record, or the other way round, or a refresh of an OUT replaced since."""
+    recorded = Plan.recorded(staging)
+    if recorded.of is not None and reuse is None:
+        raise cannot_resume(
+            f"the interrupted build refreshed {out} (--update), reusing its records; "
+            f"resume it with --update --resume, or build again without --resume"
+        )
+    if recorded.of is None and reuse is not None:
+        raise cannot_resume(
+            f"the interrupted build of {out} wrote every record itself (--force or a first build); "
+            f"resume it without --update, or run the --update again without --resume"
+        )
+    if reuse is not None:
+        if recorded.of != reuse.manifest.computed_digest:
+            raise cannot_resume(f"{out} changed since the interrupted refresh; run the --update again without --resume")
+        recorded.check_linked(out)
+        if recorded.base:
+            reuse.base = link_base(out, staging, recorded.base, quiet, remote=fetch is not None)
+            if reuse.base is None:
+                raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
+        fetch_copied(out, reuse, fetch)
+    return recorded
+
+
+def fetch_copied(out: Path, reuse: ReusePlan, fetch: Optional[Fetch]) -> None:
+    """The old data files whose records the refresh copies (those after the linked ones), fetched into
+    ``out`` from object storage where they are not there."""
+    linked = len(reuse.base.files) if reuse.base is not None else 0
+    names = [str(f["file"]) for f in old_files(reuse.manifest, reuse.index)[linked:]]
+    missing = [name for name in names if not os.path.lexists(out / name)]
+    if fetch is not None and missing and reuse.old_of.max(initial=-1) >= 0:
+        fetch(out, missing)

@@ -37,7 +37,6 @@ from ..format.fields import Field, declare, encode_fields, join_record, nearest,
 from ..format.records import FORMATS
 from .options import CHECKPOINT_RECORDS, SHARD_SIZE, BuildOptions, Resolved
 from .paths import check_target, dataset_path, lock_outputs
-from .pipeline import continue_plan
 from .preprocess import PreprocessSpec, Record, Skip, describe, load_bytes, load_image
 from .scan import Paths, PathsBuilder, Scan, Source, Sources, open_source
 from .segments import Base, Fetch, link_base, old_files, plan
@@ -52,6 +51,7 @@ from .staging import (
     RecordSink,
     cannot_resume,
     complete,
+    continue_plan,
     open_staging,
     staging_path,
 )
