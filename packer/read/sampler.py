@@ -448,11 +448,11 @@ def _mixing_window(sampler: ShardSampler, units: list[tuple[int, Optional[int]]]
     windows fetched ahead. Unlabeled or multi-label: :data:`UNLABELED_WINDOW`."""
     n, block = sampler.size, sampler.block_size
     most = -(-n // block)
-    for per_unit, limit in units:
-        if limit is not None and per_unit:
-            lengths = np.concatenate([i["length"] for i in _indexes(sampler.dataset)])
-            unit_bytes = per_unit * max(1.0, float(lengths.mean()))
-            most = min(most, max(1, int(limit // (unit_bytes * (sampler.prefetch + 2)))))
+    limited = [(per_unit, limit) for per_unit, limit in units if limit is not None and per_unit]
+    if limited:  # the mean record's bytes, over every member's index at once
+        record_bytes = max(1.0, float(np.concatenate([i["length"] for i in _indexes(sampler.dataset)]).mean()))
+        for per_unit, limit in limited:
+            most = min(most, max(1, int(limit // (per_unit * record_bytes * (sampler.prefetch + 2)))))
     labels = np.asarray(getattr(sampler.dataset, "labels", np.full(n, -1)))
     if (labels < 0).all():
         return min(UNLABELED_WINDOW, most)
