@@ -4,12 +4,13 @@ and as raw pixels (the first layout), train crops moving them, ratios measured i
 write side: ``packer.pack`` from paths and from in-memory arrays against ``packer build`` of the
 same photos (docs/PERFORMANCE.md, "Fields").
 
-    .venv/bin/python scripts/bench_fields.py [--records 1024] [--repeats 5] [--workers 0] [--pack]
+    .venv/bin/python scripts/bench_fields.py [--records 1024] [--repeats 5] [--workers 0] [--formats jpeg,raw] [--pack]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -49,23 +50,43 @@ def samples(n: int, with_mask: bool) -> list[dict]:
     return out
 
 
-def rates(paths: dict[str, Path], repeats: int, workers: int) -> dict[str, list[float]]:
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process (all its threads) and its live child processes (the
+    DataLoader workers, persistent: alive from the warm-up round on), read from /proc/<pid>/stat
+    (utime + stime; an idle worker of another loader adds nothing)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # a process that exited meanwhile
+            continue
+        if fields[1] == me:  # ppid (field 4; fields[0] is the state)
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return total
+
+
+def rates(paths: dict[str, Path], repeats: int, workers: int) -> dict[str, tuple[list[float], list[float]]]:
     """Samples/s of train crops (224, uint8) over every record of each dataset, one epoch each in
-    turn, ``repeats`` rounds after a warm-up round (interleaved: a busy host slows them alike)."""
+    turn, ``repeats`` rounds after a warm-up round (interleaved: a busy host slows them alike), by
+    wall time and by CPU time (this process and its DataLoader workers: :func:`cpu_seconds`)."""
     loaders = {}
     for name, path in paths.items():
         ds = ShardDataset(path, crop_size=224, train=True, dtype=torch.uint8)
         sampler = ShardSampler(ds)
         loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=workers, persistent_workers=workers > 0)
         loaders[name] = (sampler, loader)
-    out: dict[str, list[float]] = {name: [] for name in paths}
+    out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in paths}
     for epoch in range(repeats + 1):
         for name, (sampler, loader) in loaders.items():
             sampler.set_epoch(epoch)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             n = sum(len(b["image"] if isinstance(b, dict) else b[0]) for b in loader)
+            wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
             if epoch:
-                out[name].append(n / (time.perf_counter() - t0))
+                out[name][0].append(n / wall)
+                out[name][1].append(n / cpu)
     return out
 
 
@@ -120,6 +141,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--formats", default="jpeg,raw", help="record formats read (comma-separated)")
     parser.add_argument("--pack", action="store_true", help="time the write side instead (all cores unless --workers)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,7 +151,7 @@ def main() -> None:
             return
         plain = samples(args.records, False)
         masked = samples(args.records, True)
-        for fmt in ("jpeg", "raw"):
+        for fmt in args.formats.split(","):
             sets = {
                 "no fields": ([{"image": s["image"]} for s in plain], {}),
                 "10 boxes": (plain, {"boxes": "boxes", "box_labels": "box_labels"}),
@@ -144,12 +166,15 @@ def main() -> None:
                 paths[name] = root / f"{fmt}-{name.replace(' ', '_').replace('+', '').replace(',', '')}"
                 packer.pack(data, paths[name], fields=fields, format=fmt, backend="memmap")
             results = rates(paths, args.repeats, args.workers)
-            base = statistics.median(results["no fields"])
-            for name, got in results.items():
+            base_wall, base_cpu = results["no fields"]
+            for name, (wall, cpu) in results.items():
                 kb = np.load(paths[name] / "index.npy", allow_pickle=False)["length"].mean() / 1000
+                # each round's own ratio: the datasets of a round run back to back, under the same load
+                by_wall = [w / b for w, b in zip(wall, base_wall)]
+                by_cpu = [c / b for c, b in zip(cpu, base_cpu)]
                 print(
-                    f"{fmt:>4} {name:<16} {_spread(got, '.0f')} samples/s  {statistics.median(got) / base:.2f}x  "
-                    f"{kb:.0f} KB/record"
+                    f"{fmt:>4} {name:<16} {_spread(wall, '.0f')} samples/s, {_spread(cpu, '.0f')} per CPU-s; "
+                    f"per round {_spread(by_wall, '.2f')}x wall, {_spread(by_cpu, '.2f')}x CPU  {kb:.0f} KB/record"
                 )
 
 

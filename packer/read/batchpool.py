@@ -178,3 +178,76 @@ def _release(mm: mmap.mmap, pid: int) -> None:
     array still holds its buffer.)"""
     if os.getpid() == pid:
         mm[0] = 0
+
+
+#: A tensor (or a list of per-sample tensors) of fewer bytes than this crosses from a DataLoader
+#: worker by value, inside the pickled batch, rather than in a shared-memory segment of its own:
+#: torch's way costs a segment made, its descriptor passed and mapped by the receiver, for a few
+#: hundred bytes of labels or boxes (docs/PERFORMANCE.md, "Fields").
+INLINE_MAX = 1 << 16
+
+
+class InlineBatch(torch.Tensor):
+    """A small batch tensor made in a DataLoader worker: pickles as its bytes (see :data:`INLINE_MAX`)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # as PooledBatch
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        plain = self.as_subclass(torch.Tensor)
+        return _tensor, (bytearray(plain.numpy().tobytes()), plain.numpy().dtype.str, tuple(plain.shape))
+
+
+class InlineList(list):
+    """Per-sample tensors of one dtype and trailing shape, made in a DataLoader worker (boxes, box
+    labels): pickle as their bytes joined and their lengths, unpickled into a plain list of views of
+    one tensor (as the worker made them)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        arrays = [t.numpy() for t in self]
+        joined = np.concatenate(arrays)
+        return _split, (bytearray(joined.tobytes()), joined.dtype.str, joined.shape[1:], [len(a) for a in arrays])
+
+
+def inline(value: Any) -> Any:
+    """``value`` (a collated batch's tensor, or list of per-sample tensors) marked to pickle by value
+    when this is a DataLoader worker and it is small (:data:`INLINE_MAX`); else unchanged."""
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        if type(value) is torch.Tensor and _plain([value]) and value.nbytes < INLINE_MAX:
+            return value.as_subclass(InlineBatch)
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(type(t) is torch.Tensor for t in value)
+        and _plain(value)
+        and all(t.dim() > 0 and t.dtype == value[0].dtype and t.shape[1:] == value[0].shape[1:] for t in value)
+        and sum(t.nbytes for t in value) < INLINE_MAX
+    ):
+        return InlineList(value)
+    return value
+
+
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    """Whether each of ``tensors`` is a CPU tensor without grad of a dtype numpy has."""
+    return all(t.device.type == "cpu" and not t.requires_grad and t.dtype in _NUMPY_DTYPES for t in tensors)
+
+
+_NUMPY_DTYPES = frozenset(
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32)
+    + (torch.float64, torch.complex64, torch.complex128)
+)
+
+
+def _tensor(data: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Unpickling side of :class:`InlineBatch`: a plain tensor over ``data`` (its bytes, writable)."""
+    array = np.frombuffer(data, np.dtype(dtype)) if data else np.zeros(0, np.dtype(dtype))
+    return torch.from_numpy(array.reshape(shape))
+
+
+def _split(data: bytearray, dtype: str, tail: tuple[int, ...], lengths: list[int]) -> list[torch.Tensor]:
+    """Unpickling side of :class:`InlineList`: a plain list of views of one tensor."""
+    return list(_tensor(data, dtype, (sum(lengths), *tail)).split(lengths))

@@ -97,7 +97,10 @@ def collate_samples(
 
     columns = [[s[k] for s in batch] for k in range(1, len(batch[0]))]
     # class ids: one torch.tensor call (half the time of default_collate's); tensors: stacked
-    rest = [torch.tensor(c, dtype=torch.int64) if isinstance(c[0], int) else default_collate(c) for c in columns]
+    rest = [
+        batchpool.inline(torch.tensor(c, dtype=torch.int64)) if isinstance(c[0], int) else default_collate(c)
+        for c in columns
+    ]
     return [stack_images([s.image for s in batch]), *rest]
 
 
@@ -160,7 +163,9 @@ def collate_fields(
     (``DataLoader(collate_fn=functools.partial(collate_fields, padded=True))``): boxes and box
     labels instead as one B x N x ... tensor each, N the batch's most, padded with zeros (boxes)
     and -1 (labels), with ``<name>_lengths``, each sample's count (int64 B)."""
-    return {"image": stack_images([s["image"] for s in batch]), **collate_columns(batch, padded=padded)}
+    # labels, ids, boxes: by value across a worker's pipe, not a shared-memory segment each (batchpool.inline)
+    columns = {key: batchpool.inline(v) for key, v in collate_columns(batch, padded=padded).items()}
+    return {"image": stack_images([s["image"] for s in batch]), **columns}
 
 
 def collate_columns(batch: Sequence[FieldSample], *, padded: bool = False) -> dict[str, Any]:

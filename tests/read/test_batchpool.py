@@ -133,3 +133,23 @@ def test_without_memfd_batches_use_torch_shared_memory(built, monkeypatch) -> No
     expected = torch.stack([ds[i][0] for i in range(6)])
     got = torch.cat([b[0] for b in DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="fork")])
     assert torch.equal(got[:6], expected)
+
+
+def test_small_tensors_pickle_by_value_only_in_a_worker(built) -> None:
+    """A worker's small batch tensors and lists of per-sample tensors pickle as their bytes and come
+    back as plain tensors and lists; outside a worker, or past INLINE_MAX, nothing is marked."""
+    from multiprocessing.reduction import ForkingPickler
+
+    labels, boxes = torch.arange(6), list(torch.rand(10, 4).split([3, 0, 7]))
+    assert batchpool.inline(labels) is labels and batchpool.inline(boxes) is boxes  # not a worker
+    ds = ShardDataset(built("lmdb", "jpeg"), crop_size=32, dtype=torch.uint8)
+    _, got = next(iter(DataLoader(ds, batch_size=4, num_workers=1)))
+    assert type(got) is torch.Tensor and not got.is_shared() and got.tolist() == ds.labels[:4].tolist()
+    for value in (labels, boxes):
+        marked = batchpool.InlineList(value) if isinstance(value, list) else value.as_subclass(batchpool.InlineBatch)
+        back = pickle.loads(ForkingPickler.dumps(marked))
+        if isinstance(value, list):
+            assert type(back) is list and [type(t) for t in back] == [torch.Tensor] * 3
+            assert all(torch.equal(x, y) for x, y in zip(back, value)) and back[1].shape == (0, 4)
+        else:
+            assert type(back) is torch.Tensor and torch.equal(back, value)

@@ -322,3 +322,22 @@ def test_a_batch_transform_receives_the_fields(drawn: Path) -> None:
     missing = ShardDataset(drawn, crop_size=96, batch_transform=lambda images, fields: (images, {"id": fields["id"]}))
     with pytest.raises(ValueError, match=r"called as batch_transform\(images, fields\) and returns \(images, fields\)"):
         missing[0]
+
+
+def test_a_workers_batch_arrives_whole_and_equal_by_value(drawn: Path) -> None:
+    """Labels, ids, boxes and box labels cross from a DataLoader worker inside the pickled batch
+    (packer.read.batchpool.inline), not in a shared-memory segment each: what arrives is plain
+    lists of plain tensors, not in shared memory, equal to the same batches read in this process."""
+    ds = ShardDataset(drawn, crop_size=112, train=True, dtype=torch.uint8, seed=5)
+    here = list(DataLoader(ds, batch_size=6, num_workers=0))
+    there = list(DataLoader(ds, batch_size=6, num_workers=2))
+    assert len(here) == len(there) == 3
+    for a, b in zip(here, there):
+        assert set(a) == set(b)
+        for key in ("label", "id"):
+            assert type(b[key]) is torch.Tensor and not b[key].is_shared() and torch.equal(a[key], b[key])
+        for key in ("boxes", "box_labels"):
+            assert type(b[key]) is list and all(type(t) is torch.Tensor and not t.is_shared() for t in b[key])
+            assert [t.dtype for t in b[key]] == [t.dtype for t in a[key]]
+            assert all(torch.equal(x, y) for x, y in zip(a[key], b[key]))
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["mask"], b["mask"])
