@@ -33,7 +33,7 @@ COCO_FIELDS = ("boxes", "box_labels", "mask")
 def rle_counts(counts: Any) -> list[int]:
     """The run lengths of a COCO RLE: a list of ints, or the compressed string of pycocotools
     (6-bit groups from character 48, 5 bits each, continuation bit 0x20, sign bit 0x10 on the
-    last; from the third run on, a delta on the run two before)."""
+    last; from the fourth run on, a delta on the run two before, as pycocotools' rleFrString)."""
     if isinstance(counts, list):
         if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
             raise ValueError("RLE counts: not non-negative integers")

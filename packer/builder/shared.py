@@ -52,7 +52,7 @@ class Blocks:
             (i, key, value)
             for i, sample in enumerate(samples)
             for key, value in sample.items()
-            if isinstance(value, np.ndarray) and value.nbytes >= MIN_SHARED and not value.dtype.hasobject
+            if isinstance(value, np.ndarray) and value.nbytes >= MIN_SHARED and _plain(value.dtype)
         ]
         if not big:
             self._chunks.append([len(samples), None])
@@ -81,6 +81,13 @@ class Blocks:
         """Free every block still held (the pack is over, or stopped)."""
         while self._chunks:
             _free(self._chunks.popleft()[1])
+
+
+def _plain(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is told whole by its ``str`` (what :class:`Shared` carries): not objects, nor
+    a structured or sub-array dtype, whose ``str`` is only its size (``|V8``: its fields would be lost
+    on the way, and the worker's verdict on the sample would differ from this process's)."""
+    return not dtype.hasobject and dtype.fields is None and dtype.subdtype is None
 
 
 def _free(block: Optional[shared_memory.SharedMemory]) -> None:

@@ -638,30 +638,55 @@ def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.
     fsync_path(out.parent)
 
 
-def continue_plan(out: Path, staging: Path, reuse: Optional[ReusePlan], quiet: bool, fetch: Optional[Fetch]) -> Plan:
+@dataclass(frozen=True)
+class OptionNames:
+    """How a caller's messages name the options of a resume: the CLI's flags, or packer.Writer's keywords."""
+
+    update: str
+    resume: str
+    force: str
+    run: str  #: what the caller runs again ("build", "pack")
+
+
+CLI_OPTIONS = OptionNames("--update", "--resume", "--force", "build")
+WRITER_OPTIONS = OptionNames("update=True", "resume=True", "force=True", "pack")
+
+
+def continue_plan(
+    out: Path,
+    staging: Path,
+    reuse: Optional[ReusePlan],
+    quiet: bool,
+    fetch: Optional[Fetch],
+    names: OptionNames = CLI_OPTIONS,
+) -> Plan:
     """The :class:`~packer.builder.staging.Plan` the interrupted build at ``staging`` recorded, its old
     data files linked again (not a new plan: the journal's rows point into the data files it chose),
     or BuildError where this command cannot continue it: a refresh resumed as a build that writes
-    every record, or the other way round, or a refresh of an OUT replaced since."""
+    every record, or the other way round, or a refresh of an OUT replaced since. ``names``: how the
+    errors name the options (the caller's: CLI flags or packer.Writer's keywords)."""
+    n = names
     recorded = Plan.recorded(staging)
     if recorded.of is not None and reuse is None:
         raise cannot_resume(
-            f"the interrupted build refreshed {out} (--update), reusing its records; "
-            f"resume it with --update --resume, or build again without --resume"
+            f"the interrupted {n.run} refreshed {out} ({n.update}), reusing its records; "
+            f"resume it with {n.update} {n.resume}, or {n.run} again without {n.resume}"
         )
     if recorded.of is None and reuse is not None:
         raise cannot_resume(
-            f"the interrupted build of {out} wrote every record itself (--force or a first build); "
-            f"resume it without --update, or run the --update again without --resume"
+            f"the interrupted {n.run} of {out} wrote every record itself ({n.force} or a first {n.run}); "
+            f"resume it without {n.update}, or run the {n.update} again without {n.resume}"
         )
     if reuse is not None:
         if recorded.of != reuse.manifest.computed_digest:
-            raise cannot_resume(f"{out} changed since the interrupted refresh; run the --update again without --resume")
+            raise cannot_resume(
+                f"{out} changed since the interrupted refresh; run the {n.update} again without {n.resume}"
+            )
         recorded.check_linked(out)
         if recorded.base:
             reuse.base = link_base(out, staging, recorded.base, quiet, remote=fetch is not None)
             if reuse.base is None:
-                raise cannot_resume(f"the data files of {out} cannot be linked again; build again without --resume")
+                raise cannot_resume(f"the data files of {out} cannot be linked again; {n.run} again without {n.resume}")
         fetch_copied(out, reuse, fetch)
     return recorded
 

@@ -46,6 +46,7 @@ from .staging import (
     PROGRESS,
     SAMPLE_DTYPE,
     SAMPLES_PART,
+    WRITER_OPTIONS,
     BuildReport,
     Plan,
     RecordSink,
@@ -153,13 +154,10 @@ class Writer:
             check_target(self.out, replaces=self.options.force, keeps=self.options.update or self.options.resume)
             if self.options.update and not self.options.force:
                 self._refresh = Refresh.of(self.out, self._resolved, self.fields, quiet, self._fetch)
-            elif (self.out / MANIFEST).is_file() and not self.options.force and not self._continues():
-                if self.options.resume and (self._staging / PLAN).is_file():
-                    continue_plan(self.out, self._staging, None, quiet, None)  # refused if it was a refresh
-                raise BuildError(
-                    f"{self.out} is a complete dataset: nothing to resume (update=True refreshes it, "
-                    f"force=True replaces it)"
-                )
+            elif (self.out / MANIFEST).is_file() and not self.options.force:
+                if self.options.resume and (self._staging / PLAN).is_file():  # refused if it was a refresh
+                    continue_plan(self.out, self._staging, None, quiet, None, WRITER_OPTIONS)
+                raise self._complete()
             settings = {
                 "writer": [f.to_json() for f in self.fields],
                 "options": self._resolved.manifest_options(),
@@ -174,7 +172,7 @@ class Writer:
                 of = reuse.manifest.computed_digest if reuse is not None else None
                 Plan.made(self._staging, of, reuse.base if reuse is not None else None).write(self._staging)
             else:
-                continue_plan(self.out, self._staging, reuse, quiet, self._fetch)
+                continue_plan(self.out, self._staging, reuse, quiet, self._fetch, WRITER_OPTIONS)
                 if self._refresh is not None:
                     self._refresh.relinked()
             backend, shard_size = BACKENDS[self._resolved.backend], self._resolved.shard_size
@@ -198,9 +196,18 @@ class Writer:
         identified = self._identified and self._refresh is None
         self._job = SampleJob(self._spec, self.fields, self._labelled, classes_count, identified)
 
-    def _continues(self) -> bool:
-        """Whether this Writer resumes an interrupted pack (its staging folder has a checkpoint)."""
-        return self.options.resume and (self._staging / PROGRESS).is_file()
+    def _complete(self) -> BuildError:
+        """Why OUT, a complete dataset, is not written without force=True or update=True: an
+        interrupted pack staged beside it continues only when told to replace it, as it was going to
+        (a folder build's --resume never replaces a complete dataset either)."""
+        if self.options.resume and (self._staging / PROGRESS).is_file():
+            return BuildError(
+                f"{self.out} is a complete dataset: the interrupted pack in {self._staging} would replace it; "
+                f"resume it with force=True (and resume=True) to replace it, or update=True to refresh it instead"
+            )
+        return BuildError(
+            f"{self.out} is a complete dataset: nothing to resume (update=True refreshes it, force=True replaces it)"
+        )
 
     def _resume(self, state: dict[str, Any]) -> None:
         """Continue the interrupted pack whose checkpoint is ``state``: its samples, to check against

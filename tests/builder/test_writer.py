@@ -476,7 +476,8 @@ def test_an_interrupted_update_resumes(tmp_path: Path, monkeypatch: pytest.Monke
     options: dict[str, Any] = {"fields": KEYED, "update": True, "resume": True, "checkpoint_seconds": 0}
     with pytest.raises(KeyboardInterrupt):
         packer.pack(interrupted(), out, workers=0, **options)
-    with pytest.raises(packer.BuildError, match=r"refreshed .* reusing its records"):
+    # named as packer.Writer's keywords, not the CLI's flags
+    with pytest.raises(packer.BuildError, match=r"pack refreshed .* reusing its records; resume it with update=True "):
         packer.pack(v2, out, fields=KEYED, resume=True, workers=0)
     packed = _count_encoded(monkeypatch)
     report = packer.pack(v2, out, workers=0, **options)
@@ -485,3 +486,44 @@ def test_an_interrupted_update_resumes(tmp_path: Path, monkeypatch: pytest.Monke
     assert sorted(report.changes.added) == ["img-8", "img-9"] and list(report.changes.changed) == ["img-1"]
     fresh = packer.pack(v2, tmp_path / "fresh", fields=KEYED, workers=0)
     assert report.digest == fresh.digest and verify(out).ok
+
+
+def test_resuming_an_interrupted_force_pack_needs_force_again(tmp_path: Path) -> None:
+    """An interrupted ``force=True`` pack over a complete dataset is continued only by a call that
+    says force=True again: resumed without it, the complete dataset at OUT is not replaced (as a
+    folder build's --resume never replaces one), and the interrupted work is kept for the next run."""
+    out = tmp_path / "out"
+    old = [{"image": np.full((40, 40, 3), 200 - i, np.uint8), "source": f"old{i}"} for i in range(3)]
+    new = [{"image": np.full((40, 40, 3), i, np.uint8), "source": f"s{i}"} for i in range(6)]
+    first = packer.pack(old, out, fields={}, workers=0)
+
+    def interrupted(given):
+        yield from given[:4]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        packer.pack(interrupted(new), out, fields={}, force=True, resume=True, checkpoint_seconds=0, workers=0)
+    staging = tmp_path / ".out.packer-tmp"
+    assert staging.is_dir() and Manifest.load(out).digest == first.digest
+    with pytest.raises(packer.BuildError, match=r"complete dataset.*force=True"):
+        packer.pack(new, out, fields={}, resume=True, workers=0)
+    assert Manifest.load(out).digest == first.digest and staging.is_dir()  # both as they were
+    report = packer.pack(new, out, fields={}, force=True, resume=True, workers=0)
+    assert (report.resumed_from, report.processed, report.count) == (4, 2, 6)
+    assert [packer.ShardDataset(out).source(i) for i in range(6)] == [f"s{i}" for i in range(6)]
+
+
+def test_a_structured_array_is_judged_alike_with_workers(tmp_path: Path) -> None:
+    """A big array of a structured dtype (not a plain numeric one) is the same reported skip whether
+    the sample is encoded here or in a worker: shared memory (packer.builder.shared) carries only
+    dtypes whose name tells them whole, so the worker sees the fields the sample's array has."""
+    rec = np.zeros(20000, dtype=[("a", "<i4"), ("b", "<f4")])  # 160 KB: past shared.MIN_SHARED
+    reasons = []
+    for workers in (0, 2):
+        samples = [{"image": np.full((40, 40, 3), i, np.uint8), "emb": rec, "source": f"s{i}"} for i in range(2)]
+        samples.append({"image": np.zeros((40, 40, 3), np.uint8), "emb": np.zeros(3, np.float32), "source": "ok"})
+        out = tmp_path / f"w{workers}"
+        report = packer.pack(samples, out, fields={"emb": ("array", "float32")}, workers=workers)
+        assert (report.count, report.skipped) == (1, 2)
+        reasons.append([json.loads(line)["reason"] for line in (out / "report.jsonl").read_text().splitlines()])
+    assert reasons[0] == reasons[1] and "not a plain numeric array" in reasons[0][0]
