@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps
-from torch.utils.data import DataLoader
 
 import packer
-from packer import ShardDataset, ShardSampler
 
 PHOTOS = Path(__file__).resolve().parents[1] / "tests" / "data" / "exif-orientation"
 
@@ -51,19 +48,22 @@ def samples(n: int, with_mask: bool) -> list[dict]:
 
 
 def cpu_seconds() -> float:
-    """CPU seconds used so far by this process (all its threads) and its live child processes (the
-    DataLoader workers, persistent: alive from the warm-up round on), read from /proc/<pid>/stat
-    (utime + stime; an idle worker of another loader adds nothing)."""
+    """CPU seconds used so far by this process (all its threads) and its child processes: those it
+    has reaped (``os.times``), and each live one, read from /proc/<pid>/stat, with what it reaped in
+    turn (utime + stime + cutime + cstime): the DataLoader workers (persistent: alive from the
+    warm-up round on), and the forkserver whose children are ``packer.build``'s and ``packer.pack``'s
+    workers. A child's CPU moves from one sum to the other when it is reaped, so none is lost."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = time.process_time()
+    times = os.times()
+    total = time.process_time() + times.children_user + times.children_system
     me = str(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):  # a process that exited meanwhile
             continue
-        if fields[1] == me:  # ppid (field 4; fields[0] is the state)
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+        if fields[1] == me:  # ppid (field 4 of stat; fields[0] is field 3, the state)
+            total += sum(int(f) for f in fields[11:15]) / tick  # utime, stime, cutime, cstime (14-17)
     return total
 
 
@@ -71,6 +71,13 @@ def rates(paths: dict[str, Path], repeats: int, workers: int) -> dict[str, tuple
     """Samples/s of train crops (224, uint8) over every record of each dataset, one epoch each in
     turn, ``repeats`` rounds after a warm-up round (interleaved: a busy host slows them alike), by
     wall time and by CPU time (this process and its DataLoader workers: :func:`cpu_seconds`)."""
+    # torch imported here, not by the module: a script that imports it makes every worker process of
+    # packer.build and packer.pack import it again (2 s of CPU each here), which --pack would time
+    import torch
+    from torch.utils.data import DataLoader
+
+    from packer import ShardDataset, ShardSampler
+
     loaders = {}
     for name, path in paths.items():
         ds = ShardDataset(path, crop_size=224, train=True, dtype=torch.uint8)
@@ -93,7 +100,8 @@ def rates(paths: dict[str, Path], repeats: int, workers: int) -> dict[str, tuple
 def pack_against_build(root: Path, records: int, repeats: int, workers: Optional[int]) -> None:
     """Seconds to pack ``records`` photos (the test photos, copied): ``packer build`` of their
     folder, ``packer.pack`` of their paths, and of their pixels decoded beforehand (and so again
-    with update=True, into a new OUT: the digests' cost); each ``repeats`` times in turn, median."""
+    with update=True, into a new OUT: the digests' cost); ``repeats`` rounds of the four, by wall and
+    CPU time (:func:`cpu_seconds`: the workers' included), and each round's own ratio to the build."""
     raw = root / "raw" / "photos"
     raw.mkdir(parents=True)
     photos = sorted(PHOTOS.glob("*.jpg"))
@@ -101,33 +109,32 @@ def pack_against_build(root: Path, records: int, repeats: int, workers: Optional
         (raw / f"{i:05d}.jpg").write_bytes(photos[i % len(photos)].read_bytes())
     paths = sorted(raw.iterdir())
     pixels = [np.asarray(ImageOps.exif_transpose(Image.open(p)).convert("RGB")) for p in paths]
-    runs: dict[str, list[float]] = {
-        "packer build": [],
-        "packer.pack, paths": [],
-        "packer.pack, arrays": [],
-        "arrays, update=True": [],  # a digest of every sample taken (what a later refresh compares)
-    }
+    names = ("packer build", "packer.pack, paths", "packer.pack, arrays", "arrays, update=True")
+    walls: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
-        for name in runs:
+        # each round in another order (rotated): none always runs first, after the others' files
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             out = root / f"out-{r}-{name.replace(' ', '').replace(',', '-')}"
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             if name == "packer build":
                 packer.build(raw.parent, out, workers=workers, quiet=True)
             elif name.endswith("paths"):
                 packer.pack([{"image": p} for p in paths], out, fields={}, workers=workers)
             elif name.endswith("arrays"):
                 packer.pack([{"image": a} for a in pixels], out, fields={}, workers=workers)
-            else:
+            else:  # a digest of every sample taken (what a later refresh compares)
                 keyed = [{"image": a, "source": f"{i}"} for i, a in enumerate(pixels)]
                 packer.pack(keyed, out, fields={}, workers=workers, update=True)
-            runs[name].append(time.perf_counter() - t0)
-    base = statistics.median(runs["packer build"])
-    for name, seconds in runs.items():
-        # each round's own ratio too: the three run back to back, so a ratio sees the same load
-        rounds = [b / s for b, s in zip(runs["packer build"], seconds)]
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(cpu_seconds() - c0)
+    for name in names:
+        # each round's own ratio: the four run back to back, under the same load
+        by_wall = [b / s for b, s in zip(walls["packer build"], walls[name])]
+        by_cpu = [b / s for b, s in zip(cpus["packer build"], cpus[name])]
         print(
-            f"{name:<21} {_spread(seconds, '.2f')} s, {records / statistics.median(seconds):6.1f} images/s  "
-            f"{base / statistics.median(seconds):.2f}x; per round {_spread(rounds, '.2f')}x"
+            f"{name:<21} {_spread(walls[name], '.2f')} s, {_spread(cpus[name], '.2f')} CPU-s; per round "
+            f"{_spread(by_wall, '.2f')}x wall, {_spread(by_cpu, '.2f')}x CPU"
         )
 
 
