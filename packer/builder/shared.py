@@ -3,11 +3,13 @@ through their pipes.
 
 A pickled H x W x 3 array crosses a pipe at its full size: pickled, written in 64 KiB pieces while the
 worker reads them, unpickled; on few cores that serial work in the writing process was most of a pack
-from arrays (docs/PERFORMANCE.md, "packer.pack from arrays"). Here the writing process copies a
+from arrays (docs/PERFORMANCE.md, "Fields", its write side). Here the writing process copies a
 chunk's arrays once into one shared-memory block and sends their places (:class:`Shared`); the
-worker maps the block and reads the pixels where they lie. The block is freed (unlinked) by the
-writing process once every sample of its chunk has its result, or when the pack stops; one that a
-killed process leaves behind is unlinked by multiprocessing's resource tracker.
+worker maps the block and reads the pixels where they lie. Once every sample of its chunk has its
+result (no worker reads it any more), the block is kept for a later chunk rather than unlinked: a
+fresh block's pages are faulted in and zeroed by the kernel as they are first written, which cost
+more than the copy itself (docs/PERFORMANCE.md, "Fields"). The blocks are unlinked when the pack
+stops; one that a killed process leaves behind is unlinked by multiprocessing's resource tracker.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import numpy as np
 #: arrays smaller than this travel in the pipe as before (a box list, a caption's embedding)
 MIN_SHARED = 1 << 16
 _ALIGN = 64
+#: blocks are made in whole MiB, so that a chunk of slightly bigger images still fits a kept one
+_GRAIN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class Blocks:
     def __init__(self) -> None:
         #: per chunk handed over, oldest first: its samples not yet taken, and its block (None: no big array)
         self._chunks: deque[list[Any]] = deque()
+        #: blocks no chunk uses any more, kept for the next ones (at most as many as were in use at once)
+        self._free: list[shared_memory.SharedMemory] = []
 
     def share(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``samples`` with each big array replaced by its :class:`Shared` place in a new block."""
@@ -61,7 +67,7 @@ class Blocks:
         for _, _, value in big:
             offsets.append(size)
             size += -(-value.nbytes // _ALIGN) * _ALIGN
-        block = shared_memory.SharedMemory(create=True, size=size)
+        block = self._block(size)
         self._chunks.append([len(samples), block])
         out = [dict(s) for s in samples]
         for (i, key, value), offset in zip(big, offsets):
@@ -69,18 +75,34 @@ class Blocks:
             out[i][key] = Shared(block.name, offset, tuple(value.shape), value.dtype.str)
         return out
 
+    def _block(self, size: int) -> shared_memory.SharedMemory:
+        """A block of at least ``size`` bytes: the smallest free one that holds them, else a new one
+        (in place of a free one too small, so that the blocks kept stay as few as were in use)."""
+        fits = [b for b in self._free if b.size >= size]
+        if fits:
+            block = min(fits, key=lambda b: b.size)
+            self._free.remove(block)
+            return block
+        if self._free:
+            _free(self._free.pop())
+        return shared_memory.SharedMemory(create=True, size=-(-size // _GRAIN) * _GRAIN)
+
     def taken(self) -> None:
-        """One more sample's result taken, in order: its chunk's block is freed after the last."""
+        """One more sample's result taken, in order: after its chunk's last, the chunk's block is
+        free for a later chunk (every worker is done with it: its results are in)."""
         chunk = self._chunks[0]
         chunk[0] -= 1
         if chunk[0] <= 0:
             self._chunks.popleft()
-            _free(chunk[1])
+            if chunk[1] is not None:
+                self._free.append(chunk[1])
 
     def close(self) -> None:
-        """Free every block still held (the pack is over, or stopped)."""
+        """Free every block, held or kept (the pack is over, or stopped)."""
         while self._chunks:
             _free(self._chunks.popleft()[1])
+        while self._free:
+            _free(self._free.pop())
 
 
 def _plain(dtype: np.dtype) -> bool:

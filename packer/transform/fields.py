@@ -94,9 +94,10 @@ def cropped(
         kept, counts, keep = move_boxes(
             [v[boxes] for v in values], np.array(regions), [c.flip for c in crops], size, min_visible
         )
-        # Each sample's boxes and labels are views of one batch tensor: a DataLoader worker then
-        # sends the batch's boxes as one shared-memory segment, not one per sample (which cost
-        # more than all the rest of the fields' work: docs/PERFORMANCE.md, "Fields").
+        # Each sample's boxes and labels are views of one batch tensor, split once (no per-sample
+        # numpy work); a DataLoader worker sends each list by value, its bytes joined
+        # (packer.read.batchpool.InlineList), not a shared-memory segment per sample or per list
+        # (which cost more than all the rest of the fields' work: docs/PERFORMANCE.md, "Fields").
         sizes = counts.tolist()
         for v, b in zip(out, torch.from_numpy(kept).split(sizes)):
             v[boxes] = b

@@ -527,3 +527,35 @@ def test_a_structured_array_is_judged_alike_with_workers(tmp_path: Path) -> None
         assert (report.count, report.skipped) == (1, 2)
         reasons.append([json.loads(line)["reason"] for line in (out / "report.jsonl").read_text().splitlines()])
     assert reasons[0] == reasons[1] and "not a plain numeric array" in reasons[0][0]
+
+
+def test_shared_blocks_are_reused_once_their_chunk_is_done(tmp_path: Path) -> None:
+    """packer.builder.shared keeps a chunk's block for a later chunk once its samples' results are
+    taken (no fresh pages per chunk), never while one is pending, replaces a kept block too small,
+    and unlinks every block at the end; a pack through it over chunks of varied sizes is the one
+    packed in this process, byte for byte."""
+    from packer.builder.shared import Blocks, Shared
+
+    def chunk(side: int) -> list[dict]:
+        return [{"image": np.full((side, side, 3), k, np.uint8)} for k in range(4)]
+
+    blocks = Blocks()
+    first = blocks.share(chunk(200))
+    name = first[0]["image"].block
+    second = blocks.share(chunk(200))
+    assert second[0]["image"].block != name  # the first chunk's samples are pending
+    for _ in range(4):
+        blocks.taken()
+    assert blocks.share(chunk(190))[0]["image"].block == name  # done: kept, and big enough
+    for _ in range(8):
+        blocks.taken()
+    bigger = blocks.share(chunk(900))[0]["image"]
+    assert isinstance(bigger, Shared) and bigger.block not in (name, second[0]["image"].block)
+    blocks.close()
+    assert not any(Path("/dev/shm", n).exists() for n in (name, second[0]["image"].block, bigger.block))
+
+    rng = np.random.default_rng(3)
+    samples = [{"image": rng.integers(0, 255, (150 + 7 * i, 220, 3), np.uint8)} for i in range(30)]
+    here = packer.pack(samples, tmp_path / "here", fields={}, workers=0)
+    there = packer.pack(samples, tmp_path / "there", fields={}, workers=2)
+    assert here.digest == there.digest and (here.count, there.count) == (30, 30)
