@@ -605,13 +605,13 @@ def _expected(attack: Attack, url: str, pristine: Copy) -> str:
 
 @pytest.mark.parametrize("attack,backend", CASES)
 def test_hostile_bucket(
-    attack: Attack, backend: str, built, want: dict[str, list], s3_server: S3Server, tmp_path: Path, request
+    attack: Attack, backend: str, built, want: dict[str, list], s3_server: S3Server, tmp_path: Path
 ) -> None:
     local = built(backend, "jpeg")
     pristine = Copy.of(local, published=attack.published)
     hostile = Copy.of(local, published=attack.published)
     attack.edit(hostile)
-    prefix = f"redteam/{request.node.callspec.id}"
+    prefix = f"redteam/{backend}-{'published' if attack.published else 'synced'}"  # one bucket state after another
     url = upload(s3_server, prefix, hostile.objects())
     cache = tmp_path / "cache"
     got = outcome(url, cache, want[backend], cache_limit=LIMIT)

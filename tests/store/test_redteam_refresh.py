@@ -1,8 +1,9 @@
 """Red-team of the remote path, part 4: refreshes published while training reads. One epoch of 2 DDP
-ranks (spawned processes, ShardSampler(num_replicas=2, rank=r)) x 2 DataLoader workers each on one
-node cache with a cache_limit, while ``packer build raw/ s3://... --update`` (publish_build) publishes
-10 refreshes (append-only segments: files added first and last, one changed, one deleted) in
-lockstep with the ranks' batches, and a fresh reader opens each new version on the same cache.
+ranks (processes, ShardSampler(num_replicas=2, rank=r)) x 2 DataLoader workers each (forked, or
+spawned: they reopen the pinned version from the cache) on one node cache with a cache_limit,
+while ``packer build raw/ s3://... --update`` (publish_build) publishes 10 refreshes (append-only
+segments: files added first and last, one changed, one deleted) in lockstep with the ranks'
+batches, and a fresh reader opens each new version on the same cache.
 
 What the docs promise (docs/OBJECT-STORAGE.md, "Refreshing a bucket every night"): every rank and
 worker keeps the version it opened, so every sample a rank is served is byte for byte the record
@@ -89,10 +90,10 @@ def _value(folder: Path, name: str) -> Any:
 
 
 def _rank(url: str, cache: str, limit: int, rank: int, context: str, env: dict[str, str], folder: str) -> None:
-    """One DDP rank (a spawned process): its epoch through 2 workers, one draw per batch; after
-    batch b it says so and waits for refresh b (up to the last), so that the refreshes are published
-    between its batches. Writes the version it pinned, its draws and each sample it was served, or
-    the one line of the error it failed with."""
+    """One DDP rank (a process of its own, opening the dataset itself): its epoch through 2
+    workers, one draw per batch; after batch b it says so and waits for refresh b (up to the
+    last), so that the refreshes are published between its batches. Writes the version it
+    pinned, its draws and each sample it was served, or the one line of the error it failed with."""
     os.environ.update(env)
     settings.UNIT_BYTES = UNIT
     here = Path(folder)
@@ -155,7 +156,7 @@ def test_ten_refreshes_during_one_ddp_epoch(
     fixed = on_disk(probe)[1] - units
     limit = 3 * fixed + (units // 3 if backend == "memmap" else 2 * units + PUBLISHES * 4 * BLOCK)
     ranks = [
-        mp.get_context("spawn").Process(
+        mp.get_context("fork").Process(
             target=_rank, args=(url, str(cache), limit, r, context, dict(os.environ), str(folder))
         )
         for r in range(2)
