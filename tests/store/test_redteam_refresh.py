@@ -124,9 +124,10 @@ def _wait_ranks(folder: Path, ranks: list[Any], at_least: int) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("backend,context", [("memmap", "fork"), ("lmdb", "spawn")])
+#: Each rank's DataLoader workers: forked, or spawned (a pickled copy reopens the pinned version).
+@pytest.mark.parametrize("backend,contexts", [("memmap", ("fork", "spawn")), ("lmdb", ("spawn", "fork"))])
 def test_ten_refreshes_during_one_ddp_epoch(
-    backend: str, context: str, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: str, contexts: tuple[str, str], s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "publisher-cache"))
     monkeypatch.setattr(settings, "UNIT_BYTES", UNIT)
@@ -157,7 +158,7 @@ def test_ten_refreshes_during_one_ddp_epoch(
     limit = 3 * fixed + (units // 3 if backend == "memmap" else 2 * units + PUBLISHES * 4 * BLOCK)
     ranks = [
         mp.get_context("fork").Process(
-            target=_rank, args=(url, str(cache), limit, r, context, dict(os.environ), str(folder))
+            target=_rank, args=(url, str(cache), limit, r, contexts[r], dict(os.environ), str(folder))
         )
         for r in range(2)
     ]
