@@ -158,6 +158,29 @@ def test_stale_cache_of_an_older_version(
     assert du(cache) <= LIMIT
 
 
+@pytest.mark.parametrize("backend", ["memmap", "lmdb"])
+def test_published_copy_replaced_by_a_synced_one_of_the_same_version(
+    backend: str, built, want, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The cache has a published version (its files.json names keys under versions/); the bucket
+    then holds the same version synced as it is (aws s3 sync: no versions/, no layout metadata):
+    the first read fails in one line naming the object files.json named, and marks it; the next
+    open finds the bucket's version has no files.json and reads the data files at U/NAME."""
+    local = built(backend, "jpeg")
+    prefix = f"redteam-resynced/{backend}"
+    url = upload(s3_server, prefix, Copy.of(local, published=True).objects())
+    cache = tmp_path / "cache"
+    assert outcome(url, cache, want[backend], cache_limit=LIMIT) == "ok"
+    (home,) = [p for p in cache.iterdir() if p.is_dir()]
+    _drop_units(home)  # evicted meanwhile: fetched again, from where the cached files.json says
+    _put(s3_server, prefix, "manifest.json", None)  # the same bytes without the layout's metadata
+    upload(s3_server, prefix, Copy.of(local, published=False).objects())
+    failed = outcome(url, cache, want[backend], cache_limit=LIMIT)
+    assert failed.startswith(f"{url}/versions/") and "missing" in failed, failed
+    assert outcome(url, cache, want[backend], cache_limit=LIMIT) == "ok"
+    assert du(cache) <= LIMIT
+
+
 def _leftover(kind: str, cache: Path) -> None:
     """What an older run (killed, or of an older packer) may leave in a dataset's cache folder."""
     (home,) = [p for p in cache.iterdir() if p.is_dir()]
