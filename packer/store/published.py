@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 from ..errors import BuildError, DatasetError, ObjectChanged, ObjectNotFound, PreconditionFailed, StoreError, say
 from ..format import MANIFEST
@@ -64,6 +64,12 @@ POINTER_READS = 5  # reads of a pointer replaced at every resume of a broken GET
 LAYOUT_META = {"packer-layout": VERSIONS}
 #: A lease not renewed for this long is its dead holder's, and the next writer takes it over.
 LEASE_TTL_S = 120.0
+#: The longest ttl a lease document is taken at (a hostile or mistyped one of years would keep every
+#: writer out for as long).
+MAX_LEASE_TTL_S = 86400.0
+#: Refusals to create the lease (412) followed by a read that finds none, in a row, before a writer
+#: without ``wait`` gives up: a store whose reads lag its writes would otherwise be asked forever.
+LEASE_VANISHED = 5
 DATE_RESOLUTION_S = 1.0  # of Last-Modified and Date
 #: How long ``wait=True`` waits for another writer at most before it gives up.
 WAIT_TIMEOUT_S = 6 * 3600.0
@@ -260,6 +266,7 @@ class Lease:
         self.etag = ""
         self.lost = ""  # why the lease is no longer this holder's ("" while it is)
         self._since = 0.0
+        self._renewed = 0.0  # when the last write of the lease that the store took was sent (monotonic)
         self._renewals = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -274,7 +281,6 @@ class Lease:
         return json.dumps(doc | {"renewal": self._renewals}).encode("utf-8")
 
     def __enter__(self) -> Lease:
-        self._since = time.time()
         self._take()
         self._thread = threading.Thread(target=self._renew, name="packer-lease", daemon=True)
         self._thread.start()
@@ -296,10 +302,16 @@ class Lease:
             say(f"warning: {self.name} not removed ({e}); it expires {self.ttl_s:.0f} s after its last renewal")
 
     def check(self) -> None:
-        """BuildError when the lease is no longer this holder's (a commit now could race another writer)."""
-        if self.lost:
+        """BuildError when the lease is no longer this holder's (a commit now could race another writer),
+        or may not be: its last renewal the store took was sent two renewal periods ago (a renewal
+        stuck in a slow store), as long as another writer waits before it takes a lease over."""
+        lost = self.lost
+        stale = time.monotonic() - self._renewed
+        if not lost and stale >= 2 * self.ttl_s / 3:
+            lost = f"not renewed for {stale:.0f} s: another writer may have taken it over"
+        if lost:
             raise BuildError(
-                f"{self.store.url}: this publish lost its lease ({self.lost}); nothing was committed, run it again"
+                f"{self.store.url}: this publish lost its lease ({lost}); nothing was committed, run it again"
             )
 
     def _read(self) -> Optional[tuple[ObjectInfo, dict[str, Any]]]:
@@ -309,7 +321,7 @@ class Lease:
             doc = json.loads(data)
         except (ObjectNotFound, ObjectChanged):
             return None
-        except ValueError:  # not a lease packer wrote: treated as one held for the default time
+        except (ValueError, RecursionError):  # not a lease packer wrote: treated as one held for the default time
             doc = {}
         return info, _lease_fields(doc)
 
@@ -318,16 +330,30 @@ class Lease:
         deadline = time.monotonic() + self.wait_timeout_s
         first_seen: dict[str, float] = {}  # ETag -> when this process first saw it (a store giving no dates)
         announced = False
+        vanished = 0  # refusals to create it in a row whose read found none
         while True:
+            self._since = time.time()  # when it was taken, not when the wait for it began
             try:
+                sent = time.monotonic()
                 self.etag = self.store.put(LEASE, self._body(), if_none_match=True).etag
+                self._renewed = sent
                 self._probe()
                 return
             except PreconditionFailed:
                 pass
             current = self._read()
-            if current is None:
-                continue  # released meanwhile: try to create it again
+            if current is None:  # released meanwhile: try to create it again, a few times at once
+                vanished += 1
+                if vanished % LEASE_VANISHED:
+                    continue
+                if not self.wait or time.monotonic() > deadline:
+                    raise BuildError(
+                        f"{self.name}: the store refused to create it (it exists) and then had none to read, "
+                        f"{vanished} times in a row (a store whose reads lag its writes?); run it again"
+                    )
+                time.sleep(min(5.0, self.ttl_s / 4))
+                continue
+            vanished = 0
             info, doc = current
             ttl = doc["ttl_s"]
             seen = time.monotonic() - first_seen.setdefault(info.etag, time.monotonic())
@@ -359,7 +385,9 @@ class Lease:
     def _take_over(self, info: ObjectInfo, doc: dict[str, Any]) -> bool:
         """Replace the expired lease ``info`` with ours; False when another writer got there first."""
         try:
+            sent = time.monotonic()
             self.etag = self.store.put(LEASE, self._body(), if_match=info.etag).etag
+            self._renewed = sent
         except PreconditionFailed:
             return False
         mine = self._read()  # a store that checks If-Match without a lock may let two takers both win
@@ -394,10 +422,15 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 3):
             self._renewals += 1
             try:
+                sent = time.monotonic()
                 self.etag = self.store.put(LEASE, self._body(), if_match=self.etag).etag
-                last_ok = time.monotonic()
+                last_ok = self._renewed = sent
             except PreconditionFailed:
                 current = self._read()
+                if current is not None and current[1]["token"] == self.token:
+                    # a renewal the store took although its answer was lost (StoreError below): still ours
+                    self.etag = current[0].etag
+                    continue
                 who = current[1]["holder"] if current else "nobody"
                 self.lost = f"{self.name} is now held by {who}"
                 return
@@ -414,18 +447,23 @@ def _lease_fields(doc: object) -> dict[str, Any]:
     crash or a message of its own size."""
     doc = doc if isinstance(doc, dict) else {}
     holder = str(doc.get("holder", "another writer")).splitlines() or [""]
-    out: dict[str, Any] = {"holder": holder[0][:200] or "another writer", "token": doc.get("token")}
+    shown = "".join(c if c.isprintable() else "?" for c in holder[0][:200])  # no terminal escapes
+    out: dict[str, Any] = {"holder": shown or "another writer", "token": doc.get("token")}
     ttl = doc.get("ttl_s", LEASE_TTL_S)
-    finite = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and math.isfinite(ttl)
-    out["ttl_s"] = max(0.0, float(ttl)) if finite else LEASE_TTL_S
+    out["ttl_s"] = min(MAX_LEASE_TTL_S, max(0.0, float(ttl))) if _number(ttl) else LEASE_TTL_S
     since = doc.get("since")
-    if isinstance(since, (int, float)) and math.isfinite(since) and 0 <= since < 1e11:  # up to year 5138
+    if _number(since) and 0 <= since < 1e11:  # up to year 5138
         out["since"] = float(since)
     pid = doc.get("pid")
-    if isinstance(pid, int) and 0 < pid < 2**31:
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31:
         out["pid"] = pid
     out["machine"] = str(doc.get("machine", ""))
     return out
+
+
+def _number(value: object) -> TypeGuard[float]:
+    """A finite JSON number (not a bool, which Python counts as an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _machine() -> str:

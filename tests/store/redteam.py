@@ -5,6 +5,7 @@ error naming the object, the cache within its limit as ``du`` counts it, and the
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -112,12 +113,24 @@ class Copy:
 
 
 def upload(server: S3Server, prefix: str, objects: dict[str, tuple[bytes, dict[str, str]]]) -> str:
-    """The ``objects`` put under ``prefix`` (every other object there deleted first); its URL."""
-    listed = server.client.list_objects_v2(Bucket=server.bucket, Prefix=prefix + "/")
-    for o in listed.get("Contents", []):
-        server.client.delete_object(Bucket=server.bucket, Key=o["Key"])
-    for key, (body, meta) in objects.items():
-        server.client.put_object(Bucket=server.bucket, Key=f"{prefix}/{key}", Body=body, Metadata=meta)
+    """The bucket under ``prefix`` made to hold exactly ``objects``; its URL. Only what differs is
+    written: an object whose ETag (its MD5) is the body's already is kept, every object not in
+    ``objects`` deleted, so that attacks sharing a prefix (one per layout: a key keeps its user
+    metadata) cost the objects they change."""
+    listed: dict[str, str] = {}
+    token: dict[str, str] = {}
+    while True:
+        page = server.client.list_objects_v2(Bucket=server.bucket, Prefix=prefix + "/", **token)
+        listed |= {o["Key"]: o["ETag"].strip('"') for o in page.get("Contents", [])}
+        if not page.get("IsTruncated"):
+            break
+        token = {"ContinuationToken": page["NextContinuationToken"]}
+    wanted = {f"{prefix}/{key}": value for key, value in objects.items()}
+    for key in listed.keys() - wanted.keys():
+        server.client.delete_object(Bucket=server.bucket, Key=key)
+    for key, (body, meta) in wanted.items():
+        if listed.get(key) != hashlib.md5(body).hexdigest():
+            server.client.put_object(Bucket=server.bucket, Key=key, Body=body, Metadata=meta)
     return f"s3://{server.bucket}/{prefix}"
 
 

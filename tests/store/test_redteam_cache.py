@@ -7,11 +7,11 @@ object, no hang, the limit held as ``du`` counts it, and the cache usable after.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from packer import ShardDataset, build
 from packer.read.remote import settings
@@ -157,6 +158,29 @@ def test_stale_cache_of_an_older_version(
     assert du(cache) <= LIMIT
 
 
+@pytest.mark.parametrize("backend", ["memmap", "lmdb"])
+def test_published_copy_replaced_by_a_synced_one_of_the_same_version(
+    backend: str, built, want, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The cache has a published version (its files.json names keys under versions/); the bucket
+    then holds the same version synced as it is (aws s3 sync: no versions/, no layout metadata):
+    the first read fails in one line naming the object files.json named, and marks it; the next
+    open finds the bucket's version has no files.json and reads the data files at U/NAME."""
+    local = built(backend, "jpeg")
+    prefix = f"redteam-resynced/{backend}"
+    url = upload(s3_server, prefix, Copy.of(local, published=True).objects())
+    cache = tmp_path / "cache"
+    assert outcome(url, cache, want[backend], cache_limit=LIMIT) == "ok"
+    (home,) = [p for p in cache.iterdir() if p.is_dir()]
+    _drop_units(home)  # evicted meanwhile: fetched again, from where the cached files.json says
+    _put(s3_server, prefix, "manifest.json", None)  # the same bytes without the layout's metadata
+    upload(s3_server, prefix, Copy.of(local, published=False).objects())
+    failed = outcome(url, cache, want[backend], cache_limit=LIMIT)
+    assert failed.startswith(f"{url}/versions/") and "missing" in failed, failed
+    assert outcome(url, cache, want[backend], cache_limit=LIMIT) == "ok"
+    assert du(cache) <= LIMIT
+
+
 def _leftover(kind: str, cache: Path) -> None:
     """What an older run (killed, or of an older packer) may leave in a dataset's cache folder."""
     (home,) = [p for p in cache.iterdir() if p.is_dir()]
@@ -275,21 +299,18 @@ def test_two_nodes_on_one_bucket(backend: str, built, want, s3_server: S3Server,
 
 # --- fetchers and DataLoader workers killed (SIGKILL) while they hold a unit's lock -------------------
 
-_FETCHER = """
-import os, sys, torch
-from packer import ShardDataset
-from packer.read.remote import settings
-settings.UNIT_BYTES = int(sys.argv[3])
-limit = None if sys.argv[4] == "none" else int(sys.argv[4])
-ds = ShardDataset(sys.argv[1], crop_size=None, dtype=torch.uint8, cache_dir=sys.argv[2], cache_limit=limit)
-if sys.argv[5] == "workers":
-    from torch.utils.data import DataLoader
-    for _ in DataLoader(ds, batch_size=4, num_workers=2):
-        pass
-else:
-    for i in range(len(ds)):
-        ds[i]
-"""
+
+def _fetcher(url: str, cache: Path, limit: int | None, workers: bool) -> None:
+    """A reader of the whole dataset (a forked process: no interpreter to start), in its own
+    process group, so that the test kills it with its DataLoader workers."""
+    os.setsid()
+    ds = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
+    if workers:
+        for _ in DataLoader(ds, batch_size=4, num_workers=2):
+            pass
+    else:
+        for i in range(len(ds)):
+            ds[i]
 
 
 def _downloading(cache: Path) -> bool:
@@ -309,17 +330,13 @@ def test_killed_while_holding_a_unit_lock(
     url = upload(s3_server, f"redteam-kill/{who}-{backend}-{limit}", Copy.of(local, published=False).objects())
     cache = tmp_path / "cache"
     proxy.faults.append(Faults(rate=300_000))  # slow: the download is in flight when the kill comes
-    args = [
-        url,
-        str(cache),
-        str(UNIT),
-        str(LIMIT) if limit == "limit" else "none",
-        "workers" if who == "worker" else "in",
-    ]
-    child = subprocess.Popen([sys.executable, "-c", _FETCHER, *args], start_new_session=True)
+    args = (url, cache, LIMIT if limit == "limit" else None, who == "worker")
+    child = mp.get_context("fork").Process(target=_fetcher, args=args)
+    child.start()
+    assert child.pid is not None
     try:
         deadline = time.monotonic() + 30
-        while not _downloading(cache) and time.monotonic() < deadline and child.poll() is None:
+        while not _downloading(cache) and time.monotonic() < deadline and child.is_alive():
             time.sleep(0.02)
         assert _downloading(cache), "no download started"
         if who == "worker":
@@ -332,7 +349,7 @@ def test_killed_while_holding_a_unit_lock(
         os.killpg(child.pid, signal.SIGKILL)
     finally:
         child.kill()
-        child.wait(10)
+        child.join(10)
     proxy.settle()
     proxy.clear()
     kw = {"cache_limit": LIMIT} if limit == "limit" else {}

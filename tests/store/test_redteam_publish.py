@@ -13,9 +13,11 @@ from typing import Any, Optional
 
 import pytest
 
-from packer.errors import BuildError
+from packer.errors import BuildError, ObjectNotFound, StoreError
 from packer.store import open_store
+from packer.store.base import ObjectInfo
 from packer.store.published import LEASE, Lease, _machine
+from packer.store.s3 import S3Store
 
 from .proxy import Faults, Proxy
 from .redteam import ATTEMPT_S, in_time
@@ -116,6 +118,10 @@ HOSTILE_LEASES: dict[str, bytes] = {
     "pid-negative-here": json.dumps({"holder": "h", "ttl_s": TTL, "machine": _machine(), "pid": -1}).encode(),
     "holder-a-megabyte": json.dumps({"holder": "h" * (1 << 20), "ttl_s": TTL}).encode(),
     "holder-multiline": json.dumps({"holder": "h\nTraceback (most recent call last):", "ttl_s": TTL}).encode(),
+    "holder-escape-codes": json.dumps({"holder": "\x1b[2J\x1b[31mh\x07", "ttl_s": TTL}).encode(),
+    "deep-nesting": b"[" * 100_000 + b"]" * 100_000,
+    "ttl-huge-finite": json.dumps({"holder": "h", "ttl_s": 1e300}).encode(),
+    "pid-true-here": json.dumps({"holder": "h", "ttl_s": TTL, "machine": _machine(), "pid": True}).encode(),
 }
 
 
@@ -139,6 +145,9 @@ def test_hostile_lease_documents(s3_server: S3Server) -> None:
         busy = _refused(lambda: Lease(store, ttl_s=TTL, quiet=True).__enter__().__exit__(None, None, None))
         assert busy is None or (busy.startswith(f"{store.url} is being built by") and "\n" not in busy), busy
         assert busy is None or len(busy) < 500, "a message of the lease's own size"
+        assert busy is None or busy.isprintable(), "the lease's own control characters shown"
+        if kind == "ttl-huge-finite":  # taken at a day: a dead writer's lease does not keep every other out for ages
+            assert busy is not None and "taken over 86400 s after" in busy, busy
         store.put(LEASE, HOSTILE_LEASES[kind])
         waited = Lease(store, ttl_s=TTL, wait=True, wait_timeout_s=2 * TTL + 1, quiet=True)
         gave_up = _refused(lambda: waited.__enter__())
@@ -149,3 +158,105 @@ def test_hostile_lease_documents(s3_server: S3Server) -> None:
             assert list(store.list()) == []
 
     _each(list(HOSTILE_LEASES), attempt)
+
+
+class _Lagging(S3Store):
+    """A store whose reads of the lease lag its writes: a PUT If-None-Match is refused (the lease
+    exists) while a GET still finds none."""
+
+    def read(self, key: str, *, etag: str = "") -> tuple[bytes, ObjectInfo]:
+        if key == LEASE:
+            raise ObjectNotFound(self.name(key))
+        return super().read(key, etag=etag)
+
+
+def test_a_lease_refused_but_not_found_is_not_asked_forever(s3_server: S3Server) -> None:
+    """A live lease that the second writer's store cannot read back: the writer gives up in one
+    line (at once without --wait, at its wait timeout with it), never asks the store in a loop."""
+    url = f"s3://{s3_server.bucket}/redteam-lease/lagging"
+    with Lease(open_store(url), ttl_s=TTL, quiet=True):
+        busy = _refused(lambda: Lease(_Lagging(url), ttl_s=TTL, quiet=True).__enter__())
+        assert busy is not None and "had none to read, 5 times in a row" in busy and "\n" not in busy, busy
+        t0 = time.monotonic()
+        waited = _refused(lambda: Lease(_Lagging(url), ttl_s=TTL, wait=True, wait_timeout_s=1, quiet=True).__enter__())
+        assert waited is not None and "had none to read" in waited and time.monotonic() - t0 < 1 + TTL + 2, waited
+
+
+class _Stalling(S3Store):
+    """A store whose renewals of the lease (PUT If-Match) hang once ``stall`` is set, until ``go`` is."""
+
+    stall = threading.Event()
+    go = threading.Event()
+
+    def put(self, key: str, data: bytes, **kw: Any) -> ObjectInfo:
+        if key == LEASE and kw.get("if_match") and self.stall.is_set():
+            self.go.wait(30)
+        return super().put(key, data, **kw)
+
+
+def test_a_holder_whose_renewals_hang_does_not_commit(s3_server: S3Server) -> None:
+    """The holder's renewals stuck in a slow store (no answer yet, so not refused either) while a
+    second writer takes the lease over as expired: the holder's check before its commit refuses,
+    rather than trust a lease that is no longer its."""
+    url = f"s3://{s3_server.bucket}/redteam-lease/stalling"
+    store = _Stalling(url)
+    try:
+        with Lease(store, ttl_s=TTL, quiet=True) as holder:
+            holder.check()
+            store.stall.set()
+            taker = in_time(
+                lambda: Lease(open_store(url), ttl_s=TTL, wait=True, wait_timeout_s=30, quiet=True).__enter__()
+            )
+            with pytest.raises(BuildError, match=r"lost its lease \(not renewed for \d+ s"):
+                holder.check()
+            store.go.set()
+        taker.check()  # the taker's, whole
+        taker.__exit__(None, None, None)
+    finally:
+        store.go.set()
+
+
+class _LostAnswer(S3Store):
+    """A store that takes the holder's first renewal but whose answer is lost (StoreError)."""
+
+    lost = 0
+
+    def put(self, key: str, data: bytes, **kw: Any) -> ObjectInfo:
+        info = super().put(key, data, **kw)
+        if key == LEASE and kw.get("if_match") and not self.lost:
+            self.lost += 1
+            raise StoreError(f"{self.name(key)}: connection reset (the write landed)")
+        return info
+
+
+def test_a_renewal_whose_answer_was_lost_keeps_the_lease(s3_server: S3Server) -> None:
+    """A renewal the store wrote but whose answer never came: the next renewal is refused (the ETag
+    moved) and the lease read back is the holder's own (its token): still held, not lost."""
+    url = f"s3://{s3_server.bucket}/redteam-lease/lost-answer"
+    store = _LostAnswer(url)
+    with Lease(store, ttl_s=TTL, quiet=True) as lease:
+        deadline = time.monotonic() + 4 * TTL
+        while lease._renewals < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.lost == 1 and lease._renewals >= 4
+        lease.check()
+    assert list(open_store(url).list()) == []  # released: ours to delete
+
+
+def test_a_waiter_records_when_it_took_the_lease(s3_server: S3Server) -> None:
+    """A writer that waited for another's lease says in its own since when it took it, not when it
+    began to wait (another writer's message would name the wrong time)."""
+    url = f"s3://{s3_server.bucket}/redteam-lease/since"
+    taken: list[Lease] = []
+    with Lease(open_store(url), ttl_s=TTL, quiet=True):
+        waiter = threading.Thread(
+            target=lambda: taken.append(Lease(open_store(url), ttl_s=TTL, wait=True, quiet=True).__enter__())
+        )
+        waiter.start()
+        time.sleep(TTL)
+        released = time.time()
+    waiter.join(ATTEMPT_S)
+    assert taken, "the waiter never took the lease"
+    since = json.loads(open_store(url).get(LEASE))["since"]
+    taken[0].__exit__(None, None, None)
+    assert since >= released - 0.05, (since, released)

@@ -31,6 +31,8 @@ reaches them.
   size and ETag, so a refreshed dataset gets a new version directory that reuses every unchanged
   segment (a sidecar lists the records each unit was checked for) and never serves a byte of the
   old one; a ShardDataset keeps reading the version it opened (its pickled copies reopen that one).
+  A version's files.json that a read of its data found wrong (an object missing, of another size
+  or other bytes) is read from the bucket again at the next open (versions.suspect_files).
 - **One fetch per node**: every process of the node (ranks, DataLoader workers) takes the file
   lock of a unit (flock: released by the kernel when its holder dies) before fetching it, and finds
   it fetched once the lock is theirs. Nothing is kept in shared memory.
@@ -56,7 +58,9 @@ reaches them.
   units whose records this process has not all read this epoch come after the announced ones. A
   background prefetch takes free room or evicts units of no known next use only, else it leaves
   the unit to the batch that needs it. The room a failed or killed download reserved goes first
-  (no process holds its unit's lock). A limit below the largest unit's room and what the cache
+  (no process holds its unit's lock), then the versions a refresh replaced that no reader holds
+  (a reader holds the version it pinned: a shared flock on its manifest, for its life; each
+  dataset's last opened version stays). A limit below the largest unit's room and what the cache
   keeps of its versions is refused at once, in one line that says what limit would work. A memmap
   batch whose unit finds no room (the units the batches in flight hold fill the limit: a global
   shuffle through a small cache) reads just its records of it past the cache (:mod:`.ranges`:

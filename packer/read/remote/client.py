@@ -45,7 +45,7 @@ from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, rem
 from .ranges import read_records
 from .settings import VERIFY_ATTEMPTS, default_cache_dir, parse_limit
 from .units import RangedShard, Units
-from .versions import fetch_version
+from .versions import fetch_version, suspect_files
 
 T = TypeVar("T")
 
@@ -86,6 +86,8 @@ class Remote:
         HOLDERS.add(self._held)
         self._lock = PerProcess(threading.Lock)  # a fork may copy it held by a thread of the parent
         weakref.finalize(self, close_held, self._held)
+        self._version_hold = Held()  # the version's folder -> a descriptor with its shared flock (pin)
+        weakref.finalize(self, close_held, self._version_hold)
         self._pending: PerProcess[dict[str, concurrent.futures.Future]] = PerProcess(dict)  # name -> its fetch
         self._infos: PerProcess[dict[str, ObjectInfo]] = PerProcess(dict)  # object key -> its HEAD
         # version directory -> (manifest, index, each record's file and position): _places
@@ -138,16 +140,25 @@ class Remote:
     def pin(self, expect: Optional[dict[str, FileKey]] = None) -> Pinned:
         """The version this object reads (the dataset's current one, the first time), pinned; its
         data files are fetched as readers first need them."""
-        if not self.version:
-            try:
-                self.version = fetch_version(
-                    self.store, self.url, self.home, reserve=lambda files: self._make_room(files, None, demand=True)
+        fresh = not self.version
+        for _ in range(VERIFY_ATTEMPTS):
+            if not self.version:
+                try:
+                    self.version = fetch_version(
+                        self.store, self.url, self.home, reserve=lambda files: self._make_room(files, None, demand=True)
+                    )
+                except OSError as e:
+                    raise self._disk_full(f"{self.url}/{MANIFEST}", e) from None
+            root = self.home / VERSIONS / self.version
+            if self._hold_version(root):
+                break
+            if not fresh:
+                raise DatasetError(
+                    f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again"
                 )
-            except OSError as e:
-                raise self._disk_full(f"{self.url}/{MANIFEST}", e) from None
-        root = self.home / VERSIONS / self.version
-        if not (root / MANIFEST).is_file():
-            raise DatasetError(f"{self.url}: version {self.version} is no longer cached in {self.home}; open it again")
+            self.version = ""  # evicted (a version no reader held) between its fetch and the hold: again
+        else:
+            raise evicted_too_often(f"{self.url}/{MANIFEST}")
         try:
             pinned = pin(str(root), expect, fetch=lambda name: self._open_file(root, name))
         except DatasetError as e:  # the version's index refused: named by its URL, not the cache's folder
@@ -185,6 +196,30 @@ class Remote:
             if need + fixed > self.limit:
                 raise too_small(self.limit, self.url, self._named(units.keys[largest]), need, fixed)
         return pinned
+
+    def _hold_version(self, root: Path) -> bool:
+        """Hold the cached version at ``root`` for this object's life (a shared flock on its manifest,
+        kept by forked children too: they read it), so that no process evicts its folder
+        (eviction.evict_version); its folder touched, as the version opened last. False where it is not
+        cached, or was evicted before the lock was taken."""
+        try:
+            fd = os.open(root / MANIFEST, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.fstat(fd).st_nlink == 0:  # deleted under the lock's wait
+                os.close(fd)
+                return False
+            os.utime(root)  # its folder, not its manifest: a pickled copy checks the manifest's mtime
+        except BaseException:
+            os.close(fd)
+            raise
+        old = self._version_hold.pop(str(root), None)
+        self._version_hold[str(root)] = fd
+        if old is not None:
+            os.close(old)  # closed, not unlocked: a forked child's copy would release the parent's lock
+        return True
 
     def _map_unit(self, root: Path, key: str) -> Optional[np.ndarray]:
         """Unit ``key`` of the version at ``root``, mapped (fetched first unless the cache has it);
@@ -305,9 +340,13 @@ class Remote:
                 self._same_size(key, found, listed)
                 self._infos.get().setdefault(key, found)
 
-            data = read_records(
-                self.store, key, self._infos.get().get(key), rows, mine, seen=seen, named=self.store.name(key)
-            )
+            try:
+                data = read_records(
+                    self.store, key, self._infos.get().get(key), rows, mine, seen=seen, named=self.store.name(key)
+                )
+            except DatasetError:
+                suspect_files(root)  # as a unit refused (_fetch_unit)
+                raise
             got.update(zip(((k, int(p)) for p in rows["position"].tolist()), data))
 
     def _record_past(self, root: Path, k: int, start: int) -> bytes:
@@ -416,11 +455,15 @@ class Remote:
         )
 
     def _fetch_unit(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
-        """:meth:`_fetch_locked`, a full disk said in one line naming the unit's object."""
+        """:meth:`_fetch_locked`, a full disk said in one line naming the unit's object; a unit
+        refused has the version's files.json read again at the next open (it may name the wrong key)."""
         try:
             return self._fetch_locked(root, name, demand=demand)
         except OSError as e:
             raise self._disk_full(self._named(name), e) from None
+        except DatasetError:
+            suspect_files(root)
+            raise
 
     def _fetch_locked(self, root: Path, name: str, *, demand: bool = True) -> Optional[int]:
         """Unit ``name`` (a data file, or ``FILE@START-END``: a byte range of one) of the version at

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional, Union
 
-from ...format import DatasetError
+from ...format import MANIFEST, DatasetError
 from . import settings
 from .locks import let_go, lock_now, locked
 from .paths import LOCKS, LOG, PARTIAL, SIDECAR, UNITS, VERSIONS, file_mtime, log_of, remove, sidecar_of
@@ -34,8 +35,8 @@ def _eviction_order(entry: tuple[Path, Optional[int]]) -> tuple[int, int, int]:
 #: The filesystem block a file's size is counted in (``du`` counts allocated blocks).
 BLOCK = 4096
 #: What a reservation creates: a path's size (a file to be written later: made that size, sparse),
-#: or its bytes (written now).
-Files = dict[Path, Union[int, bytes]]
+#: its bytes (written now), or None: a folder (a version's metadata is staged in one).
+Files = dict[Path, Union[int, bytes, None]]
 
 
 def footprint(size: int, blocks: int = 0) -> int:
@@ -46,7 +47,7 @@ def footprint(size: int, blocks: int = 0) -> int:
 
 def room_for(files: Files) -> int:
     """The room a reservation of ``files`` takes once they are written."""
-    return sum(footprint(v if isinstance(v, int) else len(v)) for v in files.values())
+    return sum(BLOCK if v is None else footprint(v if isinstance(v, int) else len(v)) for v in files.values())
 
 
 class _Taken:
@@ -62,6 +63,7 @@ class _Taken:
         self._room: dict[int, int] = {top.st_ino: footprint(top.st_size, top.st_blocks)}
         self.units: list[Path] = []
         self.partial: list[Path] = []
+        self.versions: list[Path] = []  # every dataset's cached version folders
         folders = [(str(cache_dir), 0, "")]
         while folders:
             folder, depth, name = folders.pop()
@@ -80,6 +82,8 @@ class _Taken:
                 self._inode[entry.path] = ino
                 if entry.is_dir(follow_symlinks=False):
                     folders.append((entry.path, depth + 1, entry.name))
+                    if depth == 2 and name == VERSIONS:
+                        self.versions.append(Path(entry.path))
                 elif depth == 2 and name in (UNITS, PARTIAL) and not entry.name.endswith((SIDECAR, LOG)):
                     (self.units if name == UNITS else self.partial).append(Path(entry.path))
         self.used = sum(self._room.values())
@@ -96,11 +100,38 @@ class _Taken:
                 self.used -= self._room.pop(ino, 0)
 
     def fixed(self) -> int:
-        """The room no eviction frees: every dataset's versions (manifest, index, labels), locks and folders."""
+        """The room no eviction frees: every dataset's versions that a reader holds or that it opened
+        last (manifest, index, labels), locks and folders."""
         units, partial = self.units, self.partial
-        return self.used - self.room_of(
-            *units, *map(sidecar_of, units), *partial, *map(log_of, partial), *map(sidecar_of, partial)
+        unused = sum(self.version_room(v) for v in self.stale_versions() if not _version_held(v))
+        return (
+            self.used
+            - unused
+            - self.room_of(*units, *map(sidecar_of, units), *partial, *map(log_of, partial), *map(sidecar_of, partial))
         )
+
+    def stale_versions(self) -> list[Path]:
+        """Every dataset's cached versions but the one it opened last, least recently opened first:
+        the metadata of versions a refresh replaced, which :func:`evict_version` deletes once no
+        reader holds them (a reader that opens the dataset again reads its current version)."""
+        newest: dict[Path, Path] = {}
+        for v in sorted(self.versions, key=_opened):
+            newest[v.parent.parent] = v
+        return [v for v in sorted(self.versions, key=_opened) if newest[v.parent.parent] != v]
+
+    def version_room(self, root: Path) -> int:
+        """The room deleting version folder ``root`` gives back: the folder and its metadata, not
+        the units linked in it (``units/`` keeps them)."""
+        return sum(self._room.get(k, 0) for k in self._version_inodes(root))
+
+    def give_back_version(self, root: Path) -> None:
+        for k in self._version_inodes(root):
+            self.used -= self._room.pop(k, 0)
+
+    def _version_inodes(self, root: Path) -> set[int]:
+        units = {self._inode.get(str(u)) for u in self.units}
+        inside = f"{root}{os.sep}"
+        return {k for p, k in self._inode.items() if p == str(root) or p.startswith(inside)} - units
 
 
 def too_small(limit: int, url: str, named: str, need: int, fixed: int) -> DatasetError:
@@ -137,6 +168,42 @@ def evict(unit: Path) -> bool:
                 if link.stat().st_ino == ino:
                     link.unlink()
         remove(unit, sidecar_of(unit))
+        return True
+    finally:
+        let_go(fd)
+
+
+def _opened(root: Path) -> int:
+    """When the version at ``root`` was last opened (Remote.pin touches its folder); 0: a folder
+    left without its manifest (no reader can hold it), first to go."""
+    return file_mtime(root) if (root / MANIFEST).is_file() else 0
+
+
+def _version_held(root: Path) -> bool:
+    """Whether a reader holds the cached version at ``root`` (a shared flock on its manifest)."""
+    try:
+        fd = os.open(root / MANIFEST, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        return not lock_now(fd)
+    finally:
+        let_go(fd)
+
+
+def evict_version(root: Path) -> bool:
+    """Delete the cached version folder ``root`` (its metadata, and its links to units, which stay
+    in ``units/``) unless a reader holds it: the shared flock Remote.pin takes on its manifest
+    before it reads anything of the version, and checks was not deleted under it."""
+    try:
+        fd = os.open(root / MANIFEST, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # a folder left without its manifest: nothing holds it
+        shutil.rmtree(root, ignore_errors=True)
+        return True
+    try:
+        if not lock_now(fd):
+            return False
+        shutil.rmtree(root, ignore_errors=True)
         return True
     finally:
         let_go(fd)
@@ -213,6 +280,9 @@ def make_room(
             for stale in partial:  # a download whose process died or gave up: its room first
                 if taken.used + need > limit and _drop_partial(stale):
                     taken.give_back(stale, log_of(stale), sidecar_of(stale))
+            for old in taken.stale_versions():  # then versions a refresh replaced that no reader holds
+                if taken.used + need > limit and evict_version(old):
+                    taken.give_back_version(old)
             evicted = set()
             keep = after() if past else -1  # units needed no later than this are kept
             for unit, rank in sorted(((u, next_use(u)) for u in units), key=_eviction_order):
@@ -240,8 +310,12 @@ def make_room(
 
 
 def create(files: Files) -> None:
-    """Make ``files``: a size, a file of that many bytes (sparse: written later); bytes, written."""
+    """Make ``files``, in order: a size, a file of that many bytes (sparse: written later); bytes,
+    written; None, a folder."""
     for path, content in files.items():
+        if content is None:
+            path.mkdir(exist_ok=True)
+            continue
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             if isinstance(content, int):

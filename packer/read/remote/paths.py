@@ -10,6 +10,7 @@ from typing import Optional
 UNITS, PARTIAL, VERSIONS, LOCKS = "units", "partial", "versions", "locks"
 SIDECAR = ".rows.npy"  # per unit: (position, length, crc32) of the records it was checked for
 LOG = ".parts"  # per download in partial/: the parts it has written
+RECHECK = "files.json.failed"  # in a version's folder: its files.json is read from the bucket again at the next open
 
 
 def digest(data: str | bytes) -> str:

@@ -4,6 +4,7 @@ fetched, checked and renamed into its directory of the cache whole."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -16,14 +17,15 @@ from . import settings
 from .checks import metadata_problem
 from .eviction import Files
 from .locks import locked
-from .paths import LOCKS, PARTIAL, UNITS, VERSIONS
+from .paths import LOCKS, PARTIAL, RECHECK, UNITS, VERSIONS
 
 
 def fetch_version(store: Store, url: str, home: Path, *, reserve: Callable[[Files], None]) -> str:
     """The current version's key of the dataset at ``url`` (``store``) cached in ``home``, its
     manifest and index fetched and checked into the cache first (written by ``reserve``, which
     makes their room under the cache limit). An index that does not match the manifest (a refresh
-    was publishing between the two reads) is fetched again with the manifest."""
+    was publishing between the two reads) is fetched again with the manifest. A cached version
+    whose files.json a read found wrong (:func:`suspect_files`) has it read again first."""
     for d in (UNITS, PARTIAL, VERSIONS, LOCKS):
         (home / d).mkdir(parents=True, exist_ok=True)
     (home / "url").write_text(url + "\n")
@@ -34,15 +36,50 @@ def fetch_version(store: Store, url: str, home: Path, *, reserve: Callable[[File
             raise DatasetError(f"{url}: not a packer dataset (no {MANIFEST}; wrong URL?)")
         text, version = pointer.text, pointer.version
         root = home / VERSIONS / version
-        if (root / MANIFEST).is_file():
+        if (root / MANIFEST).is_file() and not (root / RECHECK).exists():
             return version
         with locked(home / LOCKS / f"version-{version}"):
             if (root / MANIFEST).is_file():
+                if (root / RECHECK).exists():
+                    _recheck_files(store, home, root, published=pointer.published, reserve=reserve)
                 return version
             problem = _fetch_metadata(store, url, home, text, root, published=pointer.published, reserve=reserve)
             if not problem:
                 return version
     raise DatasetError(f"{url}: {problem} after {settings.VERIFY_ATTEMPTS} downloads")
+
+
+def suspect_files(root: Path) -> None:
+    """Mark the cached version at ``root`` as one whose files.json a read of its data found wrong
+    (an object it names missing, of another size, or of other bytes): the next open reads the
+    bucket's files.json again (:func:`_recheck_files`), so that one repaired there is seen without
+    clearing the cache. A synced copy (no files.json) has nothing to read again."""
+    if (root / FILES).is_file():
+        with contextlib.suppress(FileNotFoundError):  # the version evicted meanwhile
+            (root / RECHECK).touch()
+
+
+def _recheck_files(store: Store, home: Path, root: Path, *, published: bool, reserve: Callable[[Files], None]) -> None:
+    """The files.json of the cached version at ``root`` replaced by the bucket's where they differ
+    (renamed into place whole: a reader that read the old one keeps it), then trusted again; one
+    the bucket no longer has dropped where the pointer is a synced copy's (its data files are at
+    U/NAME). One that does not parse, or none where the pointer says it was published, fails the
+    open in one line naming it, as the version's first open does."""
+    listed = read_files(store, root.name)
+    if listed is None and published:
+        name = version_key(root.name, FILES)
+        raise DatasetError(f"{store.url}: {name} is missing (the pointer says it was published)")
+    if listed is None:
+        (root / FILES).unlink()
+    elif (root / FILES).read_bytes() != (text := files_json(listed)):
+        staging = home / PARTIAL / f"{root.name}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            reserve({staging: None, staging / FILES: text})
+            os.replace(staging / FILES, root / FILES)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    (root / RECHECK).unlink()
 
 
 def _fetch_metadata(
@@ -53,9 +90,8 @@ def _fetch_metadata(
     its version is under ``versions/<id>/`` (packer.store.published.LAYOUT_META)."""
     staging = home / PARTIAL / f"{root.name}.{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
     try:
-        reserve({staging / MANIFEST: text})
+        reserve({staging: None, staging / MANIFEST: text})  # the folder counted too: it becomes the version's
         fd = open_regular(staging / MANIFEST)
         try:
             manifest = Manifest.read(fd, f"{url}/{MANIFEST}")
