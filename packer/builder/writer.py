@@ -33,7 +33,17 @@ from ..backends import BACKENDS, close_all
 from ..codec import codec_name
 from ..errors import BuildError, local_path, say
 from ..format import IDENTITY_DTYPE, IDENTITY_FIELDS, MANIFEST, Manifest
-from ..format.fields import Field, declare, encode_fields, join_record, nearest, record_fields, split_record
+from ..format.fields import (
+    Field,
+    box_array,
+    declare,
+    encode_fields,
+    join_record,
+    mask_pixels,
+    nearest,
+    record_fields,
+    split_record,
+)
 from ..format.records import FORMATS
 from .options import CHECKPOINT_RECORDS, SHARD_SIZE, BuildOptions, Resolved
 from .paths import check_target, dataset_path, lock_outputs
@@ -766,12 +776,9 @@ def _record(sample: dict[str, Any], job: SampleJob) -> tuple[Record, list[bytes]
     for f in job.fields:
         v = values[f.name]
         if f.kind == "boxes" and v is not None:
-            boxes = np.asarray(v, dtype=np.float64)
-            if boxes.size and (boxes.ndim != 2 or boxes.shape[1] != 4):
-                raise ValueError(f"{f.name}: shape {boxes.shape}, expected N x 4 (x0, y0, x1, y1)")
-            values[f.name] = boxes.reshape(-1, 4) * np.array([w / w0, h / h0, w / w0, h / h0])
+            values[f.name] = box_array(v, f.name) * np.array([w / w0, h / h0, w / w0, h / h0])
         elif f.kind == "mask" and v is not None:
-            mask = np.asarray(v)
+            mask = mask_pixels(v, f.name)
             if mask.shape != (h0, w0):
                 raise ValueError(f"{f.name}: shape {mask.shape}, the image is {h0} x {w0} (upright)")
             values[f.name] = nearest(mask, (0, 0, h0, w0), (h, w)) if (h, w) != (h0, w0) else mask
