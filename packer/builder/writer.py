@@ -224,12 +224,15 @@ class Writer:
         those given again, and its field counts."""
         self._resumed = np.fromfile(self._staging / SAMPLES_PART, SAMPLE_DTYPE)
         if len(self._resumed) != int(state["sources_done"]) or "more" not in state:
-            raise cannot_resume(f"the journal in {self._staging} is damaged; pack again without resume")
+            raise cannot_resume(
+                f"the journal in {self._staging} is damaged; pack again without resume", WRITER_OPTIONS.resume
+            )
         if not state["more"].get("identified"):
             raise cannot_resume(
                 f"the interrupted pack of {self.out} was not made resumable (it took no digest of its "
                 f"samples to check those given again against: pass resume=True from the first run); "
-                f"pack again without resume"
+                f"pack again without resume",
+                WRITER_OPTIONS.resume,
             )
         for name, tally in state["more"]["field_counts"].items():
             if "per_record" in tally:
@@ -341,7 +344,8 @@ class Writer:
         if known and (identity["src_size"], identity["src_hash"]) != (done[k]["src_size"], done[k]["src_hash"]):
             raise cannot_resume(
                 f"sample {k} ({source}) is not the one the interrupted pack of {self.out} packed there "
-                f"(its content differs): give the same samples in the same order, or pack again without resume"
+                f"(its content differs): give the same samples in the same order, or pack again without resume",
+                WRITER_OPTIONS.resume,
             )
         if self._refresh is not None:
             self._refresh.resumed(source, identity)
@@ -449,7 +453,8 @@ class Writer:
             if self._resumed is not None and self._written < len(self._resumed):
                 raise cannot_resume(
                     f"the interrupted pack of {self.out} had packed {len(self._resumed)} samples, this one "
-                    f"gave only {self._written}"
+                    f"gave only {self._written}",
+                    WRITER_OPTIONS.resume,
                 )
             self._checkpoint()
             rows = np.fromfile(self._staging / SAMPLES_PART, SAMPLE_DTYPE)
