@@ -251,8 +251,9 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | Non
         report = build_dask(raw_dir, out, options, address=dask_address, quiet=quiet)
     else:
         from .builder.pipeline import build as build_here
+        from .builder.staging import CLI_OPTIONS
 
-        report = build_here(raw_dir, out, options, quiet=quiet)
+        report = build_here(raw_dir, out, options, quiet=quiet, names=CLI_OPTIONS)
     click.echo(report.summary(), err=True)
 
 

@@ -32,7 +32,10 @@ from .scan import Paths, Scan, ScanError, confusable, identify, scan
 from .segments import Fetch, link_base, old_files, plan
 from .split import TRAIN, split_path, split_scan
 from .staging import (
+    BUILD_OPTIONS,
+    CLI_OPTIONS,
     BuildReport,
+    OptionNames,
     Plan,
     Progress,
     RecordSink,
@@ -56,10 +59,10 @@ def _up_to_date(out: Path, manifest: Manifest, retried: Optional[Paths] = None) 
     return BuildReport.of(out, manifest, up_to_date=True, changes=changes)
 
 
-def _built_otherwise(out: Path) -> BuildError:
+def _built_otherwise(out: Path, names: OptionNames) -> BuildError:
     return BuildError(
-        f"{out} is a complete dataset built from other input or options than this --resume "
-        f"(use --update to refresh it, or --force to replace it)"
+        f"{out} is a complete dataset built from other input or options than this {names.resume} "
+        f"(use {names.update} to refresh it, or {names.force} to replace it)"
     )
 
 
@@ -157,10 +160,12 @@ def run_build(
     engine: Engine,
     *,
     fetch: Optional[Fetch] = None,
+    names: OptionNames = CLI_OPTIONS,
 ) -> BuildReport:
     """Pack ``raw_dir`` into ``out`` with ``engine``: the build both engines share (see the module docstring).
     ``fetch``: OUT is the local copy of a dataset in object storage (packer.tools.publish), whose data
-    files a refresh keeps where they are when they are not in OUT, and fetches where it copies records."""
+    files a refresh keeps where they are when they are not in OUT, and fetches where it copies records.
+    ``names``: how messages name the resume options (the caller's: CLI flags or packer.build's keywords)."""
     t0 = time.monotonic()
     local_path(raw_dir)
     options = options.resolved(out, engine.shard_size)  # from the name given: a symlink's target may differ
@@ -169,11 +174,11 @@ def run_build(
         lock_outputs(locks, out, options, quiet)
         found = prepare(raw_dir, out, options, quiet)
         if not options.split:
-            report = _build_dataset(out, found, options, quiet, engine, fetch)
+            report = _build_dataset(out, found, options, quiet, engine, fetch, names)
         else:
             out.mkdir(parents=True, exist_ok=True)
             reports = {
-                name: _build_dataset(split_path(out, name, options.backend), part, options, quiet, engine, fetch)
+                name: _build_dataset(split_path(out, name, options.backend), part, options, quiet, engine, fetch, names)
                 for name, part in split_scan(found, options.split, options.split_seed).items()
             }
             report = BuildReport.combine(str(out), reports)
@@ -183,7 +188,13 @@ def run_build(
 
 
 def _build_dataset(
-    out: Path, found: Scan, options: Resolved, quiet: bool, engine: Engine, fetch: Optional[Fetch]
+    out: Path,
+    found: Scan,
+    options: Resolved,
+    quiet: bool,
+    engine: Engine,
+    fetch: Optional[Fetch],
+    names: OptionNames,
 ) -> BuildReport:
     """One dataset at ``out`` from ``found``: kept when up to date, else staged (reusing records with
     --update), then renamed into place."""
@@ -202,7 +213,7 @@ def _build_dataset(
         if retried is not None:
             return _up_to_date(out, previous[0], retried)
     if options.keep_current and not options.update and out.exists():  # --resume of a build that finished
-        raise _built_otherwise(out)
+        raise _built_otherwise(out, names)
     if previous is not None:
         _check_class_changes(out, previous[0].classes, found.classes, options, quiet)
     reuse = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
@@ -214,7 +225,7 @@ def _build_dataset(
         of, base = (reuse.manifest.computed_digest, reuse.base) if reuse is not None else (None, None)
         Plan.made(staging, of, base).record(staging, found)
     else:
-        state = _resume(out, staging, found, options, reuse, state, quiet, fetch)
+        state = _resume(out, staging, found, options, reuse, state, quiet, fetch, names)
     try:
         try:
             sink, resumed_from = engine.pack(staging, found, options, state, reuse)
@@ -227,7 +238,7 @@ def _build_dataset(
             raise
         raise BuildError(
             f"cannot write {staging}: {e} (disk full? the work so far is kept there: "
-            f"free some space, then run the same build with --resume)"
+            f"free some space, then run the same {names.run} with {names.resume})"
         ) from e
     report.processed = len(found.sources) - resumed_from - report.reused
     report.changes = reuse.changes if reuse is not None else None
@@ -244,10 +255,11 @@ def _resume(
     state: dict[str, Any],
     quiet: bool,
     fetch: Optional[Fetch],
+    names: OptionNames,
 ) -> Optional[dict[str, Any]]:
     """The checkpoint the interrupted build at ``staging`` continues from, with its recorded
     :class:`~packer.builder.staging.Plan` (:func:`continue_plan`)."""
-    recorded = continue_plan(out, staging, reuse, quiet, fetch)
+    recorded = continue_plan(out, staging, reuse, quiet, fetch, names)
     return rewind(staging, found, state, options.backend, recorded.first, quiet)
 
 
@@ -306,9 +318,11 @@ def build(
     options: Optional[BuildOptions] = None,
     *,
     quiet: bool = False,
+    names: OptionNames = BUILD_OPTIONS,
     **changes: Any,
 ) -> BuildReport:
     """Pack ``raw_dir`` into ``out`` on this machine's cores; see ``packer build --help``.
+    ``names``: how messages name the resume options (these keywords; the CLI passes its flags).
 
     ``options`` (default ``BuildOptions()``) with ``changes`` applied: any :class:`BuildOptions` field
     by name, e.g. ``build(raw, out, format="raw", workers=4)``; a bad value raises BuildError.
@@ -318,4 +332,4 @@ def build(
         from .coco import build_coco
 
         return build_coco(raw_dir, out, options, quiet)
-    return run_build(raw_dir, out, options, quiet, LocalEngine(Path(raw_dir), quiet))
+    return run_build(raw_dir, out, options, quiet, LocalEngine(Path(raw_dir), quiet), names=names)

@@ -267,9 +267,10 @@ def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optio
     return None
 
 
-def cannot_resume(why: str) -> BuildError:
-    """The one-line refusal of a --resume that cannot continue its interrupted build's plan."""
-    return BuildError(f"cannot --resume: {why}")
+def cannot_resume(why: str, resume: str = "--resume") -> BuildError:
+    """The one-line refusal of a resume that cannot continue its interrupted build's plan; ``resume``:
+    how the caller names that option (OptionNames.resume)."""
+    return BuildError(f"cannot {resume}: {why}")
 
 
 @dataclass(frozen=True)
@@ -649,6 +650,7 @@ class OptionNames:
 
 
 CLI_OPTIONS = OptionNames("--update", "--resume", "--force", "build")
+BUILD_OPTIONS = OptionNames("update=True", "resume=True", "force=True", "build")  #: packer.build's keywords
 WRITER_OPTIONS = OptionNames("update=True", "resume=True", "force=True", "pack")
 
 
@@ -658,7 +660,7 @@ def continue_plan(
     reuse: Optional[ReusePlan],
     quiet: bool,
     fetch: Optional[Fetch],
-    names: OptionNames = CLI_OPTIONS,
+    names: OptionNames,
 ) -> Plan:
     """The :class:`~packer.builder.staging.Plan` the interrupted build at ``staging`` recorded, its old
     data files linked again (not a new plan: the journal's rows point into the data files it chose),
@@ -670,23 +672,28 @@ def continue_plan(
     if recorded.of is not None and reuse is None:
         raise cannot_resume(
             f"the interrupted {n.run} refreshed {out} ({n.update}), reusing its records; "
-            f"resume it with {n.update} {n.resume}, or {n.run} again without {n.resume}"
+            f"resume it with {n.update} {n.resume}, or {n.run} again without {n.resume}",
+            n.resume,
         )
     if recorded.of is None and reuse is not None:
         raise cannot_resume(
             f"the interrupted {n.run} of {out} wrote every record itself ({n.force} or a first {n.run}); "
-            f"resume it without {n.update}, or run the {n.update} again without {n.resume}"
+            f"resume it without {n.update}, or run the {n.update} again without {n.resume}",
+            n.resume,
         )
     if reuse is not None:
         if recorded.of != reuse.manifest.computed_digest:
             raise cannot_resume(
-                f"{out} changed since the interrupted refresh; run the {n.update} again without {n.resume}"
+                f"{out} changed since the interrupted refresh; run the {n.update} again without {n.resume}",
+                n.resume,
             )
         recorded.check_linked(out)
         if recorded.base:
             reuse.base = link_base(out, staging, recorded.base, quiet, remote=fetch is not None)
             if reuse.base is None:
-                raise cannot_resume(f"the data files of {out} cannot be linked again; {n.run} again without {n.resume}")
+                raise cannot_resume(
+                    f"the data files of {out} cannot be linked again; {n.run} again without {n.resume}", n.resume
+                )
         fetch_copied(out, reuse, fetch)
     return recorded
 

@@ -33,7 +33,17 @@ from ..backends import BACKENDS, close_all
 from ..codec import codec_name
 from ..errors import BuildError, local_path, say
 from ..format import IDENTITY_DTYPE, IDENTITY_FIELDS, MANIFEST, Manifest
-from ..format.fields import Field, declare, encode_fields, join_record, nearest, record_fields, split_record
+from ..format.fields import (
+    Field,
+    box_array,
+    declare,
+    encode_fields,
+    join_record,
+    mask_pixels,
+    nearest,
+    record_fields,
+    split_record,
+)
 from ..format.records import FORMATS
 from .options import CHECKPOINT_RECORDS, SHARD_SIZE, BuildOptions, Resolved
 from .paths import check_target, dataset_path, lock_outputs
@@ -214,12 +224,15 @@ class Writer:
         those given again, and its field counts."""
         self._resumed = np.fromfile(self._staging / SAMPLES_PART, SAMPLE_DTYPE)
         if len(self._resumed) != int(state["sources_done"]) or "more" not in state:
-            raise cannot_resume(f"the journal in {self._staging} is damaged; pack again without resume")
+            raise cannot_resume(
+                f"the journal in {self._staging} is damaged; pack again without resume", WRITER_OPTIONS.resume
+            )
         if not state["more"].get("identified"):
             raise cannot_resume(
                 f"the interrupted pack of {self.out} was not made resumable (it took no digest of its "
                 f"samples to check those given again against: pass resume=True from the first run); "
-                f"pack again without resume"
+                f"pack again without resume",
+                WRITER_OPTIONS.resume,
             )
         for name, tally in state["more"]["field_counts"].items():
             if "per_record" in tally:
@@ -331,7 +344,8 @@ class Writer:
         if known and (identity["src_size"], identity["src_hash"]) != (done[k]["src_size"], done[k]["src_hash"]):
             raise cannot_resume(
                 f"sample {k} ({source}) is not the one the interrupted pack of {self.out} packed there "
-                f"(its content differs): give the same samples in the same order, or pack again without resume"
+                f"(its content differs): give the same samples in the same order, or pack again without resume",
+                WRITER_OPTIONS.resume,
             )
         if self._refresh is not None:
             self._refresh.resumed(source, identity)
@@ -439,7 +453,8 @@ class Writer:
             if self._resumed is not None and self._written < len(self._resumed):
                 raise cannot_resume(
                     f"the interrupted pack of {self.out} had packed {len(self._resumed)} samples, this one "
-                    f"gave only {self._written}"
+                    f"gave only {self._written}",
+                    WRITER_OPTIONS.resume,
                 )
             self._checkpoint()
             rows = np.fromfile(self._staging / SAMPLES_PART, SAMPLE_DTYPE)
@@ -766,12 +781,9 @@ def _record(sample: dict[str, Any], job: SampleJob) -> tuple[Record, list[bytes]
     for f in job.fields:
         v = values[f.name]
         if f.kind == "boxes" and v is not None:
-            boxes = np.asarray(v, dtype=np.float64)
-            if boxes.size and (boxes.ndim != 2 or boxes.shape[1] != 4):
-                raise ValueError(f"{f.name}: shape {boxes.shape}, expected N x 4 (x0, y0, x1, y1)")
-            values[f.name] = boxes.reshape(-1, 4) * np.array([w / w0, h / h0, w / w0, h / h0])
+            values[f.name] = box_array(v, f.name) * np.array([w / w0, h / h0, w / w0, h / h0])
         elif f.kind == "mask" and v is not None:
-            mask = np.asarray(v)
+            mask = mask_pixels(v, f.name)
             if mask.shape != (h0, w0):
                 raise ValueError(f"{f.name}: shape {mask.shape}, the image is {h0} x {w0} (upright)")
             values[f.name] = nearest(mask, (0, 0, h0, w0), (h, w)) if (h, w) != (h0, w0) else mask

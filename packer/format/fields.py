@@ -84,6 +84,33 @@ def _numbers(value: Any, dtype: np.dtype, what: str) -> np.ndarray:
     return a
 
 
+def box_array(value: Any, what: str) -> np.ndarray:
+    """``value`` as N x 4 boxes of real numbers (float64), ValueError (naming ``what``) for any other
+    shape or dtype: complex numbers or strings are refused, not cut to their real part or parsed."""
+    a = _numbers(value, np.dtype(np.float64), what)
+    if a.size and a.dtype.kind not in "biuf":
+        raise ValueError(f"{what}: dtype {a.dtype}, expected real numbers")
+    if a.size and (a.ndim != 2 or a.shape[1] != 4):
+        raise ValueError(f"{what}: shape {a.shape}, expected N x 4 (x0, y0, x1, y1)")
+    return a.reshape(-1, 4).astype(np.float64, copy=False)
+
+
+def mask_pixels(value: Any, what: str) -> np.ndarray:
+    """``value`` as the uint8 ids a mask stores, ValueError (naming ``what``) unless every value is
+    one exactly: bool or integer within 0..255, or a float that is one (no NaN, no fraction), so
+    that no id is silently wrapped, rounded or lost; checked before a resize drops any pixel."""
+    a = _numbers(value, np.dtype(np.uint8), what)
+    if a.dtype == np.uint8:
+        return a
+    if a.dtype.kind not in "biuf":
+        raise ValueError(f"{what}: dtype {a.dtype}, expected integer ids 0..255 (uint8)")
+    if a.dtype.kind == "f" and a.size and not (np.isfinite(a).all() and (a == np.floor(a)).all()):
+        raise ValueError(f"{what}: {a.dtype} values that are not whole numbers (NaN, inf or fractions)")
+    if a.min(initial=0) < 0 or a.max(initial=0) > 255:
+        raise ValueError(f"{what}: values outside 0..255")
+    return a.astype(np.uint8)
+
+
 class Label(FieldKind):
     """The class id, kept in index.npy's ``label`` column as it always was (not in the record)."""
 
@@ -96,12 +123,11 @@ class Boxes(FieldKind):
     name, dtype, geometric, single, item = "boxes", "<f4", True, True, 16
 
     def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
-        a = _numbers(value, dtype, "boxes")
+        a = box_array(value, "boxes")
         if a.size == 0:
             return b""
-        if a.ndim != 2 or a.shape[1] != 4:
-            raise ValueError(f"boxes: shape {a.shape}, expected N x 4 (x0, y0, x1, y1)")
-        a = a.astype("<f4")
+        with np.errstate(over="ignore"):  # beyond float32: inf, refused below
+            a = a.astype("<f4")
         if not np.isfinite(a).all() or (a[:, 2] < a[:, 0]).any() or (a[:, 3] < a[:, 1]).any():
             raise ValueError("boxes: every box must be finite with x0 <= x1 and y0 <= y1")
         return a.tobytes()
@@ -141,12 +167,10 @@ class Mask(FieldKind):
     name, dtype, geometric, encodings = "mask", "|u1", True, (PIXELS, RUNS)
 
     def encode(self, value: Any, *, dtype: np.dtype, height: int, width: int) -> bytes:
-        a = _numbers(value, dtype, "mask")
+        a = mask_pixels(value, "mask")
         if a.shape != (height, width):
             raise ValueError(f"mask: shape {a.shape}, the stored image is {height} x {width}")
-        if a.dtype != np.uint8 and (a.min(initial=0) < 0 or a.max(initial=0) > 255):
-            raise ValueError("mask: values outside 0..255")
-        flat = np.ascontiguousarray(a, np.uint8).ravel()
+        flat = np.ascontiguousarray(a).ravel()
         if self.encoding == self.PIXELS:
             return flat.tobytes()
         starts = np.flatnonzero(np.concatenate(([True], flat[1:] != flat[:-1])))
@@ -213,6 +237,14 @@ class Array(FieldKind):
             raise ValueError(f"array: {a.ndim} dimensions, at most {MAX_NDIM}")
         if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
             raise ValueError(f"array: dtype {a.dtype} does not convert to the field's {dtype}")
+        if a.size and not np.can_cast(a.dtype, dtype, "safe") and dtype.kind in "iu" and a.dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            if a.min() < info.min or a.max() > info.max:  # would wrap
+                raise ValueError(f"array: values outside the field's {dtype} ({info.min}..{info.max})")
+        elif a.size and not np.can_cast(a.dtype, dtype, "safe") and dtype.kind in "fc":
+            with np.errstate(over="ignore"):
+                if np.count_nonzero(np.isfinite(a.astype(dtype))) != np.count_nonzero(np.isfinite(a)):
+                    raise ValueError(f"array: values beyond the field's {dtype} (they would become inf)")
         head = np.array([a.ndim], "<u4").tobytes() + np.array(a.shape, "<u8").tobytes()
         return head + np.ascontiguousarray(a, dtype).tobytes()
 

@@ -19,7 +19,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import packer.builder.segments
-from packer import ShardDataset, build
+from packer import BuildError, ShardDataset, build
 from packer.backends import data_files
 from packer.backends.lmdb import close_lmdb
 from packer.backends.walk import InOrder, walk
@@ -228,6 +228,10 @@ def test_an_interrupted_refresh_resumes_over_its_links(raw: Path, tmp_path: Path
     )
     run = subprocess.run([sys.executable, "-c", script, str(raw), str(out), backend], capture_output=True, text=True)
     assert run.returncode == 3, run.stderr[-800:]
+    with pytest.raises(BuildError, match=r"than this resume=True \(use update=True to refresh it, or force=True"):
+        build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8, resume=True)  # keywords, not flags
+    with pytest.raises(BuildError, match=r"cannot resume=True: .* \(update=True\), .* with update=True resume=True"):
+        build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8, force=True, resume=True)
     report = build(raw, out, backend=backend, workers=1, quiet=True, shard_size=8, update=True, resume=True)
     assert report.count == 36
     same_as_full_rebuild(raw, out, tmp_path, backend, shard_size=8)

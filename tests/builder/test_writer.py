@@ -559,3 +559,43 @@ def test_shared_blocks_are_reused_once_their_chunk_is_done(tmp_path: Path) -> No
     here = packer.pack(samples, tmp_path / "here", fields={}, workers=0)
     there = packer.pack(samples, tmp_path / "there", fields={}, workers=2)
     assert here.digest == there.digest and (here.count, there.count) == (30, 30)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_field_values_that_would_be_altered_are_reported_skips(tmp_path: Path, workers: int) -> None:
+    """A mask of NaN, fractions or ids beyond 0..255, complex boxes, an array beyond its dtype: each a
+    skip naming the sample, checked on the mask as given (the resize to the short edge would drop most
+    of its pixels); a float mask of whole ids is stored as those ids."""
+    img = np.zeros((640, 800, 3), np.uint8)
+    ids = np.zeros((640, 800))
+    ids[100:200, 100:300] = 9.0
+
+    def bad(pixel: float) -> np.ndarray:
+        m = ids.copy()
+        m[0, 0] = pixel  # under no pixel the resize keeps (it samples rows and columns 1, 3, ...)
+        return m
+
+    samples = [
+        {"image": img, "mask": bad(np.nan), "source": "nan-mask"},
+        {"image": img, "mask": bad(2.5), "source": "fraction-mask"},
+        {"image": img, "mask": bad(300), "source": "big-mask"},
+        {"image": img, "mask": ids, "boxes": [[0, 0, 1j, 1]], "source": "complex-boxes"},
+        {"image": img, "mask": ids, "emb": np.array([1e300]), "source": "big-emb"},
+        {"image": img, "mask": ids, "source": "ok"},
+    ]
+    fields = {"boxes": "boxes", "mask": "mask", "emb": ("array", "<f4")}
+    for s in samples:
+        s.setdefault("emb", np.zeros(2, np.float32))
+    report = packer.pack(samples, tmp_path / "b", fields=fields, workers=workers)
+    assert (report.count, report.skipped) == (1, 5)
+    reasons = {
+        s["path"]: s["reason"] for s in map(json.loads, (tmp_path / "b" / "report.jsonl").read_text().splitlines())
+    }
+    assert "not whole numbers" in reasons["nan-mask"] and "not whole numbers" in reasons["fraction-mask"]
+    assert "outside 0..255" in reasons["big-mask"] and "real numbers" in reasons["complex-boxes"]
+    assert "would become inf" in reasons["big-emb"]
+    mask = np.asarray(packer.ShardDataset(tmp_path / "b", crop_size=None)[0]["mask"])
+    assert mask.shape == (320, 400) and set(np.unique(mask).tolist()) == {0, 9}
+    with pytest.raises(packer.BuildError, match=r"nan-mask.*not whole numbers"):
+        packer.pack(samples[:1], tmp_path / "c", fields=fields, workers=workers, on_error="fail")
+    assert not (tmp_path / "c").exists()

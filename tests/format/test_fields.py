@@ -152,3 +152,40 @@ def test_a_users_dtype_is_made_canonical() -> None:
     assert [f.dtype for f in declare({"a": ("array", "float32"), "b": ("array", np.int16)})] == ["<f4", "<i2"]
     with pytest.raises(ValueError, match="not a plain numpy dtype"):
         declare({"a": ("array", "O")})
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "dtype", "why"),
+    [
+        ("mask", np.array([[0, 1.5, 2]]), "|u1", "not whole numbers"),
+        ("mask", np.array([[0, np.nan, 2]]), "|u1", "not whole numbers"),
+        ("mask", np.array([[0, np.inf, 2]]), "|u1", "not whole numbers"),
+        ("mask", np.array([[0, 256.0, 2]]), "|u1", "outside 0..255"),
+        ("mask", np.array([[0, -1, 2]], np.int16), "|u1", "outside 0..255"),
+        ("mask", np.array([[0, 1j, 2]]), "|u1", "expected integer ids"),
+        ("mask", np.array([["0", "1", "2"]]), "|u1", "expected integer ids"),
+        ("boxes", np.array([[0, 0, 1j, 1]]), "<f4", "expected real numbers"),
+        ("boxes", [["0", "0", "1", "1"]], "<f4", "expected real numbers"),
+        ("boxes", [[0, 0, 1e39, 1]], "<f4", "finite"),  # inf once float32
+        ("boxes", [[0, 0, -np.inf, 1]], "<f4", "finite"),
+        ("boxes", [[0, 0, 1, 1, 1]], "<f4", "expected N x 4"),
+        ("array", np.array([300]), "|i1", "outside the field's int8"),
+        ("array", np.array([2**40]), "<i4", "outside the field's int32"),
+        ("array", np.array([1e300]), "<f4", "would become inf"),
+        ("array", np.array([-1]), "|u1", "does not convert"),
+    ],
+)
+def test_values_that_would_change_when_stored_are_refused(kind: str, value, dtype: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        FIELD_KINDS[kind].encode(value, dtype=np.dtype(dtype), height=1, width=3)
+
+
+def test_values_stored_exactly_are_taken() -> None:
+    """A float or bool mask of whole ids, an in-range int64 array, NaN in a float array: kept as they are."""
+    mask = FIELD_KINDS["mask"].using("raw")
+    assert mask.encode(np.array([[0.0, 7.0, 255.0]]), dtype=np.dtype("|u1"), height=1, width=3) == bytes([0, 7, 255])
+    assert mask.encode(np.array([[True, False, True]]), dtype=np.dtype("|u1"), height=1, width=3) == bytes([1, 0, 1])
+    small = FIELD_KINDS["array"].encode(np.array([-128, 127]), dtype=np.dtype("|i1"), height=1, width=3)
+    assert small[-2:] == np.array([-128, 127], "|i1").tobytes()
+    nan = FIELD_KINDS["array"].encode(np.array([np.nan, 1e30]), dtype=np.dtype("<f4"), height=1, width=3)
+    assert np.isnan(np.frombuffer(nan[-8:], "<f4")[0]) and np.frombuffer(nan[-8:], "<f4")[1] == np.float32(1e30)
