@@ -122,6 +122,7 @@ def set_knobs(args: argparse.Namespace) -> None:
     """The remote path's tunables the command line sets (packer.read.remote.settings)."""
     knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
     knobs.MIN_UNITS, knobs.MIN_UNIT_BYTES = args.min_units, args.min_unit_bytes
+    os.environ["PACKER_PAST_WAIT"] = str(args.past_wait) if args.past_wait >= 0 else "off"
 
 
 def serve_proxy(upstream: str, control: Any) -> None:
@@ -342,6 +343,12 @@ def main() -> None:
     p.add_argument("--min-units", type=int, default=knobs.MIN_UNITS, help="the fewest units a dataset is cut into")
     p.add_argument("--min-unit-bytes", type=int, default=knobs.MIN_UNIT_BYTES, help="down to units of this many bytes")
     p.add_argument("--unit-streams", type=int, default=knobs.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
+    p.add_argument(
+        "--past-wait",
+        type=float,
+        default=knobs.PAST_WAIT,
+        help="seconds a batch waits for its units before it reads its records as ranges (-1: waits for them)",
+    )
     p.add_argument("--order", choices=("default", "random", "block"), default="default", help="ShardSampler's order")
     p.add_argument("--window", type=int, default=0, help="ShardSampler's window (0: its default)")
     p.add_argument("--prefetch", type=int, default=None, help="windows fetched ahead (default: ShardSampler's)")

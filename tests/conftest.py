@@ -95,6 +95,14 @@ def proxy(_proxy_server: Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pro
     _proxy_server.clear()
 
 
+@pytest.fixture
+def whole_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches wait for their units' downloads (PACKER_PAST_WAIT off, for the DataLoader workers
+    too) rather than read their records past the cache while the units download: for a test that
+    counts the whole-unit downloads (each byte once, one GET a unit, their order)."""
+    monkeypatch.setenv("PACKER_PAST_WAIT", "off")
+
+
 @pytest.fixture(scope="session")
 def class_sorted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real memmap dataset of 16 classes x 48 small photos, stored class by class (as every build

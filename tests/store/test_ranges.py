@@ -4,8 +4,11 @@ records of them, as byte ranges, checked; any order works down to the limit refu
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -20,11 +23,15 @@ from .test_s3 import _files, _least_limit, same_epochs
 from .test_s3 import small_shards as small_shards  # the fixture: 18 shards of 4 records
 
 
+def _name(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
 def _past_reads(proxy: Proxy, sizes: dict[str, int]) -> int:
     """GETs of a shard's bytes that asked for less than one of its units (whole shards here)."""
     short = 0
     for key, ranges in proxy.ranges.items():
-        name = key.rsplit("/", 1)[-1]
+        name = _name(key)
         for asked in ranges if name in sizes else ():
             first, _, last = asked.removeprefix("bytes=").partition("-")
             short += bool(asked) and int(last) + 1 - int(first) < sizes[name]
@@ -83,3 +90,83 @@ def test_records_read_past_the_cache_are_checked(
     damaged = r"shard-00007\.bin: record \d+: CRC-32 differs .* after 3 (reads|downloads)$"
     with pytest.raises(DatasetError, match=damaged):
         remote.__getitems__([i for i in range(len(local)) if local.index["shard"][i] == 7] + batch)
+
+
+def _in_cache(cache: Path, names: dict[str, int]) -> set[str]:
+    """The data files whose whole unit is in the cache's version folder."""
+    return {p.name for p in cache.glob("*/versions/*/*") if p.name in names}
+
+
+@pytest.mark.parametrize("limit", [None, "half"])
+def test_batch_reads_past_units_still_downloading(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, limit: str | None
+) -> None:
+    """A store whose every GET moves a shard in about a second: a batch of one record of each
+    shard waits settings.PAST_WAIT for its units, then reads its records as ranges (checked) and
+    returns while the whole units still download. They go on into the cache for later batches: a
+    second batch of the same records makes no GET, each unit is downloaded whole once, and a cache
+    of half the data, sampled as ``du`` counts it, never exceeds its limit."""
+    sizes = _files(small_shards)
+    url = s3_server.upload(small_shards, f"ranges/late-{limit}")
+    cache = tmp_path / "cache"
+    bytes_limit = sum(sizes.values()) // 2 if limit else None
+    local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
+    batch = [int(i) for i in np.unique(local.index["shard"], return_index=True)[1]]
+    proxy.faults.append(Faults(match="shard-", stream_rate=min(sizes.values())))
+    with du_peak(cache) as highest:
+        remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=bytes_limit)
+        got = remote.__getitems__(batch)
+        cached_then = _in_cache(cache, sizes)
+        assert all(torch.equal(g[0], local[i][0]) and g[1] == local[i][1] for g, i in zip(got, batch, strict=True))
+        assert _past_reads(proxy, sizes) == len(sizes) and len(cached_then) < len(sizes)
+        deadline = time.monotonic() + 60
+        while remote._remote._pending.get() and time.monotonic() < deadline:  # the whole units, going on
+            time.sleep(0.05)
+        if limit is None:
+            assert _in_cache(cache, sizes) == set(sizes)
+            gets = sum(proxy.requests.values())
+            again = remote.__getitems__(batch)
+            assert sum(proxy.requests.values()) == gets
+            assert all(torch.equal(g[0], a[0]) for g, a in zip(got, again, strict=True))
+    whole = [k for k, asked in proxy.ranges.items() for r in asked if r == f"bytes=0-{sizes.get(_name(k), 0) - 1}"]
+    assert sorted(whole) == sorted(set(whole)) and (len(whole) == len(sizes) if limit is None else whole), whole
+    if bytes_limit is not None:
+        assert 0 < max(highest) <= bytes_limit, (highest, bytes_limit)
+
+
+def test_release_keeps_the_records_another_batch_read_past(
+    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path
+) -> None:
+    """Two batches read in two threads of one process: the one that ends first lets go of the
+    units, and of its own records read past the cache, not of the other's (which it still reads,
+    and would otherwise GET again, one record at a time)."""
+    url = s3_server.upload(small_shards, "ranges/release")
+    least, _ = _least_limit(url, tmp_path / "cache")
+    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache", cache_limit=least)
+    client = remote._remote
+    assert client is not None
+    records = np.arange(0, len(remote), 3, dtype=np.int64)
+    read, ended = threading.Event(), threading.Event()
+    kept: list[int] = []
+
+    def first() -> None:
+        client.prefetch(records, wait=True)
+        read.set()
+        ended.wait(30)
+        kept.append(len(client._batch_past()))
+        client.release()
+
+    def second() -> None:
+        read.wait(30)
+        client.prefetch(records[:1], wait=True)
+        client.release()
+        kept.append(len(client._batch_past()))
+        ended.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # the second's own records gone; the first's kept: all but those of the one unit the cache holds
+    assert kept[0] == 0 and kept[1] >= len(records) - 2, kept

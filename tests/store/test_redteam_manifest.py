@@ -336,22 +336,22 @@ ATTACKS = [
     Attack(
         "index-crc-first-record",
         _row("crc32", 0, lambda v: v ^ 1),
-        r"{f}: record 0: CRC-32 differs from the index's \(damaged bytes\) after 3 downloads$",
+        r"{f}: record 0: CRC-32 differs from the index's \(damaged bytes\) after 3 (downloads|reads)$",
     ),
     Attack(
         "index-crc-last-record",
         _row("crc32", -1, lambda v: v ^ 1),
-        r"{l}: record 17: CRC-32 differs from the index's \(damaged bytes\) after 3 downloads$",
+        r"{l}: record 17: CRC-32 differs from the index's \(damaged bytes\) after 3 (downloads|reads)$",
     ),
     Attack(
         "index-crc-every-record",
         _sealed(_rows(lambda r: r.__setitem__("crc32", r["crc32"] ^ 7))),
-        r"{f}: record 0: CRC-32 differs from the index's \(damaged bytes\) after 3 downloads$",
+        r"{f}: record 0: CRC-32 differs from the index's \(damaged bytes\) after 3 (downloads|reads)$",
     ),
     Attack(
         "index-length-one-more",
         _row("length", 0, lambda v: v + 1),
-        r"({f}: record 0 is \d+ bytes, the index says \d+|{f}: record 0: CRC-32 differs).* after 3 downloads$",
+        r"({f}: record 0 is \d+ bytes, the index says \d+|{f}: record 0: CRC-32 differs).* after 3 (downloads|reads)$",
     ),
     Attack(
         "index-length-huge",

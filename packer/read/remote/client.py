@@ -98,8 +98,9 @@ class Remote:
         # cycle would keep the units held until the garbage collector runs)
         self._units: Optional[Units] = None
         self._keys: Optional[tuple[str, dict[str, str]]] = None  # (version, data file -> object key): _key
-        # (shard, byte position) -> a record the batch being read took past the cache (no room for its unit)
-        self._past: PerProcess[dict[tuple[int, int], bytes]] = PerProcess(dict)
+        # per thread (a batch is read in one thread): (shard, byte position) -> a record the batch
+        # being read took past the cache (no room for its unit, or its unit still downloading)
+        self._past: PerProcess[threading.local] = PerProcess(threading.local)
 
     @property
     def store(self) -> Store:
@@ -178,7 +179,7 @@ class Remote:
                             units,
                             k,
                             lambda key: self._map_unit(root, key),
-                            self._past.get,
+                            self._batch_past,
                             functools.partial(self._record_past, root),
                         ),
                         None,
@@ -237,13 +238,27 @@ class Remote:
         mapping.madvise(mmap.MADV_RANDOM)
         return np.asarray(mapping)
 
+    def _batch_past(self) -> dict[tuple[int, int], bytes]:
+        """The records the batch this thread reads took past the cache: its own, which no other
+        batch's :meth:`release` clears."""
+        local = self._past.get()
+        if not hasattr(local, "records"):
+            local.records = {}
+        return cast(dict[tuple[int, int], bytes], local.records)
+
     def release(self) -> None:
+        """The batch this thread read is done: the records it read past the cache go, and the
+        units this process holds are let go of (:meth:`_let_go_units`)."""
+        self._batch_past().clear()
+        self._let_go_units()
+
+    def _let_go_units(self) -> None:
         """Let go of the units this process holds, with a memmap reader (see packer.read.remote):
-        called after each batch, so that a cache of a few units serves an epoch, and by a batch's
-        download that finds no room (in any thread). With a cache limit their mappings go too (the
-        disk space of an evicted unit is freed with its last mapping)."""
+        after each batch, so that a cache of a few units serves an epoch, and by a batch's download
+        that finds no room (in any thread: the records other batches read past the cache stay
+        theirs). With a cache limit their mappings go too (the disk space of an evicted unit is
+        freed with its last mapping)."""
         pinned = self._pinned() if self._pinned is not None else None
-        self._past.get().clear()
         if pinned is None or not pinned.shards or not isinstance(pinned.shards[0][0], RangedShard):
             return
         with self._lock.get():
@@ -261,7 +276,9 @@ class Remote:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
-        the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
+        the first failure; a failed fetch is forgotten once raised, so a later batch tries again;
+        a memmap batch waits :data:`settings.PAST_WAIT` seconds at most, and reads its records of
+        the units still downloading past the cache while they go on for later batches).
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
         every record of this epoch is not needed again in it. ``read``: the draws of the planned
         ``epoch`` read by now in other processes (the sampler's, whose DataLoader workers read
@@ -300,28 +317,51 @@ class Remote:
                 futures[name] = pending[name]
         if not wait:
             return
-        past = self._await(futures)
+        # a memmap batch waits for its units' downloads only briefly: it reads its records of those
+        # still downloading past the cache, and they go on downloading for the batches after it
+        within = settings.past_wait() if units.ranged else None
+        if within is not None:  # a unit the batch reads most of is waited for: no byte crosses twice
+            share = np.bincount(numbers, weights=self._places(root)[1]["length"][records], minlength=len(units.keys))
+            whole = {units.keys[u] for u in np.flatnonzero(share > settings.PAST_SHARE * units.sizes).tolist()}
+            past, late = self._await({n: f for n, f in futures.items() if n not in whole}, within=within)
+            past += self._await({n: f for n, f in futures.items() if n in whole})[0]
+        else:
+            past, late = self._await(futures)
         # a prefetch that found no room left its unit to this batch; one evicted since, too
-        again = [n for n in wanted if n not in past and not (root / n).exists()]
+        again = [n for n in wanted if n not in past and n not in late and not (root / n).exists()]
         pool = turns.prefetcher.get()
-        past += self._await({n: pool.submit(self._fetch_into, root, n, demand=True) for n in again})
-        if past:  # no room in the cache for them: the batch's records of them read past it
+        for name in again:  # in pending while they run: a later batch waits for them, not a second download
+            if name not in pending:
+                pending[name] = pool.submit(self._fetch_into, root, name, demand=True)
+        past += self._await({n: pending[n] for n in again})[0] + late
+        if past:  # no room in the cache for them, or still downloading: the batch's records of them read past it
             self._read_past(root, records[np.isin(numbers, [units.numbers[n] for n in past])])
         # read from now on: until its units are in, the batch is what comes next (needed_before)
         self._next.count(units, numbers, wait, epoch)
 
-    def _await(self, futures: dict[str, concurrent.futures.Future]) -> list[str]:
+    def _await(
+        self, futures: dict[str, concurrent.futures.Future], *, within: Optional[float] = None
+    ) -> tuple[list[str], list[str]]:
         """Wait for the fetches ``futures`` of a batch, raising the first failure (a failed fetch is
-        forgotten once raised, so a later batch tries again); the units that found no room."""
-        pending, past = self._pending.get(), []
+        forgotten once raised, so a later batch tries again): the units that found no room, and
+        those still fetching after ``within`` seconds (None: all waited for). A fetch the batch no
+        longer waits for goes on for later batches, forgotten once it succeeds (its failure is a
+        later batch's to raise)."""
+        if within is not None:
+            concurrent.futures.wait(list(futures.values()), timeout=within)
+        pending, past, late = self._pending.get(), [], []
         for name, future in futures.items():
+            if within is not None and not future.done():
+                late.append(name)
+                future.add_done_callback(functools.partial(_forget, pending, name, failed=False))
+                continue
             failure = future.exception()
             pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
             if failure is not None:
                 raise failure
             if future.result():
                 past.append(name)
-        return past
+        return past, late
 
     def _read_past(self, root: Path, records: np.ndarray) -> None:
         """``records`` of the version at ``root``, read from the store past the cache for the batch
@@ -329,7 +369,7 @@ class Remote:
         manifest, index, files, positions = self._places(root)
         names = data_files(manifest)
         records = np.unique(records)
-        got = self._past.get()
+        got = self._batch_past()
         for k in np.unique(files[records]).tolist():
             mine = records[files[records] == k]
             rows = rows_of(index, positions, mine)
@@ -354,7 +394,7 @@ class Remote:
         (a read the batch's :meth:`prefetch` did not foresee, or whose records a release dropped)."""
         _, _, files, positions = self._places(root)
         self._read_past(root, np.flatnonzero((files == k) & (positions == start))[:1])
-        return self._past.get()[(k, start)]
+        return self._batch_past()[(k, start)]
 
     def _fetch_into(self, root: Path, name: str, *, demand: bool) -> bool:
         """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a
@@ -669,7 +709,7 @@ class Remote:
             needed_before=lambda there: (
                 0 if name is None else self._next.needed_before(self._units, name, there, room_for(files))
             ),
-            let_go=self.release,
+            let_go=self._let_go_units,
             url=self.url,
             named=None if name is None else self._named(name),
             past=past,
@@ -689,8 +729,13 @@ def _with_sidecar(files: Files, part: Path, rows: np.ndarray) -> Files:
     return {**files, sidecar_of(part): sidecar_bytes(rows)}
 
 
-def _forget(pending: dict[str, concurrent.futures.Future], name: str, _: concurrent.futures.Future) -> None:
-    pending.pop(name, None)
+def _forget(
+    pending: dict[str, concurrent.futures.Future], name: str, done: concurrent.futures.Future, *, failed: bool = True
+) -> None:
+    """Forget fetch ``done`` of unit ``name`` (a newer one of it stays), unless it failed and a
+    failure is to be raised by the batch that next waits for it (``failed`` False)."""
+    if pending.get(name) is done and (failed or done.exception() is None):
+        del pending[name]
 
 
 def local_version(url: str) -> Path:

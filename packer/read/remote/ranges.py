@@ -1,5 +1,6 @@
 """Records read straight from the store, past the cache: what a batch reads of a memmap unit the
-cache has no room for (its limit taken by the units the batches in flight hold). Just the batch's
+cache has no room for (its limit taken by the units the batches in flight hold), or that is still
+downloading after settings.PAST_WAIT (the unit goes on, for later batches). Just the batch's
 records of it, as byte ranges of the shard, records closer than :data:`RANGE_GAP` taken in one GET,
 up to :data:`RANGE_STREAMS` GETs at once; each record checked against its index row (length,
 CRC-32) before any decoder sees it, a damaged one read again up to ``VERIFY_ATTEMPTS`` times.

@@ -30,6 +30,15 @@ MIN_UNIT_BYTES = 2 << 20
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
+#: Seconds a memmap batch waits for its units' downloads (this process's, or another's it waits
+#: on) before it reads its records of those not in yet past the cache, as byte ranges
+#: (packer.read.remote.ranges), while they go on downloading for later batches: no batch waits for
+#: a whole unit (docs/PERFORMANCE.md, "A cold first epoch from S3"). ``$PACKER_PAST_WAIT`` sets it
+#: (seconds, or "off": batches wait for their units), for the DataLoader workers too: :func:`past_wait`.
+PAST_WAIT = 0.05
+#: The most of a unit's bytes a batch reads past the cache while the unit downloads: a batch that
+#: needs more of it waits for the unit (its bytes would otherwise cross the link twice).
+PAST_SHARE = 0.5
 #: Seconds a batch's download waits for other readers to let go of units when the cache is full.
 ROOM_WAIT = 60.0
 _UNITS_LIMIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -43,6 +52,19 @@ def unit_records(data_bytes: int, records: int) -> int:
     mean = data_bytes / max(1, records)
     target = min(UNIT_BYTES, max(MIN_UNIT_BYTES, data_bytes // MIN_UNITS))
     return 1 << max(0, int(target / max(mean, 1.0)).bit_length() - 1)
+
+
+def past_wait() -> Optional[float]:
+    """:data:`PAST_WAIT`, or what ``$PACKER_PAST_WAIT`` says (None: "off")."""
+    told = os.environ.get("PACKER_PAST_WAIT", "").strip()
+    if not told:
+        return PAST_WAIT
+    if told.lower() == "off":
+        return None
+    try:
+        return max(0.0, float(told))
+    except ValueError:
+        raise ValueError(f"PACKER_PAST_WAIT must be seconds or 'off', not {told!r}") from None
 
 
 def default_cache_dir() -> Path:

@@ -18,8 +18,9 @@ class Units:
     blocks of a power of two records up to ``per_unit`` never straddle two units) at record
     boundaries; for LMDB (``per_unit`` 0) the data files. ``of``: each record's unit; ``keys``:
     each unit's name (a whole shard is named as its file, so it is the file ``packer verify``
-    fetches); ``sizes``: its bytes (memmap; 0 for LMDB); ``numbers``: name -> unit; ``record_bytes``:
-    the mean bytes of a record (memmap; 0.0 for LMDB)."""
+    fetches); ``ranged``: memmap's (a record can be read alone); ``sizes``: its bytes (memmap; 0
+    for LMDB); ``numbers``: name -> unit; ``record_bytes``: the mean bytes of a record (memmap; 0.0
+    for LMDB)."""
 
     def __init__(self, manifest: Manifest, index: np.ndarray, per_unit: int) -> None:
         names = data_files(manifest)
@@ -44,6 +45,7 @@ class Units:
                 self.keys.append(names[k] if whole else f"{names[k]}@{starts[u]}-{stops[u]}")
             self.sizes = stops - starts
             self.shard, self.starts, self.stops = shard_of, starts, stops
+        self.ranged = bool(per_unit)
         self.numbers = {key: u for u, key in enumerate(self.keys)}
         self.record_bytes = float(self.sizes.sum()) / max(1, len(index))
 
