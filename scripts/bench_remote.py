@@ -346,8 +346,8 @@ def main() -> None:
     p.add_argument(
         "--past-wait",
         type=float,
-        default=knobs.PAST_WAIT,
-        help="seconds a batch waits for its units before it reads its records as ranges (-1: waits for them)",
+        default=-1 if knobs.PAST_WAIT is None else knobs.PAST_WAIT,
+        help="seconds a batch waits for its units before it reads its records as ranges (-1, the default: waits)",
     )
     p.add_argument("--order", choices=("default", "random", "block"), default="default", help="ShardSampler's order")
     p.add_argument("--window", type=int, default=0, help="ShardSampler's window (0: its default)")

@@ -97,12 +97,13 @@ def _in_cache(cache: Path, names: dict[str, int]) -> set[str]:
     return {p.name for p in cache.glob("*/versions/*/*") if p.name in names}
 
 
+@pytest.mark.usefixtures("reads_past")
 @pytest.mark.parametrize("limit", [None, "half"])
 def test_batch_reads_past_units_still_downloading(
     small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, limit: str | None
 ) -> None:
     """A store whose every GET moves a shard in about a second: a batch of one record of each
-    shard waits settings.PAST_WAIT for its units, then reads its records as ranges (checked) and
+    shard waits PACKER_PAST_WAIT (50 ms) for its units, then reads its records as ranges (checked) and
     returns while the whole units still download. They go on into the cache for later batches: a
     second batch of the same records makes no GET, each unit is downloaded whole once, and a cache
     of half the data, sampled as ``du`` counts it, never exceeds its limit."""

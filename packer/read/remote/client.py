@@ -277,7 +277,7 @@ class Remote:
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
         the first failure; a failed fetch is forgotten once raised, so a later batch tries again;
-        a memmap batch waits :data:`settings.PAST_WAIT` seconds at most, and reads its records of
+        with :data:`settings.PAST_WAIT` set, a memmap batch waits that long at most, and reads its records of
         the units still downloading past the cache while they go on for later batches).
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
         every record of this epoch is not needed again in it. ``read``: the draws of the planned

@@ -32,10 +32,14 @@ MIN_UNIT_BYTES = 2 << 20
 VERIFY_ATTEMPTS = 3
 #: Seconds a memmap batch waits for its units' downloads (this process's, or another's it waits
 #: on) before it reads its records of those not in yet past the cache, as byte ranges
-#: (packer.read.remote.ranges), while they go on downloading for later batches: no batch waits for
-#: a whole unit (docs/PERFORMANCE.md, "A cold first epoch from S3"). ``$PACKER_PAST_WAIT`` sets it
-#: (seconds, or "off": batches wait for their units), for the DataLoader workers too: :func:`past_wait`.
-PAST_WAIT = 0.05
+#: (packer.read.remote.ranges), while they go on downloading for later batches; None: a batch
+#: waits for its units. Off by default: measured, it gained nothing for the default order, lost
+#: with 1 worker, and fetched those records twice (1.1x the data; 1.27x the furthest-future
+#: optimum under a half-data cache limit, over that goal); it halved the first batch's wait in
+#: random order (docs/PERFORMANCE.md, "Batches that do not wait for whole units").
+#: ``$PACKER_PAST_WAIT`` sets it (seconds, e.g. 0.05, or "off"), for the DataLoader workers too:
+#: :func:`past_wait`.
+PAST_WAIT: Optional[float] = None
 #: The most of a unit's bytes a batch reads past the cache while the unit downloads: a batch that
 #: needs more of it waits for the unit (its bytes would otherwise cross the link twice).
 PAST_SHARE = 0.5
