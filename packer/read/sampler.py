@@ -81,7 +81,9 @@ class ShardSampler(Sampler[Draw]):
       rank gets the same number of draws, as DDP needs: the epoch's sequence is padded by repeating
       its first records (``pad=True``, the default, as DistributedSampler does), or its last draws
       are dropped (``drop_last=True``); ``pad=False`` leaves the split uneven (a rank may get one
-      draw fewer; for evaluation loops that run no collective per step).
+      draw fewer; for evaluation loops that run no collective per step). Both taken from
+      torch.distributed: the ranks agree on the dataset's version (a collective: every rank builds
+      the sampler), see :func:`_agree_on_version`.
 
     Exact mid-epoch resume: :meth:`state_dict` / :meth:`load_state_dict` (works with torchdata's
     StatefulDataLoader as it is, and with a plain DataLoader given the samples the loop consumed).
@@ -432,7 +434,7 @@ def _agree_on_version(dataset: Any) -> None:
             continue
         try:
             m._load(expect=first[2])
-        except DatasetError:
+        except (DatasetError, OSError):  # any failure is voted on: a rank that raised alone would hang the rest
             ok = False
     oks: list[Any] = [None] * world
     dist.all_gather_object(oks, ok)
