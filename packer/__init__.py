@@ -21,6 +21,7 @@ from .errors import (
     ShardError,
     StoreError,
     URLNotSupported,
+    VersionsDiffer,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "ShardSampler",
     "StoreError",
     "URLNotSupported",
+    "VersionsDiffer",
     "Writer",
     "__version__",
     "build",

@@ -43,6 +43,11 @@ class DatasetReplaced(DatasetError):
     """The dataset at a reader's path is no longer the version the reader opened."""
 
 
+class VersionsDiffer(DatasetError):
+    """The ranks of a distributed job opened different versions of a dataset (a refresh landed
+    between their opens) and cannot all read one: their step counts would differ and DDP hang."""
+
+
 class ShardError(PackerError):
     """A task failed; the message names the shard and the file being processed."""
 

@@ -37,6 +37,7 @@ def test_every_error_type_lives_in_errors_and_is_exported() -> None:
         "ObjectNotFound",
         "ObjectChanged",
         "PreconditionFailed",
+        "VersionsDiffer",
     }
     for name in defined:
         assert name in packer.__all__ and getattr(packer, name) is getattr(errors, name), name

@@ -61,13 +61,18 @@ class MixDataset(Dataset):
                     detail = "" if what in ("classes", "target names") else f": {mine} vs {theirs}"
                     raise ValueError(f"MixDataset members differ in {what} ({d.root} vs {first.root}){detail}")
         self.datasets = members
-        self.sizes = np.array([len(d) for d in members], dtype=np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self._measure()
         self.seed = first.seed
         # the sampler's epoch and each draw's member (ShardSampler._iter's _will_read), and how many
         # of the draws read by the last announcement were each member's (_fetch_ahead)
         self._plan: Optional[tuple[int, np.ndarray]] = None
         self._read = (0, np.zeros(len(members), np.int64))
+
+    def _measure(self) -> None:
+        """The members' sizes and offsets as they are now (again after ShardSampler reopened a member
+        at another rank's version)."""
+        self.sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
 
     def __len__(self) -> int:
         return int(self.sizes.sum())

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import ConcatDataset, Sampler
 
+from ..errors import DatasetError, VersionsDiffer
 from .dataset import ShardDataset
 from .draw import Draw, Ranges
 from .mix import MixDataset
@@ -80,7 +81,9 @@ class ShardSampler(Sampler[Draw]):
       rank gets the same number of draws, as DDP needs: the epoch's sequence is padded by repeating
       its first records (``pad=True``, the default, as DistributedSampler does), or its last draws
       are dropped (``drop_last=True``); ``pad=False`` leaves the split uneven (a rank may get one
-      draw fewer; for evaluation loops that run no collective per step).
+      draw fewer; for evaluation loops that run no collective per step). Both taken from
+      torch.distributed: the ranks agree on the dataset's version (a collective: every rank builds
+      the sampler), see :func:`_agree_on_version`.
 
     Exact mid-epoch resume: :meth:`state_dict` / :meth:`load_state_dict` (works with torchdata's
     StatefulDataLoader as it is, and with a plain DataLoader given the samples the loop consumed).
@@ -108,6 +111,20 @@ class ShardSampler(Sampler[Draw]):
         proportions: Optional[Sequence[float]] = None,
     ) -> None:
         _refuse_concat(dataset)
+        if num_replicas is None and rank is None:  # all ranks build it alike: they can agree on a version
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                _agree_on_version(dataset)
+        if num_replicas is None or rank is None:
+            import torch.distributed as dist
+
+            initialised = dist.is_available() and dist.is_initialized()
+            num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if initialised else 1)
+            rank = rank if rank is not None else (dist.get_rank() if initialised else 0)
+        num_replicas, rank = _integer("num_replicas", num_replicas), _integer("rank", rank)
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}) and num_replicas positive, not {rank}")
         units = _fetch_units(dataset)
         order = order or ("sequential" if not shuffle else "block" if units else "random")
         if order not in ORDERS:
@@ -150,15 +167,6 @@ class ShardSampler(Sampler[Draw]):
             if self.members is None:
                 raise ValueError("proportions= needs a packer.MixDataset (one share per member dataset)")
             self.counts = _member_counts(self.members, proportions, num_samples if num_samples is not None else n)
-        if num_replicas is None or rank is None:
-            import torch.distributed as dist
-
-            initialised = dist.is_available() and dist.is_initialized()
-            num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if initialised else 1)
-            rank = rank if rank is not None else (dist.get_rank() if initialised else 0)
-        num_replicas, rank = _integer("num_replicas", num_replicas), _integer("rank", rank)
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}) and num_replicas positive, not {rank}")
         self.dataset = dataset
         self.seed = int(seed if seed is not None else getattr(dataset, "seed", 0))
         self.order = order
@@ -399,6 +407,58 @@ class ShardSampler(Sampler[Draw]):
         self.set_epoch(epoch)
         self._resume = position
         self._done_epoch = None
+
+
+def _agree_on_version(dataset: Any) -> None:
+    """DDP: every rank must read the same version of the dataset. Each rank opened the newest at its
+    open, so a refresh between two ranks' opens gives them different lengths, step counts, and a hang
+    at the next collective. The ranks gather what each opened (per member: manifest digest, length,
+    and a local dataset's file identities); a rank that opened another version than rank 0 reopens
+    rank 0's where it can (a local dataset whose files are still those rank 0 pinned), else every
+    rank raises :class:`~packer.errors.VersionsDiffer`. Every rank decides from the same gathered
+    lists, so all take the same branch (docs/DATASET.md, "DDP")."""
+    import torch.distributed as dist
+
+    members = dataset.datasets if isinstance(dataset, MixDataset) else [dataset]
+    world = dist.get_world_size()
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, [_opened(m) for m in members])
+    if all(s == seen[0] for s in seen):
+        return
+    ok = True
+    for m, mine, first in zip(members, seen[dist.get_rank()], seen[0]):
+        if mine[:2] == first[:2]:
+            continue
+        if not isinstance(m, ShardDataset) or m._remote is not None or first[2] is None:
+            ok = False  # only a local dataset can be reopened at a version by its files
+            continue
+        try:
+            m._load(expect=first[2])
+        except (DatasetError, OSError):  # any failure is voted on: a rank that raised alone would hang the rest
+            ok = False
+    oks: list[Any] = [None] * world
+    dist.all_gather_object(oks, ok)
+    if all(oks):
+        if isinstance(dataset, MixDataset):
+            dataset._measure()
+        return
+    opened = "; ".join(
+        f"rank {r}: " + ", ".join(f"{root} version {digest[:12]} ({count} records)" for digest, count, _, root in s)
+        for r, s in enumerate(seen)
+    )
+    raise VersionsDiffer(
+        f"the ranks opened different versions of the dataset (a refresh landed between their opens) and "
+        f"cannot all reopen rank 0's: {opened}. Open the dataset on every rank after a "
+        "torch.distributed.barrier() that follows the refresh, or run the job again"
+    )
+
+
+def _opened(dataset: Any) -> tuple[str, int, Optional[dict[str, Any]], str]:
+    """What a rank opened: (manifest digest, length, a local ShardDataset's file identities, root)."""
+    if not isinstance(dataset, ShardDataset):
+        return "", len(dataset), None, type(dataset).__name__
+    digest = dataset.manifest.manifest_digest or dataset.manifest.digest
+    return digest, len(dataset), dict(dataset._files) if dataset._remote is None else None, dataset.root
 
 
 def _default_block(dataset: Any) -> int:

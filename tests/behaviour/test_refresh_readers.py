@@ -12,6 +12,7 @@ The refresh adds 5 files that sort first, shifting every record of the new versi
 from __future__ import annotations
 
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from packer import DatasetError, DatasetReplaced, ShardDataset, build
+from packer import DatasetError, DatasetReplaced, ShardDataset, VersionsDiffer, build
 
 from ..conftest import COMBOS, ONE_EACH
 
@@ -169,3 +170,91 @@ def test_a_pickled_copy_of_a_replaced_dataset_refuses_to_read(raw: Path, tmp_pat
     with pytest.raises(DatasetReplaced, match="replaced since it was opened"):
         stale[0]
     assert copy[3][1] == ds[3][1] == 0 and len(ds) == 21  # the copy made before still reads the old version
+
+
+def ranks_open_across_a_refresh(rank: int, port: int, raw: str, out: str, first: int, other: str, result: str) -> None:
+    """One of 2 gloo ranks (torch.multiprocessing.spawn): rank ``first`` opens OUT, the refresh lands
+    (barriers order it), the other rank opens OUT, then each builds a ShardSampler (rank and world
+    size from torch.distributed) over it, or with ``other`` over a MixDataset of OUT and ``other``.
+    Saves what the rank then reads, or the error it raised."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from packer.read.mix import MixDataset
+    from packer.read.sampler import ShardSampler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    ds = ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8) if rank == first else None
+    dist.barrier()
+    if rank == first:
+        refresh(Path(raw), Path(out), "update", "memmap", "jpeg")
+    dist.barrier()
+    ds = ds or ShardDataset(out, crop_size=CROP, train=False, dtype=torch.uint8)
+    mixed = MixDataset([ds, ShardDataset(other, crop_size=CROP, train=False, dtype=torch.uint8)]) if other else None
+    try:
+        sampler = ShardSampler(mixed or ds, shuffle=False)
+    except VersionsDiffer as e:
+        torch.save(("error", type(e).__name__, str(e)), f"{result}.{rank}")
+    else:
+        loader = DataLoader(mixed or ds, batch_size=4, sampler=sampler, num_workers=2)
+        draws = [int(d) for d in sampler]  # this rank's records, in the loader's order
+        steps = 0
+        for images, labels in loader:  # each sample is the record its (agreed) index names
+            batch = draws[4 * steps : 4 * steps + len(labels)]
+            at = [j for j, d in enumerate(batch) if d < len(ds)]  # OUT's records (a mix's first member)
+            check(ds, [batch[j] for j in at], images[at], labels[at])
+            steps += 1
+        done = torch.tensor([steps])
+        dist.all_reduce(done)  # a rank with another step count would not get here in step
+        records = [(mixed or ds).source(i) for i in range(len(mixed or ds))]
+        torch.save(("ok", len(ds), len(sampler), steps, records, ds[0][0]), f"{result}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "first,mix", [(1, False), (1, True), (0, False)], ids=["rank0-opens-the-new", "mix", "rank0-opens-the-old"]
+)
+def test_ddp_ranks_opened_across_a_refresh_agree_or_both_refuse(
+    raw: Path, tmp_path: Path, first: int, mix: bool
+) -> None:
+    """A refresh lands between two DDP ranks' opens. Rank 0 opened the new version: rank 1 reopens
+    it (same length, steps and records on both; in a MixDataset, the mix's sizes too). Rank 0 opened
+    the old one, whose manifest is replaced: both ranks raise one VersionsDiffer naming both
+    versions. Never a hang (a deadline)."""
+    import torch.multiprocessing as mp
+
+    from ..read.test_sampler import free_port
+
+    out = tmp_path / "out"
+    build(raw, out, backend="memmap", format="jpeg", workers=1, quiet=True, shard_size=10)
+    other = tmp_path / "other"
+    if mix:
+        build(raw, other, backend="memmap", format="raw", workers=1, quiet=True)
+    result = str(tmp_path / "result")
+    ctx = mp.start_processes(
+        ranks_open_across_a_refresh,
+        (free_port(), str(raw), str(out), first, str(other) if mix else "", result),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the ranks hung")
+    got = [torch.load(f"{result}.{r}", weights_only=False) for r in range(2)]
+    if first == 1:  # rank 0 holds the refreshed version (26 records); rank 1 reopened it
+        assert [g[0] for g in got] == ["ok", "ok"], got
+        assert got[0][1:5] == got[1][1:5] and got[0][1] == 26
+        assert len(got[0][4]) == 26 + 21 * mix
+        assert torch.equal(got[0][5], got[1][5])
+    else:
+        assert [g[:2] for g in got] == [("error", "VersionsDiffer")] * 2, got
+        assert got[0][2] == got[1][2]
+        assert "21 records" in got[0][2] and "26 records" in got[0][2] and "barrier" in got[0][2]
