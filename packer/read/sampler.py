@@ -413,52 +413,58 @@ def _agree_on_version(dataset: Any) -> None:
     """DDP: every rank must read the same version of the dataset. Each rank opened the newest at its
     open, so a refresh between two ranks' opens gives them different lengths, step counts, and a hang
     at the next collective. The ranks gather what each opened (per member: manifest digest, length,
-    and a local dataset's file identities); a rank that opened another version than rank 0 reopens
-    rank 0's where it can (a local dataset whose files are still those rank 0 pinned), else every
-    rank raises :class:`~packer.errors.VersionsDiffer`. Every rank decides from the same gathered
-    lists, so all take the same branch (docs/DATASET.md, "DDP")."""
+    root); where they differ, every rank reopens that member's newest version (a local
+    ShardDataset), and they gather again, for :data:`_AGREE_ROUNDS` rounds (a refresh may land
+    during one); a member that cannot be reopened (in object storage, not a ShardDataset), or ranks
+    still apart after the rounds, make every rank raise :class:`~packer.errors.VersionsDiffer`.
+    Every rank decides from the same gathered lists, so all take the same branch (docs/DATASET.md,
+    "DDP")."""
     import torch.distributed as dist
 
     members = dataset.datasets if isinstance(dataset, MixDataset) else [dataset]
     world = dist.get_world_size()
-    seen: list[Any] = [None] * world
-    dist.all_gather_object(seen, [_opened(m) for m in members])
-    if all(s == seen[0] for s in seen):
-        return
-    ok = True
-    for m, mine, first in zip(members, seen[dist.get_rank()], seen[0]):
-        if mine[:2] == first[:2]:
-            continue
-        if not isinstance(m, ShardDataset) or m._remote is not None or first[2] is None:
-            ok = False  # only a local dataset can be reopened at a version by its files
-            continue
-        try:
-            m._load(expect=first[2])
-        except (DatasetError, OSError):  # any failure is voted on: a rank that raised alone would hang the rest
-            ok = False
-    oks: list[Any] = [None] * world
-    dist.all_gather_object(oks, ok)
-    if all(oks):
-        if isinstance(dataset, MixDataset):
-            dataset._measure()
-        return
+    for _ in range(_AGREE_ROUNDS):
+        seen: list[Any] = [None] * world
+        dist.all_gather_object(seen, [_opened(m) for m in members])
+        apart = [j for j in range(len(members)) if any(s[j][:2] != seen[0][j][:2] for s in seen)]
+        if not apart:
+            if isinstance(dataset, MixDataset):
+                dataset._measure()
+            return
+        ok = True
+        for j in apart:
+            m = members[j]
+            if not isinstance(m, ShardDataset) or m._remote is not None:
+                ok = False  # only a local dataset is reopened here
+                continue
+            try:
+                m._load()
+            except (DatasetError, OSError):  # any failure is voted on: a rank that raised alone would hang the rest
+                ok = False
+        oks: list[Any] = [None] * world
+        dist.all_gather_object(oks, ok)
+        if not all(oks):
+            break
     opened = "; ".join(
-        f"rank {r}: " + ", ".join(f"{root} version {digest[:12]} ({count} records)" for digest, count, _, root in s)
+        f"rank {r}: " + ", ".join(f"{root} version {digest[:12]} ({count} records)" for digest, count, root in s)
         for r, s in enumerate(seen)
     )
     raise VersionsDiffer(
         f"the ranks opened different versions of the dataset (a refresh landed between their opens) and "
-        f"cannot all reopen rank 0's: {opened}. Open the dataset on every rank after a "
+        f"cannot all reopen one: {opened}. Open the dataset on every rank after a "
         "torch.distributed.barrier() that follows the refresh, or run the job again"
     )
 
 
-def _opened(dataset: Any) -> tuple[str, int, Optional[dict[str, Any]], str]:
-    """What a rank opened: (manifest digest, length, a local ShardDataset's file identities, root)."""
+#: Rounds of reopening the newest version in :func:`_agree_on_version` before the ranks give up.
+_AGREE_ROUNDS = 3
+
+
+def _opened(dataset: Any) -> tuple[str, int, str]:
+    """What a rank opened: (manifest digest, length, root)."""
     if not isinstance(dataset, ShardDataset):
-        return "", len(dataset), None, type(dataset).__name__
-    digest = dataset.manifest.manifest_digest or dataset.manifest.digest
-    return digest, len(dataset), dict(dataset._files) if dataset._remote is None else None, dataset.root
+        return "", len(dataset), type(dataset).__name__
+    return dataset.manifest.manifest_digest or dataset.manifest.digest, len(dataset), dataset.root
 
 
 def _default_block(dataset: Any) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -218,13 +219,10 @@ def ranks_open_across_a_refresh(rank: int, port: int, raw: str, out: str, first:
 @pytest.mark.parametrize(
     "first,mix", [(1, False), (1, True), (0, False)], ids=["rank0-opens-the-new", "mix", "rank0-opens-the-old"]
 )
-def test_ddp_ranks_opened_across_a_refresh_agree_or_both_refuse(
-    raw: Path, tmp_path: Path, first: int, mix: bool
-) -> None:
-    """A refresh lands between two DDP ranks' opens. Rank 0 opened the new version: rank 1 reopens
-    it (same length, steps and records on both; in a MixDataset, the mix's sizes too). Rank 0 opened
-    the old one, whose manifest is replaced: both ranks raise one VersionsDiffer naming both
-    versions. Never a hang (a deadline)."""
+def test_ddp_ranks_opened_across_a_refresh_agree(raw: Path, tmp_path: Path, first: int, mix: bool) -> None:
+    """A refresh lands between two DDP ranks' opens, whichever rank opened first: the ranks reopen
+    the newest version and agree (same length, steps and records on both; in a MixDataset, the mix's
+    sizes too). Never a hang (a deadline)."""
     import torch.multiprocessing as mp
 
     from ..read.test_sampler import free_port
@@ -242,19 +240,55 @@ def test_ddp_ranks_opened_across_a_refresh_agree_or_both_refuse(
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + 120
+    join_within(ctx, 120)
+    got = [torch.load(f"{result}.{r}", weights_only=False) for r in range(2)]
+    assert [g[0] for g in got] == ["ok", "ok"], got  # both on the refreshed version (26 records)
+    assert got[0][1:5] == got[1][1:5] and got[0][1] == 26
+    assert len(got[0][4]) == 26 + 21 * mix
+    assert torch.equal(got[0][5], got[1][5])
+
+
+def join_within(ctx: Any, seconds: float) -> None:
+    """Wait for torch.multiprocessing's ranks; kill them and fail the test once ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
             pytest.fail("the ranks hung")
-    got = [torch.load(f"{result}.{r}", weights_only=False) for r in range(2)]
-    if first == 1:  # rank 0 holds the refreshed version (26 records); rank 1 reopened it
-        assert [g[0] for g in got] == ["ok", "ok"], got
-        assert got[0][1:5] == got[1][1:5] and got[0][1] == 26
-        assert len(got[0][4]) == 26 + 21 * mix
-        assert torch.equal(got[0][5], got[1][5])
+
+
+def ranks_of_other_lengths(rank: int, port: int, result: str) -> None:
+    """One of 2 gloo ranks whose datasets (not packer's: nothing to reopen) differ in length: saves
+    the error ShardSampler raised, or that it raised none."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from packer.read.sampler import ShardSampler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    try:
+        ShardSampler(torch.utils.data.TensorDataset(torch.arange(20 + rank)))
+    except VersionsDiffer as e:
+        torch.save(("error", str(e)), f"{result}.{rank}")
     else:
-        assert [g[:2] for g in got] == [("error", "VersionsDiffer")] * 2, got
-        assert got[0][2] == got[1][2]
-        assert "21 records" in got[0][2] and "26 records" in got[0][2] and "barrier" in got[0][2]
+        torch.save(("ok", ""), f"{result}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ddp_ranks_that_cannot_agree_both_refuse(tmp_path: Path) -> None:
+    """Ranks whose datasets differ and cannot be reopened at one version (here not packer's) raise
+    the same VersionsDiffer on both ranks, naming each rank's length: no hang, no rank left alone."""
+    import torch.multiprocessing as mp
+
+    from ..read.test_sampler import free_port
+
+    result = str(tmp_path / "result")
+    join_within(mp.start_processes(ranks_of_other_lengths, (free_port(), result), nprocs=2, join=False), 60)
+    got = [torch.load(f"{result}.{r}", weights_only=False) for r in range(2)]
+    assert [g[0] for g in got] == ["error", "error"] and got[0][1] == got[1][1], got
+    assert "20 records" in got[0][1] and "21 records" in got[0][1] and "barrier" in got[0][1]
