@@ -178,12 +178,14 @@ def test_overlapping_builds_are_refused_and_kill_9_of_the_holder_leaves_no_stale
     out = tmp_path / "out.lmdb"
     proc = start_build(raw, out)
     wait_for_checkpoint(proc, out)
+    os.killpg(proc.pid, signal.SIGSTOP)  # live, holding its lock, but it cannot finish meanwhile
     journal = staging_path(out) / "index.part"
     for extra in (["--update"], ["--resume"], ["--force"]):
         size = journal.stat().st_size
         run = subprocess.run(PACKER + ["build", str(raw), str(out), *extra], capture_output=True, text=True, timeout=60)
         assert run.returncode == 1 and run.stderr.strip() == f"packer: error: {out} is being built by pid {proc.pid}"
         assert journal.stat().st_size >= size, "the refused build touched the live build's journal"
+    os.killpg(proc.pid, signal.SIGCONT)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     check_resumed(raw, out, reference, "lmdb")
