@@ -111,15 +111,12 @@ class ShardSampler(Sampler[Draw]):
         proportions: Optional[Sequence[float]] = None,
     ) -> None:
         _refuse_concat(dataset)
-        if num_replicas is None and rank is None:  # all ranks build it alike: they can agree on a version
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                _agree_on_version(dataset)
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 
             initialised = dist.is_available() and dist.is_initialized()
+            if initialised and num_replicas is None and rank is None and dist.get_world_size() > 1:
+                _agree_on_version(dataset)  # all ranks build it alike: they can agree on a version
             num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if initialised else 1)
             rank = rank if rank is not None else (dist.get_rank() if initialised else 0)
         num_replicas, rank = _integer("num_replicas", num_replicas), _integer("rank", rank)
