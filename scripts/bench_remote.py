@@ -14,8 +14,9 @@ the dataset in the store: block order, blocks of one cache unit, a window sized 
 - cold remote epoch (an empty cache each run): samples/s (and from the first batch on), time to
   the first batch, bytes fetched / data files (the cache fits), and (one more, untimed, cold epoch)
   whether every batch is bit-identical to the local run's;
-- warm remote epoch (the cache filled): samples/s; and with both datasets opened once (as a
-  training job does), per pair, and what the remote one's open takes;
+- cached epoch: a warm local and a warm remote epoch in turn (the cache filled), ``--pairs`` pairs,
+  both datasets opened once (as a training job does): the median of the pairs' ratios, their
+  range, and what the remote dataset's open takes;
 - the manifest, the index and one unit (the largest) fetched through the proxy: what the first
   batch waits for at least, besides what a warm local epoch's first batch takes (the DataLoader's
   start, the batch's decode), also reported;
@@ -277,14 +278,20 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         cold.append(seconds)
         firsts.append(first)
         ratios.append(fetched(proxy, names) / data)
-    warm = [epoch(lambda: cold_remote(tmp / f"cache-{backend}-0"))[1] for _ in range(args.runs)]
-    # the same epochs over datasets opened once (as a training job does): without each epoch's open
+    # the cached epoch: a local and a remote one in turn, both datasets opened once (as a training
+    # job does), per pair; a warm epoch lasts ~1.3 s here, so more pairs than --runs
     kept_local = ShardDataset(out, crop_size=args.crop_size, seed=1)
     kept_remote = ShardDataset(url, crop_size=args.crop_size, seed=1, cache_dir=tmp / f"cache-{backend}-0")
-    kept = [
-        epoch(lambda: loader(kept_local, args, order))[1] / epoch(lambda: loader(kept_remote, args, order))[1]
-        for _ in range(args.runs)
-    ]
+    warm: list[float] = []
+    warm_cpu = [0.0, 0.0, 0.0, 0.0]  # CPU seconds: this process, workers; local, then remote
+    for _ in range(args.pairs):
+        pair: list[float] = []
+        for k, ds in enumerate((kept_local, kept_remote)):
+            before = cpu_seconds()
+            pair.append(epoch(functools.partial(loader, ds, args, order))[1])
+            for j, (a, b) in enumerate(zip(before, cpu_seconds())):
+                warm_cpu[2 * k + j] += b - a
+        warm.append(pair[0] / pair[1])
     opens = []
     for _ in range(args.runs):
         t0 = time.perf_counter()
@@ -330,8 +337,9 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
         "cold": med(local_s) / med(cold),
         # samples/s from the first batch on (what a longer epoch tends to), cold remote / warm local
         "steady": med([t - f for f, t in locals_]) / med([t - f for f, t in zip(firsts, cold)]),
-        "warm": med(local_s) / med(warm),
-        "kept": med(kept),  # per pair, the datasets opened once
+        "warm": med(warm),  # per pair, the datasets opened once
+        "warm_range": (min(warm), max(warm)),
+        "warm_cpu": [c / args.pairs for c in warm_cpu],
         "open": med(opens),
         "first": med(firsts),
         "floor": med(floors),
@@ -353,6 +361,7 @@ def main() -> None:
     p.add_argument("--backends", default="memmap,lmdb")
     p.add_argument("--format", choices=("jpeg", "raw"), default="jpeg", help="the records: JPEG or uint8 pixels")
     p.add_argument("--runs", type=int, default=3, help="runs of each measurement (medians reported)")
+    p.add_argument("--pairs", type=int, default=9, help="pairs of cached epochs, local then remote")
     p.add_argument("--shard-size", type=int, default=1024, help="records per shard (a multiple of a unit's)")
     p.add_argument("--unit-bytes", type=int, default=knobs.UNIT_BYTES, help="about the bytes of a memmap unit")
     p.add_argument("--min-units", type=int, default=knobs.MIN_UNITS, help="the fewest units a dataset is cut into")
@@ -396,20 +405,22 @@ def main() -> None:
         "batch on) | first batch (manifest + index + one unit; warm local's) "
         "| bytes fetched / data (cache fits) | half cache / optimum (in process, 2 workers) "
         "| 2 ranks x 2 workers: fetched / data, downloaded twice "
-        "| warm remote / warm local (each opened once; the remote's open) | "
+        "| warm remote / warm local (per pair, opened once: median, range; the remote's open) | "
         "bit-identical |"
     )
     print("|---|---|---|---|---:|---:|---|---:|---|---|---:|---|")
     for r in rows:
         half = "; ".join(f"{o:.3f}x ({d:.2f}x data, du peak {h:.2f} of the limit)" for o, d, h in r["half"])
         half = half + f" (window {r['half_window']})" if r["half"] else "-"
+        low, high = r["warm_range"]
         print(
             f"| {r['backend']} | {r['files']} | {r['units']} | {r['order']}, {r['mixing']:.3f} | "
             f"{r['local']:,.0f} ({r['consumption'] / 1e6:.0f}) | "
             f"{r['cold']:.2f}x ({r['steady']:.2f}x) | "
             f"{r['first']:.2f} s ({r['floor']:.2f} s; {r['local_first']:.2f} s) | "
             f"{r['fetched']:.3f}x | {half} | "
-            f"{r['ranks']:.3f}x, {r['twice']} | {r['warm']:.2f}x ({r['kept']:.2f}x; {r['open']:.2f} s) | {r['same']} |"
+            f"{r['ranks']:.3f}x, {r['twice']} | {r['warm']:.3f}x ({low:.2f}-{high:.2f}x; {r['open']:.2f} s) | "
+            f"{r['same']} |"
         )
     for r in rows:
         wall, server_cpu, proxy_cpu, mine, workers = (c / args.runs for c in r["cpu"])
@@ -419,7 +430,9 @@ def main() -> None:
             f"the store side's share {(server_cpu + proxy_cpu) / total:.0%}): server "
             f"{server_cpu:.2f} s, proxy {proxy_cpu:.2f} s, this process (the loop, the downloads) {mine:.2f} s, "
             f"DataLoader workers {workers:.2f} s; per warm local epoch: this process "
-            f"{r['local_cpu'][2] / args.runs:.2f} s, workers {r['local_cpu'][3] / args.runs:.2f} s"
+            f"{r['local_cpu'][2] / args.runs:.2f} s, workers {r['local_cpu'][3] / args.runs:.2f} s; per cached epoch "
+            "(the pairs), local against remote: this process {:.2f} s against {:.2f} s, workers {:.2f} s against "
+            "{:.2f} s".format(*(r["warm_cpu"][k] for k in (0, 2, 1, 3)))
         )
 
 
