@@ -218,7 +218,7 @@ def _build_dataset(
         _check_class_changes(out, previous[0].classes, found.classes, options, quiet)
     reuse = reuse_plan(out, previous, found, settings, quiet) if options.update and previous else None
     staging = staging_path(out)
-    state = open_staging(staging, settings | engine.marker, options.resume)
+    state = open_staging(staging, settings | engine.marker, resume=options.resume, names=names)
     if state is None:
         if reuse is not None:
             _link_old_files(out, staging, reuse, options, quiet, fetch)
@@ -260,7 +260,7 @@ def _resume(
     """The checkpoint the interrupted build at ``staging`` continues from, with its recorded
     :class:`~packer.builder.staging.Plan` (:func:`continue_plan`)."""
     recorded = continue_plan(out, staging, reuse, quiet, fetch, names)
-    return rewind(staging, found, state, options.backend, recorded.first, quiet)
+    return rewind(staging, found, state, options.backend, recorded.first, quiet, names)
 
 
 def _link_old_files(

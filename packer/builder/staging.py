@@ -241,20 +241,22 @@ class Progress:
             self.bar.close()
 
 
-def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optional[dict[str, Any]]:
-    """The checkpoint to continue from, or None after (re)creating an empty staging folder."""
+def open_staging(
+    staging: Path, settings: dict[str, Any], *, resume: bool, names: OptionNames
+) -> Optional[dict[str, Any]]:
+    """The checkpoint to continue from, or None after (re)creating an empty staging folder
+    (``names``: how the refusals name the caller's options)."""
     if resume and (staging / PROGRESS).is_file():
+        redo = f"{names.run} again without {names.resume}"
         try:
             previous = json.loads((staging / BUILD_STATE).read_text(encoding="utf-8"))
             progress = json.loads((staging / PROGRESS).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise BuildError(
-                f"cannot --resume: the journal in {staging} is damaged ({e}); build again without --resume"
-            ) from None
+            raise cannot_resume(f"the journal in {staging} is damaged ({e}); {redo}", names.resume) from None
         if previous != settings:
-            raise BuildError(
-                f"cannot --resume: raw/ or the options changed since the interrupted build "
-                f"({staging}); build again without --resume"
+            raise cannot_resume(
+                f"the input or the options changed since the interrupted {names.run} ({staging}); {redo}",
+                names.resume,
             )
         return progress
     if staging.exists():
@@ -267,7 +269,7 @@ def open_staging(staging: Path, settings: dict[str, Any], resume: bool) -> Optio
     return None
 
 
-def cannot_resume(why: str, resume: str = "--resume") -> BuildError:
+def cannot_resume(why: str, resume: str) -> BuildError:
     """The one-line refusal of a resume that cannot continue its interrupted build's plan; ``resume``:
     how the caller names that option (OptionNames.resume)."""
     return BuildError(f"cannot {resume}: {why}")
@@ -310,18 +312,19 @@ class Plan:
         write_json_atomic(staging / PLAN, asdict(self))
 
     @classmethod
-    def recorded(cls, staging: Path) -> Plan:
-        """The plan the interrupted build at ``staging`` recorded."""
+    def recorded(cls, staging: Path, names: OptionNames) -> Plan:
+        """The plan the interrupted build at ``staging`` recorded (``names``: the caller's options)."""
         try:
             data = json.loads((staging / PLAN).read_text(encoding="utf-8"))
             linked = [None if x is None else list(x) for x in data["linked"]]
             return cls(data["of"], list(data["base"]), linked, int(data["first"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise cannot_resume(
-                f"{staging} holds no plan this packer can continue ({e}); build again without --resume"
+                f"{staging} holds no plan this packer can continue ({e}); {names.run} again without {names.resume}",
+                names.resume,
             ) from None
 
-    def check_linked(self, old: Path) -> None:
+    def check_linked(self, old: Path, names: OptionNames) -> None:
         """Refuse unless the data files linked into the staging folder are still those of ``old``."""
         for entry, linked in zip(self.base, self.linked):
             if linked is None:  # left in object storage: ``of`` names its version
@@ -334,12 +337,13 @@ class Plan:
             if st is None or (st.st_dev, st.st_ino) != (dev, ino):
                 raise cannot_resume(
                     f"{old} changed since the interrupted refresh linked its {entry['file']}; "
-                    f"run the --update again without --resume"
+                    f"run the {names.update} again without {names.resume}",
+                    names.resume,
                 )
 
 
 def rewind(
-    staging: Path, found: Scan, state: dict[str, Any], backend: str, first: int, quiet: bool
+    staging: Path, found: Scan, state: dict[str, Any], backend: str, first: int, quiet: bool, names: OptionNames
 ) -> Optional[dict[str, Any]]:
     """The checkpoint a --resume continues from: ``state``, or the last one before the first source
     the journal holds whose scan identity changed since it was packed (a file re-exported in place:
@@ -351,13 +355,14 @@ def rewind(
         return state
     done = int(state["sources_done"])
     current = np.ascontiguousarray(found.identities(), dtype=IDENTITY_DTYPE)
+    damaged, redo = f"the journal in {staging} is damaged", f"{names.run} again without {names.resume}"
     try:
         recorded = np.fromfile(staging / IDENTITIES, dtype=IDENTITY_DTYPE)
         lines = (staging / CHECKPOINTS).read_bytes().splitlines()
     except OSError as e:
-        raise cannot_resume(f"the journal in {staging} is damaged ({e}); build again without --resume") from None
+        raise cannot_resume(f"{damaged} ({e}); {redo}", names.resume) from None
     if len(recorded) != len(current):
-        raise cannot_resume(f"the journal in {staging} is damaged; build again without --resume")
+        raise cannot_resume(f"{damaged}; {redo}", names.resume)
     history = []  # the checkpoints up to ``state``: not a line torn by a kill, nor one past progress.json
     for line in lines:
         try:
@@ -668,7 +673,7 @@ def continue_plan(
     every record, or the other way round, or a refresh of an OUT replaced since. ``names``: how the
     errors name the options (the caller's: CLI flags or packer.Writer's keywords)."""
     n = names
-    recorded = Plan.recorded(staging)
+    recorded = Plan.recorded(staging, n)
     if recorded.of is not None and reuse is None:
         raise cannot_resume(
             f"the interrupted {n.run} refreshed {out} ({n.update}), reusing its records; "
@@ -687,7 +692,7 @@ def continue_plan(
                 f"{out} changed since the interrupted refresh; run the {n.update} again without {n.resume}",
                 n.resume,
             )
-        recorded.check_linked(out)
+        recorded.check_linked(out, n)
         if recorded.base:
             reuse.base = link_base(out, staging, recorded.base, quiet, remote=fetch is not None)
             if reuse.base is None:

@@ -174,7 +174,7 @@ class Writer:
                 "codec": codec_name(),
                 "classes": self.classes,
             }
-            state = open_staging(self._staging, settings, resume=self.options.resume)
+            state = open_staging(self._staging, settings, resume=self.options.resume, names=WRITER_OPTIONS)
             reuse = self._refresh.reuse if self._refresh is not None else None
             if state is None:  # what a resume must repeat: which old data files it links (update)
                 if self._refresh is not None:

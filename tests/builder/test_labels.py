@@ -262,6 +262,26 @@ def test_update_rewrites_labels_and_targets_and_reuses_records(tmp_path: Path) -
     assert not (tmp_path / "out" / TARGETS).exists()
 
 
+def test_a_damaged_journal_is_refused_in_the_callers_words(tmp_path: Path) -> None:
+    """A resume whose journal cannot be read fails in one line naming the option as the caller
+    wrote it: ``resume=True`` from Python, ``--resume`` on the command line."""
+    raw = make_raw(tmp_path / "raw", ["a/0.jpg", "b/1.jpg"])
+    (raw / "b" / "1.jpg").write_bytes(b"not a jpeg")
+    kw: dict[str, Any] = {"workers": 1, "quiet": True, "on_error": "fail", "checkpoint_seconds": 0}
+    with pytest.raises(BuildError, match="on-error fail"):
+        build(raw, tmp_path / "out", **kw)
+    (tmp_path / ".out.packer-tmp" / "progress.json").write_text("{torn")
+    with pytest.raises(BuildError) as python:
+        build(raw, tmp_path / "out", resume=True, **kw)
+    assert re.fullmatch(
+        r"cannot resume=True: the journal in \S+ is damaged \(.+\); build again without resume=True", str(python.value)
+    )
+    run = cli("build", raw, tmp_path / "out", "--resume", "--workers", "1", "--quiet", "--on-error", "fail")
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert "cannot --resume: the journal" in run.stderr and run.stderr.rstrip().endswith("without --resume"), run.stderr
+    assert not (tmp_path / "out").exists()  # nothing touched: no half-written dataset
+
+
 def test_resume_refuses_a_changed_labelling(tmp_path: Path) -> None:
     """A build stopped by --on-error fail resumes with the same labelling only."""
     raw = make_raw(tmp_path / "raw", ["a/0.jpg", "b/1.jpg"])
@@ -270,7 +290,7 @@ def test_resume_refuses_a_changed_labelling(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match="on-error fail"):
         build(raw, tmp_path / "out", **kw)
     assert (tmp_path / ".out.packer-tmp").is_dir()
-    with pytest.raises(BuildError, match="cannot --resume: raw/ or the options changed"):
+    with pytest.raises(BuildError, match="cannot resume=True: the input or the options changed"):
         build(raw, tmp_path / "out", resume=True, labelling=Labelling(unlabeled=True), **kw)
     make_raw(tmp_path / "raw", ["b/1.jpg"])  # fixed in place
     got = build(raw, tmp_path / "out", resume=True, **kw)
