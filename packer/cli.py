@@ -233,10 +233,11 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | Non
         raise click.UsageError("--coco packs on this machine into a local OUT (not --dask, not a URL) for now")
     signal.signal(signal.SIGTERM, _raise_terminated)
     if is_url(out):
+        from .builder.staging import CLI_OPTIONS
         from .tools.publish import publish_build
 
         report, published = publish_build(
-            raw_dir, str(out), options, quiet=quiet, staging=staging, dask_address=dask_address
+            raw_dir, str(out), options, quiet=quiet, staging=staging, dask_address=dask_address, names=CLI_OPTIONS
         )
         if not report.up_to_date or all(done.up_to_date for done in published):
             click.echo(report.summary(), err=True)  # (up to date, published: the copy an interrupted publish left)

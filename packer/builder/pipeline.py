@@ -204,7 +204,8 @@ def _build_dataset(
     if previous is not None and previous[0].fields:  # its records hold fields this build does not write
         raise BuildError(
             f"{out} holds fields beside its images (written by packer.Writer or --coco): a folder build "
-            f"cannot --update or --resume it; write it again the way it was made, or replace it with --force"
+            f"cannot {names.update} or {names.resume} it; write it again the way it was made, or replace it "
+            f"with {names.force}"
         )
     if previous is not None and previous[0].inputs == inputs_digest(found, settings):
         if not options.update:

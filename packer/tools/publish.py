@@ -44,7 +44,7 @@ from ..builder.paths import build_lock
 from ..builder.pipeline import LocalEngine, run_build
 from ..builder.segments import Fetch
 from ..builder.split import TRAIN, split_path
-from ..builder.staging import BuildReport, write_json_atomic
+from ..builder.staging import BUILD_OPTIONS, WRITER_OPTIONS, BuildReport, OptionNames, write_json_atomic
 from ..builder.writer import Writer as LocalWriter
 from ..errors import DatasetError, PreconditionFailed, URLNotSupported, is_url, say
 from ..format import INDEX, LABELS, MANIFEST, REPORT, SOURCES, TARGETS, Manifest
@@ -190,7 +190,7 @@ def _fetch(targets: dict[Path, _Target]) -> Fetch:
     return fetch
 
 
-def _prepare(t: _Target, options: BuildOptions) -> Optional[Pointer]:
+def _prepare(t: _Target, options: BuildOptions, names: OptionNames = BUILD_OPTIONS) -> Optional[Pointer]:
     """Before the build: the store's current version, with ``t.local`` made the copy the build
     refreshes (kept when it is that version or a staged one built on it, else seeded from the store)."""
     current = read_pointer(t.store)
@@ -204,7 +204,7 @@ def _prepare(t: _Target, options: BuildOptions) -> Optional[Pointer]:
                 shutil.rmtree(t.local)  # it named data files that were only in the store
         return None
     if not (options.force or options.update or options.resume):
-        raise BuildError(f"{t.url} already exists (use --force to replace it, or --update to refresh it)")
+        raise BuildError(f"{t.url} already exists (use {names.force} to replace it, or {names.update} to refresh it)")
     ours = record is not None and record.get("version") == current.version and (t.local / MANIFEST).is_file()
     if not ours:
         if options.force:  # rebuilt whole: nothing of the store's version to start from
@@ -252,7 +252,9 @@ def _overtaken(t: _Target) -> BuildError:
     return BuildError(f"{t.url} was published by another writer while this build ran; {t.local} is kept: run it again")
 
 
-def _publish(t: _Target, seen: Optional[Pointer], wait: bool, quiet: bool) -> Optional[Published]:
+def _publish(
+    t: _Target, seen: Optional[Pointer], wait: bool, quiet: bool, names: OptionNames = BUILD_OPTIONS
+) -> Optional[Published]:
     """Upload the local copy's version to ``t.url`` and make it current, under the store's lease;
     ``seen``: the pointer the build started from. None, with nothing committed, where another writer
     published since (:func:`_overtaken`)."""
@@ -276,7 +278,9 @@ def _publish(t: _Target, seen: Optional[Pointer], wait: bool, quiet: bool) -> Op
             old = known.get(name)
             if not os.path.lexists(path):
                 if old is None:
-                    raise BuildError(f"{t.local}: {name} is neither on this disk nor in {t.url}; build with --force")
+                    raise BuildError(
+                        f"{t.local}: {name} is neither on this disk nor in {t.url}; {names.run} with {names.force}"
+                    )
                 entries[name] = FileEntry(old["key"], int(old["size"]), old["sha256"])
                 continue
             inode = _inode(path)
@@ -325,6 +329,7 @@ def publish_build(
     quiet: bool = False,
     staging: Optional[str | os.PathLike] = None,
     dask_address: Optional[str] = None,
+    names: OptionNames = BUILD_OPTIONS,
     **changes: Any,
 ) -> tuple[BuildReport, list[Published]]:
     """``packer build raw/ URL``: stage the dataset locally (``staging``, default the cache directory;
@@ -338,15 +343,15 @@ def publish_build(
     here = options if options.force else options.but(update=True)
     with build_lock(local.with_name(local.name + ".publish"), options.wait, quiet):
         while True:
-            seen = {t.local: _prepare(t, options) for t in targets}
+            seen = {t.local: _prepare(t, options, names) for t in targets}
             if dask_address is not None:
                 from ..builder.dask import build_dask
 
                 report = build_dask(raw_dir, local, here, address=dask_address, quiet=quiet, fetch=_fetch(by_path))
             else:
                 engine = LocalEngine(Path(raw_dir), quiet)
-                report = run_build(raw_dir, local, here, quiet, engine, fetch=_fetch(by_path))
-            done = [(t, _publish(t, seen[t.local], options.wait, quiet)) for t in targets]
+                report = run_build(raw_dir, local, here, quiet, engine, fetch=_fetch(by_path), names=names)
+            done = [(t, _publish(t, seen[t.local], options.wait, quiet, names)) for t in targets]
             published = [p for _, p in done if p is not None]
             late = [t for t, p in done if p is None]
             if not late:
@@ -390,7 +395,7 @@ class Writer(LocalWriter):
         here = options.but(force=not options.update or options.force)
         try:
             self._lease.enter_context(build_lock(local.with_name(local.name + ".publish"), options.wait, quiet))
-            self._seen = _prepare(t, options)
+            self._seen = _prepare(t, options, WRITER_OPTIONS)
             self._fetch = _fetch({t.local: t})
             super().__init__(t.local, fields=fields, options=here, quiet=quiet)
         except BaseException:
@@ -405,7 +410,7 @@ class Writer(LocalWriter):
             return super().close()
         try:
             report = super().close()
-            done = _publish(t, self._seen, self.options.wait, self._quiet)
+            done = _publish(t, self._seen, self.options.wait, self._quiet, WRITER_OPTIONS)
             if done is None:
                 raise _overtaken(t)
             self.published = done

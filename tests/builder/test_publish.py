@@ -154,8 +154,13 @@ def test_update_from_the_store_alone(raw: Path, s3_server: S3Server, proxy: Prox
 def test_refused_clearly(raw: Path, s3_server: S3Server, tmp_path: Path) -> None:
     url = _url(s3_server, "refused")
     _publish(raw, url)
-    with pytest.raises(BuildError, match=r"refused already exists \(use --force"):
+    with pytest.raises(BuildError, match=r"refused already exists \(use force=True to replace it, or update=True"):
         _publish(raw, url)
+    cli = _cli(raw, url, env=dict(os.environ, **s3_server.env(), PYTHONPATH=str(Path(__file__).parents[2])))
+    _, err = cli.communicate(timeout=120)  # the command line names its flags
+    assert (
+        cli.returncode == 1 and "refused already exists (use --force to replace it, or --update to refresh it)" in err
+    )
     with pytest.raises(URLNotSupported, match="read-only"):
         _publish(raw, "https://127.0.0.1:9/x")
     with pytest.raises(URLNotSupported, match=r"packer\.publish\(RAW, URL\) publish"):
@@ -468,7 +473,7 @@ def test_pack_publishes_like_a_build(s3_server: S3Server, proxy: Proxy, tmp_path
     local = packer.pack(_samples(6), tmp_path / "local", **options)
     ds = ShardDataset(url, crop_size=None, cache_dir=tmp_path / "r1")
     assert report.digest == local.digest and [ds[i]["caption"] for i in range(6)] == [f"n{i}" for i in range(6)]
-    with pytest.raises(BuildError, match=r"packed already exists \(use --force"):
+    with pytest.raises(BuildError, match=r"packed already exists \(use force=True to replace it, or update=True"):
         packer.pack(_samples(6), url, **options)
 
     report = packer.pack(_samples(6), url, update=True, **options)  # no digests yet: every sample packed once
