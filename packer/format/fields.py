@@ -237,11 +237,12 @@ class Array(FieldKind):
             raise ValueError(f"array: {a.ndim} dimensions, at most {MAX_NDIM}")
         if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
             raise ValueError(f"array: dtype {a.dtype} does not convert to the field's {dtype}")
-        if a.size and not np.can_cast(a.dtype, dtype, "safe") and dtype.kind in "iu" and a.dtype.kind in "iu":
+        narrowed = a.size and not np.can_cast(a.dtype, dtype, "safe")  # values to check, not the dtype alone
+        if narrowed and dtype.kind in "iu" and a.dtype.kind in "iu":
             info = np.iinfo(dtype)
             if a.min() < info.min or a.max() > info.max:  # would wrap
                 raise ValueError(f"array: values outside the field's {dtype} ({info.min}..{info.max})")
-        elif a.size and not np.can_cast(a.dtype, dtype, "safe") and dtype.kind in "fc":
+        elif narrowed and dtype.kind in "fc":
             with np.errstate(over="ignore"):
                 if np.count_nonzero(np.isfinite(a.astype(dtype))) != np.count_nonzero(np.isfinite(a)):
                     raise ValueError(f"array: values beyond the field's {dtype} (they would become inf)")
