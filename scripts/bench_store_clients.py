@@ -7,7 +7,11 @@ each still works in a child process (fork, spawn, forkserver) after its parent u
     python scripts/bench_store_clients.py
 
 Prints per client: the latency of one 112 KB range GET, the GET rate with 16 threads, the MiB/s of
-one 64 MiB object in 8 MiB parts fetched by 8 threads, and "ok" or "HANG" per start method.
+one 64 MiB object in 8 MiB parts fetched by 8 threads, and "ok" or "HANG" per start method. Then
+what the read cache's downloads cost the process that runs them: packer's ``Store.download`` of the
+64 MiB object into a file, a CRC-32 of each piece as it arrives (as packer.read.remote checks a
+unit), straight from the server and through the fault proxy (tests/store/proxy.py, in a process of
+its own) at a bandwidth cap: MiB/s, this process's CPU seconds per 100 MB and the pieces read.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +32,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_remote import ProxyProcess  # noqa: E402
+
 from packer.store import open_store  # noqa: E402
+from tests.store.proxy import Faults  # noqa: E402
 from tests.store.seaweed import ACCESS, BUCKET, REGION, SECRET, seaweed  # noqa: E402
 
 BIG = 64 << 20
@@ -86,6 +97,32 @@ def measure(name: str, get: Get, data: bytes) -> None:
     )
 
 
+def download_cpu(endpoint: str, tmp: Path, label: str, runs: int = 5) -> None:
+    """Store.download of the test object into a file, a CRC-32 per piece: MiB/s, CPU per 100 MB."""
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    store = open_store(f"s3://{BUCKET}")
+    info = store.head("big")
+    pieces, walls, cpus = [0], [], []
+
+    def piece(at: int, data: bytes) -> None:
+        pieces[0] += 1
+        zlib.crc32(data)
+
+    for _ in range(runs):
+        pieces[0] = 0
+        fd = os.open(tmp / "big.part", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, info.size)
+        t, c = time.perf_counter(), time.process_time()
+        store.download("big", fd, info, progress=piece)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+        os.close(fd)
+    print(
+        f"Store.download, {label:34s} {BIG / 2**20 / statistics.median(walls):4.0f} MiB/s; "
+        f"{statistics.median(cpus) * 100e6 / BIG:.3f} CPU s per 100 MB; {pieces[0]} pieces"
+    )
+
+
 _INHERITED: dict[str, Get] = {}  # the parent's clients, used before a fork
 
 
@@ -111,6 +148,12 @@ def main() -> None:
                     print(f"{method:10s} {name:26s} HANG (killed after 15 s)")
                 else:
                     print(f"{method:10s} {name:26s} {'ok' if not done.empty() and done.get() == 100 else 'failed'}")
+        download_cpu(server.endpoint, Path(tmp), "straight from the server:")
+        proxy = ProxyProcess(server.endpoint)
+        for rate in (80e6, 300e6):
+            proxy.rule(Faults(delay=0.02, rate=rate))
+            download_cpu(proxy.url, Path(tmp), f"through the proxy at {rate / 1e6:.0f} MB/s:")
+        proxy.stop()
 
 
 def _child_entry(endpoint: str, name: str, done: mp.Queue, inherited: bool) -> None:
