@@ -33,7 +33,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .. import transform
 from ..backends import locality
-from ..backends.pin import FileKey, pin
+from ..backends.pin import FileKey, Pinned, pin
 from ..errors import is_url
 from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
@@ -325,7 +325,16 @@ class ShardDataset(Dataset):
 
     def _load(self, expect: Optional[dict[str, FileKey]] = None) -> None:
         """Everything derived from disk, from one pinned version (with ``expect``: that version only)."""
-        pinned = self._remote.pin(expect) if self._remote is not None else pin(self.root, expect)
+        self._use(self._remote.pin(expect) if self._remote is not None else pin(self.root, expect))
+
+    def _reopen(self) -> None:
+        """Everything derived from disk again, from the dataset's newest version (ShardSampler's
+        agreement of DDP ranks that opened different ones): a local dataset's at its path, one in
+        object storage the store's current one (Remote.reopen: the old version let go of)."""
+        self._use(self._remote.reopen() if self._remote is not None else pin(self.root))
+
+    def _use(self, pinned: Pinned) -> None:
+        """Read ``pinned``: its files, metadata and a reader of them."""
         self._files = pinned.files
         self.manifest, self.index, self._sources = pinned.manifest, pinned.index, pinned.sources
         self._labels = np.asarray(self.index["label"], dtype=np.int64)

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import ConcatDataset, Sampler
 
-from ..errors import DatasetError, VersionsDiffer
+from ..errors import VersionsDiffer
 from .dataset import ShardDataset
 from .draw import Draw, Ranges
 from .mix import MixDataset
@@ -411,11 +411,13 @@ def _agree_on_version(dataset: Any) -> None:
     open, so a refresh between two ranks' opens gives them different lengths, step counts, and a hang
     at the next collective. The ranks gather what each opened (per member: manifest digest, length,
     root); where they differ, every rank reopens that member's newest version (a local
-    ShardDataset), and they gather again, for :data:`_AGREE_ROUNDS` rounds (a refresh may land
-    during one); a member that cannot be reopened (in object storage, not a ShardDataset), or ranks
-    still apart after the rounds, make every rank raise :class:`~packer.errors.VersionsDiffer`.
-    Every rank decides from the same gathered lists, so all take the same branch (docs/DATASET.md,
-    "DDP")."""
+    ShardDataset at its path, one in object storage at the store's current version: Remote.reopen),
+    and they gather again, for :data:`_AGREE_ROUNDS` rounds (a refresh may land during one); a
+    member that cannot be reopened (not a ShardDataset, or its reopen failed on any rank: every
+    rank gathers why), or ranks still apart after the rounds, make every rank raise
+    :class:`~packer.errors.VersionsDiffer`. Every rank decides from the same gathered lists, so all
+    take the same branch (docs/DATASET.md, "One version on every rank"). It runs before the
+    DataLoader starts its workers, so they read the agreed version."""
     import torch.distributed as dist
 
     members = dataset.datasets if isinstance(dataset, MixDataset) else [dataset]
@@ -428,28 +430,29 @@ def _agree_on_version(dataset: Any) -> None:
             if isinstance(dataset, MixDataset):
                 dataset._measure()
             return
-        ok = True
+        failed = []  # why this rank could not reopen a member, in one line each
         for j in apart:
             m = members[j]
-            if not isinstance(m, ShardDataset) or m._remote is not None:
-                ok = False  # only a local dataset is reopened here
+            if not isinstance(m, ShardDataset):
+                failed.append(f"{type(m).__name__} is not a packer dataset (it cannot be reopened)")
                 continue
             try:
-                m._load()
-            except (DatasetError, OSError):  # any failure is voted on: a rank that raised alone would hang the rest
-                ok = False
-        oks: list[Any] = [None] * world
-        dist.all_gather_object(oks, ok)
-        if not all(oks):
+                m._reopen()
+            except Exception as e:  # any failure is voted on: a rank that raised alone would hang the rest
+                failed.append(f"{m.root}: {type(e).__name__}: {e}")
+        told: list[Any] = [None] * world
+        dist.all_gather_object(told, failed)
+        if any(told):
             break
     opened = "; ".join(
         f"rank {r}: " + ", ".join(f"{root} version {digest[:12]} ({count} records)" for digest, count, root in s)
         for r, s in enumerate(seen)
     )
+    why = "; ".join(f"rank {r}: {problem}" for r, problems in enumerate(told) for problem in problems)
     raise VersionsDiffer(
         f"the ranks opened different versions of the dataset (a refresh landed between their opens) and "
-        f"cannot all reopen one: {opened}. Open the dataset on every rank after a "
-        "torch.distributed.barrier() that follows the refresh, or run the job again"
+        f"cannot all reopen one: {opened}" + (f" (reopening failed: {why})" if why else "") + ". Open the "
+        "dataset on every rank after a torch.distributed.barrier() that follows the refresh, or run the job again"
     )
 
 

@@ -30,7 +30,9 @@ reaches them.
 - **Versions**: the version directory is keyed by the manifest's sha256 and units by file name,
   size and ETag, so a refreshed dataset gets a new version directory that reuses every unchanged
   segment (a sidecar lists the records each unit was checked for) and never serves a byte of the
-  old one; a ShardDataset keeps reading the version it opened (its pickled copies reopen that one).
+  old one; a ShardDataset keeps reading the version it opened (its pickled copies reopen that one),
+  unless ShardSampler's agreement of DDP ranks that opened different versions reopens it at the
+  store's current one (Remote.reopen), letting go of the old one.
   A version's files.json that a read of its data found wrong (an object missing, of another size
   or other bytes) is read from the bucket again at the next open (versions.suspect_files).
 - **One fetch per node**: every process of the node (ranks, DataLoader workers) takes the file

@@ -198,6 +198,43 @@ class Remote:
                 raise too_small(self.limit, self.url, self._named(units.keys[largest]), need, fixed)
         return pinned
 
+    def reopen(self) -> Pinned:
+        """The store's current version, pinned in place of the one this object reads (ShardSampler's
+        agreement of DDP ranks that opened different versions: packer.read.sampler._agree_on_version),
+        with ``per_unit`` fixed again by it, as a first open fixes it: every rank then names the same
+        units, and draws the same blocks. Once it is pinned, the old version is let go of (its hold,
+        its held units, what this process read of it), so that eviction may take it; the caller
+        drops its readers of it. DataLoader workers forked before keep their copy of its hold and
+        read it; those made after (forked or spawned) read the new one. A failure leaves this object
+        reading the old version."""
+        old = self.version, self.per_unit, self._units, self._pinned
+        self.version, self.per_unit = "", 0
+        try:
+            pinned = self.pin()
+        except BaseException:
+            if self.version not in ("", old[0]):  # held, then refused (its index, a limit too small)
+                self._let_go_version(self.home / VERSIONS / self.version)
+            self.version, self.per_unit, self._units, self._pinned = old
+            raise
+        if self.version != old[0]:
+            self._let_go_version(self.home / VERSIONS / old[0])
+            self._pending.get().clear()  # fetches of its units: the new version's are its own
+            self._infos.get().clear()  # a synced copy's objects replaced in place: asked again
+            self._next = NextUses()  # its units' next uses
+        return pinned
+
+    def _let_go_version(self, root: Path) -> None:
+        """Let go of the cached version at ``root``: its hold (closed, not unlocked: a forked child
+        that reads it keeps its copy), the units held of it, its places read (:meth:`_places`)."""
+        hold = self._version_hold.pop(str(root), None)
+        if hold is not None:
+            os.close(hold)
+        with self._lock.get():
+            units = [self._held.pop(p) for p in [p for p in self._held if os.path.dirname(p) == str(root)]]
+        for fd in units:
+            let_go(fd)
+        self._versions.get().pop(root, None)
+
     def _hold_version(self, root: Path) -> bool:
         """Hold the cached version at ``root`` for this object's life (a shared flock on its manifest,
         kept by forked children too: they read it), so that no process evicts its folder
