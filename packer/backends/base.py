@@ -57,6 +57,15 @@ class OnFirstUse(Sequence[T], Generic[T]):
     def __iter__(self) -> Iterator[T]:
         return iter(list(self.opened.values()))
 
+    def forget(self) -> dict[int, T]:
+        """The files opened so far (file number -> what ``open_one`` gave), forgotten: the next use
+        of each opens it again. The caller closes them, once no reader in this process uses them."""
+        if self._lock[0] != os.getpid():
+            self._lock = (os.getpid(), threading.Lock())
+        with self._lock[1]:
+            opened, self.opened = self.opened, {}
+        return opened
+
 
 class Mapped(Protocol):
     """A memmap shard's mapping (packer.backends.memmap.Mapping), as its reader uses it."""
@@ -229,3 +238,11 @@ class Backend(Layout):
     def close(self, root: Optional[str | os.PathLike] = None) -> None:
         """Let go of this process's handles on the dataset at ``root`` (all when None), e.g. before a
         rename replaces it."""
+
+    def let_go_files(self, pinned: Pinned) -> None:
+        """Close this process's handles on the data files ``pinned`` opened on first use
+        (:class:`OnFirstUse`: a dataset read from object storage), each opened again (fetched) when
+        next read: under a cache limit they go after each batch, so that eviction frees their disk
+        space (packer.read.remote). The caller knows that no reader in this process reads them now."""
+        if isinstance(pinned.data_fds, OnFirstUse):
+            close_fds(list(pinned.data_fds.forget().values()))

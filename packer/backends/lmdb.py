@@ -16,6 +16,7 @@ liblmdb is asked for a record, packer.backends.lmdbguard has checked the pages t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..format import DatasetError, LmdbLayout, Manifest, fd_path, lmdb_key, lmdb_segment_name, open_regular
 from . import locality
-from .base import Backend, Buffer, ExtraKeys, OnFirstUse, Pinned, Raw, Reader, Shard
+from .base import Backend, Buffer, ExtraKeys, OnFirstUse, Pinned, Raw, Reader, Shard, close_fds
 from .lmdbguard import Damaged, PageGuard
 from .write import open_written
 
@@ -58,6 +59,20 @@ class _Env:
         if isinstance(self.guard.mm, mmap.mmap):  # a walk reads its page, not the readahead around it
             self.guard.mm.madvise(mmap.MADV_RANDOM)  # (docs/PERFORMANCE.md, "Block order")
         self.users: weakref.WeakSet[Pinned] = weakref.WeakSet([pinned])
+        self.closed = False
+
+    def close(self) -> None:
+        """Close the environment (liblmdb's descriptor and map, and with them every transaction on
+        it: none is used again, see _thread_txn) and the guard's mapping: nothing of the file stays
+        mapped, so the disk space of an evicted file is freed with this (packer.read.remote)."""
+        self.closed = True
+        try:
+            self.env.close()
+        except Exception:  # pragma: no cover - best effort on a handle we must not use
+            pass
+        if isinstance(self.guard.mm, mmap.mmap):
+            with contextlib.suppress(BufferError):  # a view of it still alive: it goes with that view
+                self.guard.mm.close()
 
 
 _LMDB_ENVS: dict[EnvKey, _Env] = {}
@@ -72,10 +87,7 @@ def _drop(root: Optional[str] = None, everything: bool = False, key: Optional[En
     for k, entry in list(_LMDB_ENVS.items()):
         if entry.pid != pid or not entry.users or everything or entry.root == root or k == key:
             del _LMDB_ENVS[k]
-            try:
-                entry.env.close()
-            except Exception:  # pragma: no cover - best effort on a handle we must not use
-                pass
+            entry.close()
 
 
 def close_lmdb(path: str | os.PathLike | None = None, file: Optional[EnvKey] = None) -> None:
@@ -136,7 +148,7 @@ def check_lmdb_tree(data: str | os.PathLike) -> None:
 #: (measured: docs/PERFORMANCE.md, "Cold reads").
 FETCH_THREADS = 8
 
-_TXNS = threading.local()  # per thread: {id(environment): (_Env, txn)}, the thread's own read transactions
+_TXNS = threading.local()  # per thread: {id(_Env): (_Env, txn)}, the thread's own read transactions
 _POOL: tuple[int, Optional[ThreadPoolExecutor]] = (-1, None)  # (pid, executor) of this process
 
 
@@ -169,17 +181,21 @@ def _lmdb_env(pinned: Pinned, k: int, keys: int) -> _Env:
 
 def _thread_txn(entry: _Env) -> lmdb.Transaction:
     """This thread's read transaction on ``entry`` (an LMDB transaction belongs to one thread);
-    renewed when that file's environment was closed and reopened."""
+    renewed when that file's environment was closed and reopened. Keyed by the entry and checked to
+    be that entry, open: a closed one's transaction is never used, even where a new environment
+    gets its number; those of closed environments are dropped when this thread begins another."""
     mine = _TXNS.__dict__.setdefault("txns", {})
-    held = mine.get(id(entry.env))
-    if held is None or held[0] is not entry:
-        held = mine[id(entry.env)] = (entry, entry.env.begin(buffers=True))
+    held = mine.get(id(entry))
+    if held is None or held[0] is not entry or entry.closed:
+        for old in [k for k, (other, _) in mine.items() if other.closed]:
+            del mine[old]
+        held = mine[id(entry)] = (entry, entry.env.begin(buffers=True))
     return held[1]
 
 
 def _forget_txn(entry: _Env) -> None:
     """Drop this thread's transaction after an LMDB error: liblmdb marks it unusable (MDB_BAD_TXN)."""
-    _TXNS.__dict__.setdefault("txns", {}).pop(id(entry.env), None)
+    _TXNS.__dict__.setdefault("txns", {}).pop(id(entry), None)
 
 
 class LmdbReader(Reader):
@@ -480,3 +496,21 @@ class Lmdb(LmdbLayout, Backend):
 
     def close(self, root: Optional[str | os.PathLike] = None) -> None:
         close_lmdb(root)
+
+    def let_go_files(self, pinned: Pinned) -> None:
+        """Each data file's environment closed too, unless another reader in this process uses it
+        (another dataset object of that file, which lets go of it in turn)."""
+        if not isinstance(pinned.data_fds, OnFirstUse):
+            return
+        opened = pinned.data_fds.forget()
+        with _LMDB_LOCK:
+            for k in opened:
+                key = pinned.files[pinned.data_names[k]][:2]
+                entry = _LMDB_ENVS.get(key)
+                if entry is None:
+                    continue
+                entry.users.discard(pinned)
+                if not entry.users or entry.pid != os.getpid():
+                    del _LMDB_ENVS[key]
+                    entry.close()
+        close_fds(list(opened.values()))

@@ -211,23 +211,53 @@ def test_refresh_reuses_segments_and_pins_version(raw_photos: Path, s3_server: S
 def test_cache_limit_waits_for_holders_then_refuses(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
-    """LMDB readers hold the segments they opened until they go: a download that finds no room waits
-    for them (settings.ROOM_WAIT) and then fails clearly; once they go, their units are evicted."""
+    """An LMDB reader holds the segments of the batch it is reading until the batch is done: a
+    download that finds no room waits for it (settings.ROOM_WAIT), then fails in one line naming
+    a limit that works; a dataset opened with that limit reads while the batch still holds its
+    files, and once the batch is done its files may be evicted."""
     monkeypatch.setattr(settings, "ROOM_WAIT", 0.5)
     local = built("lmdb", "jpeg")
     sizes = _files(local)
     url = s3_server.upload(local, "limit/lmdb")
     cache = tmp_path / "cache"
     limit = sum(sizes.values()) + min(sizes.values()) - 1  # one dataset fits, not a unit more
+    reading, finish = threading.Event(), threading.Event()
+
+    def hold(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch stays open (its files held) until the test says so."""
+        reading.set()
+        assert finish.wait(60)
+        return images, labels
+
     first = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
     _same(first, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    other = s3_server.upload(local, "limit/lmdb-copy")
-    with pytest.raises(DatasetError, match=r"cache_limit .* too small for the batches read at once: .* held by"):
-        ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
-    del first
-    gc.collect()  # its reader lets go of its units: they may be evicted now
-    second = ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)
-    _same(second, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+    holder = ShardDataset(url, crop_size=8, cache_dir=cache, cache_limit=limit, batch_transform=hold)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        batch = pool.submit(holder.__getitems__, list(range(len(holder))))  # every segment, held
+        assert reading.wait(60)
+        other = s3_server.upload(local, "limit/lmdb-copy")
+        with pytest.raises(DatasetError) as refused:
+            ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
+        message = str(refused.value)
+        found = re.search(
+            r"too small for the batches read at once: at least (\d+) bytes would work \(.* held by", message
+        )
+        assert found and "\n" not in message, message
+        works = int(found.group(1))
+        assert works > limit
+        second = ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=works)
+        _same(second, ShardDataset(local, crop_size=None, dtype=torch.uint8))  # beside the held batch
+        finish.set()
+        assert len(batch.result(60)) == len(holder)
+    assert max(on_disk(cache)) <= works
+    third = ShardDataset(
+        s3_server.upload(local, "limit/lmdb-third"),
+        crop_size=None,
+        dtype=torch.uint8,
+        cache_dir=cache,
+        cache_limit=limit,
+    )
+    _same(third, ShardDataset(local, crop_size=None, dtype=torch.uint8))  # the batch done: its files evicted
     assert _cached(cache) <= limit
     assert os.environ["AWS_ENDPOINT_URL"] == proxy.url
 

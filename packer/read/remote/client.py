@@ -101,6 +101,10 @@ class Remote:
         # per thread (a batch is read in one thread): (shard, byte position) -> a record the batch
         # being read took past the cache (no room for its unit, or its unit still downloading)
         self._past: PerProcess[threading.local] = PerProcess(threading.local)
+        # the batches being read in this process's threads (from their prefetch to their release), and
+        # the lock a batch's start and the last one's letting go of its LMDB files take (_let_go_files)
+        self._reading: PerProcess[list[int]] = PerProcess(lambda: [0])
+        self._batches = PerProcess(threading.Lock)
 
     @property
     def store(self) -> Store:
@@ -284,24 +288,59 @@ class Remote:
         return cast(dict[tuple[int, int], bytes], local.records)
 
     def release(self) -> None:
-        """The batch this thread read is done: the records it read past the cache go, and the
-        units this process holds are let go of (:meth:`_let_go_units`)."""
+        """The batch this thread read is done: the records it read past the cache go, the LMDB
+        files of the batches read in this process are closed once none is being read
+        (:meth:`_let_go_files`), and the units this process holds are let go of
+        (:meth:`_let_go_units`)."""
         self._batch_past().clear()
+        local = self._past.get()
+        with self._batches.get():
+            reading = self._reading.get()
+            if getattr(local, "reading", False):
+                local.reading = False
+                reading[0] -= 1
+            if not reading[0]:
+                self._let_go_files()
         self._let_go_units()
 
-    def _let_go_units(self) -> None:
-        """Let go of the units this process holds, with a memmap reader (see packer.read.remote):
-        after each batch, so that a cache of a few units serves an epoch, and by a batch's download
-        that finds no room (in any thread: the records other batches read past the cache stay
-        theirs). With a cache limit their mappings go too (the disk space of an evicted unit is
-        freed with its last mapping)."""
+    def _begin_batch(self) -> None:
+        """A batch is being read in this thread until its :meth:`release` (waiting for another
+        thread's :meth:`_let_go_files` to end: it closes what this batch may open)."""
+        local = self._past.get()
+        if not getattr(local, "reading", False):
+            with self._batches.get():
+                local.reading = True
+                self._reading.get()[0] += 1
+
+    def _let_go_files(self) -> None:
+        """With a cache limit, close the LMDB data files this process opened for its batches (their
+        environments, mappings and descriptors: packer.backends.base.Backend.let_go_files), which
+        the next batch that needs one opens again, fetched first if it was evicted: an evicted
+        file's disk space is freed with its last mapping, and no reader holds a file between
+        batches. Without a limit they stay open (no per-batch cost). No batch is being read in
+        this process meanwhile (the caller holds ``_batches``)."""
         pinned = self._pinned() if self._pinned is not None else None
-        if pinned is None or not pinned.shards or not isinstance(pinned.shards[0][0], RangedShard):
+        if self.limit is None or pinned is None or not pinned.data_fds:
+            return
+        BACKENDS[pinned.manifest.backend].let_go_files(pinned)
+
+    def _let_go_units(self) -> None:
+        """Let go of the units this process holds, with a memmap reader (see packer.read.remote), or
+        an LMDB one under a cache limit: after each batch, so that a cache of a few units serves an
+        epoch, and by a batch's download that finds no room (in any thread: the records other
+        batches read past the cache stay theirs). With a cache limit a memmap unit's mappings go
+        too (the disk space of an evicted unit is freed with its last mapping; an LMDB file's go
+        after the batch, :meth:`_let_go_files`)."""
+        pinned = self._pinned() if self._pinned is not None else None
+        if pinned is None:
+            return
+        ranged = bool(pinned.shards) and isinstance(pinned.shards[0][0], RangedShard)
+        if not ranged and self.limit is None:  # LMDB without a limit: held for the reader's life
             return
         with self._lock.get():
             held = dict(self._held)
             self._held.clear()
-        if self.limit is not None:
+        if self.limit is not None and ranged:
             for shard, _ in pinned.shards:
                 cast(RangedShard, shard).opened.clear()  # a mapping goes with its last buffer
         for fd in held.values():
@@ -330,6 +369,7 @@ class Remote:
         futures = {}
         numbers = units.of[records]
         if wait:
+            self._begin_batch()
             self._next.reading = len(records)
         _, first = np.unique(numbers, return_index=True)
         order = numbers[np.sort(first)].tolist()  # in the order the records need them
@@ -337,9 +377,11 @@ class Remote:
             self._next.count(units, numbers, wait, epoch)
             order.sort(key=self._next.soonest)  # the next needed first
         wanted = [units.keys[u] for u in order]
+        if wait and self.limit is not None:  # from now until the batch is read: no prefetch evicts them
+            for name in wanted:  # all before any fetch: one that waits lets go of them (_fetch_locked)
+                if name not in pending:
+                    self._hold_cached(root / name)
         for name in wanted:
-            if wait and self.limit is not None and name not in pending:
-                self._hold_cached(root / name)  # from now until the batch is read: no prefetch evicts it
             if name not in pending and not (root / name).exists():
                 pool, fetch = turns.prefetcher.get(), functools.partial(self._fetch_into, root, name, demand=wait)
                 if wait:
@@ -560,7 +602,9 @@ class Remote:
         rows = rows_of(index, positions, mine, span[0] if span is not None else 0)  # in the unit's own file
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
-        with locked(self.home / LOCKS / f"unit-{name}"):
+        # a batch that waits for another process's download of it lets go of its units first: that
+        # download may wait for their room (two batches would otherwise wait on each other for good)
+        with locked(self.home / LOCKS / f"unit-{name}", waiting=self._let_go_units if demand else None):
             for _ in range(VERIFY_ATTEMPTS):
                 try:
                     fd = open_regular(root / name)  # another process fetched it meanwhile

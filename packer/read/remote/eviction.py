@@ -143,6 +143,19 @@ def too_small(limit: int, url: str, named: str, need: int, fixed: int) -> Datase
     )
 
 
+def too_small_at_once(limit: int, url: str, cache_dir: Path, *, held: int, need: int, fixed: int) -> DatasetError:
+    """The error of a ``limit`` too small for the batches being read at once (DataLoader workers
+    that each hold their batch's units: a whole LMDB file each), in one line, with the limit that
+    would have held them: what readers and downloads ``held``, the download that waited
+    (``need``), and what no eviction frees (``fixed``)."""
+    return DatasetError(
+        f"{url}: cache_limit {limit} bytes is too small for the batches read at once: at least "
+        f"{held + need + fixed} bytes would work ({held} bytes of the cache {cache_dir} are held by open readers, "
+        f"{need} more are needed, and the versions the cache keeps take {fixed}); raise it, or read with "
+        f"fewer DataLoader workers or smaller batches"
+    )
+
+
 def fixed_room(cache_dir: Path) -> int:
     """The room in ``cache_dir`` that no eviction frees (_Taken.fixed): a limit must hold it and
     the largest download."""
@@ -301,11 +314,7 @@ def make_room(
             raise NoRoom()
         let_go()  # this batch's other units too: two batches that each hold some never wait on each other
         if time.monotonic() > deadline:
-            raise DatasetError(
-                f"{url}: cache_limit {limit} bytes is too small for the batches read at once: {used} bytes "
-                f"of the cache {cache_dir} are held by open readers and {need} more are needed (raise it, "
-                f"or read with fewer DataLoader workers or smaller batches)"
-            )
+            raise too_small_at_once(limit, url, cache_dir, held=used - fixed, need=need, fixed=fixed)
         time.sleep(0.05)
 
 

@@ -7,20 +7,26 @@ import contextlib
 import fcntl
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Optional
 
 LOCKING: set[int] = set()  # descriptors of flocks this process holds in locked blocks, or is taking
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
+def locked(path: Path, *, waiting: Optional[Callable[[], None]] = None) -> Iterator[None]:
     """An exclusive flock on ``path`` for the block: the kernel releases it if the holder dies. A
-    child forked meanwhile closes its copy at once (see _after_fork): the lock is its parent's."""
+    child forked meanwhile closes its copy at once (see _after_fork): the lock is its parent's.
+    ``waiting()`` is called before waiting for another holder (a batch lets go of its units, which
+    that holder's download may need the room of)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     LOCKING.add(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if waiting is None or not lock_now(fd):
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         let_go(fd)
