@@ -4,7 +4,6 @@ the same samples as the local dataset, each data file fetched once per node and 
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import itertools
 import json
 import os
