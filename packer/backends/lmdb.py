@@ -505,12 +505,8 @@ class Lmdb(LmdbLayout, Backend):
         opened = pinned.data_fds.forget()
         with _LMDB_LOCK:
             for k in opened:
-                key = pinned.files[pinned.data_names[k]][:2]
-                entry = _LMDB_ENVS.get(key)
-                if entry is None:
-                    continue
-                entry.users.discard(pinned)
-                if not entry.users or entry.pid != os.getpid():
-                    del _LMDB_ENVS[key]
-                    entry.close()
+                entry = _LMDB_ENVS.get(pinned.files[pinned.data_names[k]][:2])
+                if entry is not None:
+                    entry.users.discard(pinned)
+            _drop()  # those no reader uses now (and any inherited across fork)
         close_fds(list(opened.values()))
