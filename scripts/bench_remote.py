@@ -183,10 +183,11 @@ def half_cache(
 ) -> tuple[list[tuple[float, float, float]], int]:
     """A cache of half the data, in the order ShardSampler takes for the dataset with that limit: read
     in this process (the sampler's epoch order known), then by 2 DataLoader workers (its announcements
-    only); for each, bytes fetched / the offline optimum (NaN where one batch's units alone exceed the
-    limit, as a global shuffle's do: no order of unit fetches fits, and the batch reads records past
-    the cache), bytes fetched / the data, and the most the cache held as ``du`` counts it (sampled
-    every 2 ms) / the limit. Also the window that order has."""
+    only); for each, bytes fetched / the offline optimum (where one batch's units alone exceed the
+    limit, as a global shuffle's do, no order of whole-unit fetches fits and batches read records
+    past the cache: the optimum is then the data itself, every record fetched once, which no
+    schedule can go below from an empty cache), bytes fetched / the data, and the most the cache
+    held as ``du`` counts it (sampled every 2 ms) / the limit. Also the window that order has."""
     ratios, window = [], 0
     for workers in (0, 2):
         proxy.rule(rule)
@@ -214,7 +215,7 @@ def half_cache(
         room = {key: eviction.footprint(size) + eviction.BLOCK for key, size in sizes.items()}
         units_limit = limit - eviction.fixed_room(tmp / f"half-{workers}") - eviction.BLOCK
         fits = max(sum(room[u] for u in n) for n in needs) <= units_limit  # else one batch's units exceed it
-        best = furthest_future_bytes(needs, sizes, units_limit, room) if fits else float("nan")
+        best = furthest_future_bytes(needs, sizes, units_limit, room) if fits else data
         ratios.append((got / best, got / data, held))
         window = order["window"]
     return ratios, window

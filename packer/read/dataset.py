@@ -42,7 +42,7 @@ from ..format.records import FORMATS
 from ..transform.fields import cropped as move_fields
 from ..transform.fields import tensors as field_tensors
 from . import batchpool, rng
-from .draw import Draw, Ranges
+from .draw import Draw, Order, Ranges
 from .options import DEFAULTS, BatchTransform, ReadOptions, Transform
 from .reader import open_reader
 from .remote import Remote
@@ -489,6 +489,13 @@ class ShardDataset(Dataset):
         if self._remote is not None:
             self._remote.plan(epoch, records)
 
+    def _ordered_by(self, order: Order) -> None:
+        """ShardSampler's ``order`` of this rank's draws of each epoch, told when it is made: with a
+        cache_limit, this dataset's copies in DataLoader workers (which do not iterate the sampler)
+        evict by it too (packer.read.remote.nextuse.NextUses.follow)."""
+        if self._remote is not None and self._remote.limit is not None:
+            self._remote.order = order
+
     def _fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
         """ShardSampler's next blocks (``ranges`` of records), told in the process that iterates it.
         A dataset in object storage fetches their data files here, in this process's background
@@ -508,8 +515,9 @@ class ShardDataset(Dataset):
         a Draw says come next (``ahead``) are asked of the disk here, before this batch is read."""
         records = [self._check(i) for i in indices]
         if self._remote is not None:  # the batch's data files fetched together, before the reader needs them
-            epoch = indices[0].epoch if len(indices) and type(indices[0]) is Draw else None
-            self._remote.prefetch(np.asarray(records, dtype=np.int64), wait=True, epoch=epoch)
+            first = indices[0] if len(indices) else None
+            epoch, draw = (first.epoch, first.draw) if type(first) is Draw else (None, None)
+            self._remote.prefetch(np.asarray(records, dtype=np.int64), wait=True, epoch=epoch, draw=draw)
         if not any(type(i) is Draw for i in indices):
             return records, self.epoch, None
         ahead = [r for i in indices if type(i) is Draw for r in i.ahead]

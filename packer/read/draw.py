@@ -4,9 +4,15 @@ datasets)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 Ranges = tuple[tuple[int, int], ...]  # record ranges (first, end)
+#: A sampler's order of one rank's draws of an epoch, for the processes that read them but do not
+#: iterate it (DataLoader workers): epoch -> (global draw positions ascending, the record of each).
+Order = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
 
 class Draw(int):

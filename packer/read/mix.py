@@ -14,6 +14,7 @@ records. The sampler's plan of the epoch and its next blocks reach each member a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ..format import label_arrays as labelling
 from .dataset import Sample, ShardDataset, TargetSample, position
-from .draw import Draw, Ranges
+from .draw import Draw, Order, Ranges
 
 
 class MixDataset(Dataset):
@@ -180,6 +181,11 @@ class MixDataset(Dataset):
         for m, d in enumerate(self.datasets):
             d._will_read(epoch, records[member == m] - self.offsets[m])
 
+    def _ordered_by(self, order: Order) -> None:
+        """ShardSampler's order of each epoch: each member its own draws of it (ShardDataset._ordered_by)."""
+        for m, d in enumerate(self.datasets):
+            d._ordered_by(functools.partial(_member_order, order, self.offsets, m))
+
     def _fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
         """ShardSampler's next blocks, each member told its part and how many of its own draws the
         ``read`` draws before it were (ShardDataset._fetch_ahead); True where every member with a
@@ -210,3 +216,10 @@ class MixDataset(Dataset):
 
 def _crop(d: ShardDataset) -> Any:
     return None if d.augment is None else d.augment.crop_size
+
+
+def _member_order(order: Order, offsets: np.ndarray, m: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Member ``m``'s draws of the mix's ``order`` of ``epoch``: positions, and records of the member."""
+    positions, records = order(epoch)
+    mine = np.searchsorted(offsets, records, side="right") - 1 == m
+    return positions[mine], records[mine] - offsets[m]

@@ -26,6 +26,7 @@ draws with their keys.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import operator
@@ -181,6 +182,11 @@ class ShardSampler(Sampler[Draw]):
         self._base = 0  # global position the current iteration started at
         self._yielded = 0  # draws this rank yielded in the current iteration
         self._done_epoch: Optional[int] = None  # the epoch last iterated to its end
+        ordered_by = getattr(dataset, "_ordered_by", None)
+        if ordered_by is not None:  # a dataset in object storage: its DataLoader workers evict by this order
+            alone = copy.copy(self)
+            alone.dataset = None  # pickled to every worker with the dataset: not a second copy of it
+            ordered_by(alone._order)
 
     # --- the epoch's global sequence -------------------------------------------------------------
 
@@ -260,6 +266,24 @@ class ShardSampler(Sampler[Draw]):
 
     # --- iteration -------------------------------------------------------------------------------
 
+    def _iteration(self, epoch: int, start: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """This rank's global positions in an iteration of ``epoch`` from ``start``, and the
+        epoch's sequence and windows (:meth:`_plan`), padded to cover them."""
+        first, end = self._span(start)
+        positions = np.arange(first, end, self.num_replicas)
+        sequence, windows = self._plan(epoch)
+        if end > self.total:  # padded: the wrapped draws' records, in the last window (kept ascending)
+            wrapped = np.arange(self.total, end) % self.total
+            sequence = np.concatenate([sequence, sequence[wrapped]])
+            windows = None if windows is None else np.concatenate([windows, np.full(len(wrapped), windows[-1])])
+        return positions, sequence, windows
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's draws of ``epoch`` (from its start): their global positions and records (the
+        :data:`~packer.read.draw.Order` its datasets' DataLoader workers evict their cache by)."""
+        positions, sequence, _ = self._iteration(epoch, 0)
+        return positions, sequence[positions]
+
     def _span(self, start: int) -> tuple[int, int]:
         """(first, end) global positions of this rank's draws in an iteration starting at ``start``:
         the draws left, cut (drop_last) or padded (pad) to a multiple of the ranks. Padded positions
@@ -287,13 +311,7 @@ class ShardSampler(Sampler[Draw]):
                 stacklevel=2,
             )
         self._base, self._yielded = start, 0
-        first, end = self._span(start)
-        positions = np.arange(first, end, self.num_replicas)
-        sequence, windows = self._plan(epoch)
-        if end > self.total:  # padded: the wrapped draws' records, in the last window (kept ascending)
-            wrapped = np.arange(self.total, end) % self.total
-            sequence = np.concatenate([sequence, sequence[wrapped]])
-            windows = None if windows is None else np.concatenate([windows, np.full(len(wrapped), windows[-1])])
+        positions, sequence, windows = self._iteration(epoch, start)
         ahead = self._ahead(sequence, windows, positions) if windows is not None and self.prefetch else {}
         will_read = getattr(self.dataset, "_will_read", None)
         if will_read is not None:  # a dataset in object storage evicts its cache by these next uses

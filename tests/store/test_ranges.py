@@ -4,6 +4,7 @@ records of them, as byte ranges, checked; any order works down to the limit refu
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer import ShardDataset, ShardSampler
+from packer import ShardDataset, ShardSampler, build
 from packer.format import DatasetError
 
 from .du import du_peak
@@ -69,6 +70,57 @@ def test_random_order_through_a_small_cache(
         same_epochs(loader, sampler, local, want_sampler, 9)
     assert 0 < max(highest) <= bytes_limit, (highest, bytes_limit)
     assert _past_reads(proxy, sizes) > 0
+
+
+@pytest.fixture(scope="module")
+def sixteen_a_shard(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A memmap dataset of 144 records (the photos eight times over) in nine shards (units) of 16."""
+    root = tmp_path_factory.mktemp("sixteen")
+    for copy in range(8):
+        shutil.copytree(raw_photos, root / "photos" / f"copy{copy}")
+    out = root / "jpeg-memmap"
+    build(root / "photos", out, backend="memmap", format="jpeg", workers=1, quiet=True, shard_size=16)
+    return out
+
+
+@pytest.mark.parametrize(("workers", "context"), [(0, None), (2, "fork"), (2, "spawn")])
+def test_a_global_shuffle_through_half_a_cache_fetches_each_record_once(
+    sixteen_a_shard: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, workers: int, context: str | None
+) -> None:
+    """A global shuffle's batches of 16 lie in ~8 of the 9 units, a cache of half the data holds 4:
+    the units it has are kept (for this epoch's draws of them and the next's) and the others'
+    records read past it, so the first epoch fetches the data about once and the second about the
+    part not cached, in this process and in DataLoader workers (which evict by the sampler's
+    order too), batches equal to a local run's. Before, each batch evicted whole units for a
+    record or two each: several times the data an epoch."""
+    sizes = _files(sixteen_a_shard)
+    data = sum(sizes.values())
+    url = s3_server.upload(sixteen_a_shard, f"shuffle/{workers}-{context}")
+    cache, limit = tmp_path / "cache", data // 2
+    local = ShardDataset(sixteen_a_shard, crop_size=16, seed=5)
+    fetched = []
+    with du_peak(cache) as highest:
+        remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
+        sampler, want = ShardSampler(remote, seed=0, order="random"), ShardSampler(local, seed=0, order="random")
+        loader = DataLoader(
+            remote,
+            batch_size=16,
+            sampler=sampler,
+            num_workers=workers,
+            multiprocessing_context=context,
+            persistent_workers=bool(workers),
+        )
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want.set_epoch(epoch)
+            got, wanted = list(loader), list(DataLoader(local, batch_size=16, sampler=want))
+            assert len(got) == len(wanted) == 9
+            assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, wanted))
+            proxy.settle()
+            fetched.append(sum(proxy.fetched(name) for name in sizes) / data)
+            proxy.clear()
+    assert 0 < max(highest) <= limit, (highest, limit)
+    assert fetched[0] <= 1.05 and fetched[1] <= 0.7, fetched
 
 
 def test_records_read_past_the_cache_are_checked(

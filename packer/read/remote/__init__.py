@@ -69,9 +69,15 @@ reaches them.
   keeps of its versions is refused at once, in one line that says what limit would work. A memmap
   batch whose unit finds no room (the units the batches in flight hold fill the limit: a global
   shuffle through a small cache) reads just its records of it past the cache (:mod:`.ranges`:
-  byte ranges, nearby ones in one GET, each record checked), so any order works down to that
-  limit (where the process has the epoch's plan, such a download evicts no unit needed before its
-  own next use: Belady with bypass); an LMDB batch that cannot make room lets go of its own
+  byte ranges, records closer than a small gap in one GET, each record checked), so any order
+  works down to that limit. Where the process has the epoch's plan (the process that iterates
+  ShardSampler, and its DataLoader workers: the sampler hands its order to the dataset, and each
+  worker computes it once an epoch, :meth:`~.nextuse.NextUses.follow`), such a download evicts no
+  unit needed before its own next use (Belady with bypass), and evicts none at all where it would
+  not pay for itself: fewer than :data:`settings.PAST_SHARE` of the unit's records read before
+  the cache would have turned over (a global shuffle through a cache smaller than its batches
+  touch keeps the units it holds and reads the others' records past it: each record fetched about
+  once an epoch, not whole units for a record each); an LMDB batch that cannot make room lets go of its own
   units (they are opened again, fetched again if evicted meanwhile), so two batches never wait
   on each other, and waits up to :data:`ROOM_WAIT` seconds for other readers to let go, then
   fails clearly. Every count of the cache and every change to it (a reservation, an eviction, a

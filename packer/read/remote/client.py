@@ -35,6 +35,7 @@ from ...format import (
 from ...store import ObjectNotFound, Store, open_store
 from ...store.base import ObjectInfo, PerProcess
 from ...store.published import FILES, parse_files
+from ..draw import Order
 from . import settings, turns
 from .checks import ROWS_DTYPE, Expected, Received, checked_for, rows_of, sidecar_bytes, unit_problem
 from .download import download, starts
@@ -67,10 +68,13 @@ class Remote:
         self._store: Optional[tuple[int, Store]] = None
         self._settings: Optional[dict[str, Any]] = None  # a store resolved elsewhere (__setstate__)
         self.per_unit = 0  # records per memmap unit (a power of two), fixed by the first pin()
+        # the sampler's order of each epoch, for eviction by next use in processes that do not iterate
+        # it (its DataLoader workers: ShardDataset._ordered_by); None: no ShardSampler told one
+        self.order: Optional[Order] = None
         self._hold_units()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version", "per_unit")}
+        state = {k: self.__dict__[k] for k in ("url", "cache_dir", "limit", "home", "version", "per_unit", "order")}
         return state | {"settings": self.store.settings()}  # the store as this process resolved it
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -347,7 +351,13 @@ class Remote:
             let_go(fd)
 
     def prefetch(
-        self, records: np.ndarray, *, wait: bool = False, epoch: Optional[int] = None, read: Optional[int] = None
+        self,
+        records: np.ndarray,
+        *,
+        wait: bool = False,
+        epoch: Optional[int] = None,
+        read: Optional[int] = None,
+        draw: Optional[int] = None,
     ) -> None:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
@@ -358,7 +368,10 @@ class Remote:
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
         every record of this epoch is not needed again in it. ``read``: the draws of the planned
         ``epoch`` read by now in other processes (the sampler's, whose DataLoader workers read
-        them), for eviction by next use; a process that reads batches itself counts them instead."""
+        them), for eviction by next use; a process that reads batches itself counts them instead.
+        ``draw``: a batch's first global draw of ``epoch``, where the process that reads it does not
+        iterate the sampler (its DataLoader workers): with the sampler's :attr:`order` it places the
+        batch in the epoch's plan (NextUses.follow)."""
         assert self._units is not None, "pin() first"
         pace = self._next.told_read(epoch, read)
         if pace is not None:
@@ -370,7 +383,9 @@ class Remote:
         numbers = units.of[records]
         if wait:
             self._begin_batch()
-            self._next.reading = len(records)
+            if self.limit is not None and self.order is not None and epoch is not None and draw is not None:
+                self._next.follow(units, epoch, draw, records, self.order)
+            self._next.reading, self._next.reading_epoch = len(records), epoch
         _, first = np.unique(numbers, return_index=True)
         order = numbers[np.sort(first)].tolist()  # in the order the records need them
         if not wait:
@@ -794,7 +809,9 @@ class Remote:
             url=self.url,
             named=None if name is None else self._named(name),
             past=past,
-            after=lambda: self._next.after(self._units.numbers[name]) if self._units is not None and name else -1,
+            after=lambda fits: (
+                -1 if self._units is None or not name else self._next.after(self._units.numbers[name], fits)
+            ),
         )
 
     def _next_use(self, unit: Path) -> Optional[int]:

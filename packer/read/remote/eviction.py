@@ -260,7 +260,7 @@ def make_room(
     url: str,
     named: Optional[str],
     past: bool = False,
-    after: Callable[[], int] = lambda: -1,
+    after: Callable[[int], Optional[int]] = lambda fits: -1,
 ) -> None:
     """Evict units no reader holds (see packer.read.remote's docstring for the order) until the room of
     ``files`` (:func:`room_for`) fits under ``limit`` in ``cache_dir``, and reserve it: the files
@@ -272,7 +272,8 @@ def make_room(
     ``home``), and else raises NoRoom; ``next_use`` ranks a cached unit, ``let_go`` lets go of the
     units the caller holds. A batch's download that can read its records past the cache instead
     (``past``: a memmap unit, packer.read.remote.ranges) evicts no unit needed before its own next
-    use after the batch (``after()``, packer.read.remote.nextuse.NextUses.after) and raises NoRoom
+    use after the batch (``after(fits)``, packer.read.remote.nextuse.NextUses.after: ``fits`` units
+    of its room in the limit; None: it evicts no unit, free room only) and raises NoRoom
     where the room cannot be made at once, rather than wait for other readers. A limit that cannot
     hold ``files`` beside what no eviction frees fails at once (``named``: the download, for the
     message); where ``named`` is None (a version's metadata, which the dataset's check of its limit
@@ -297,9 +298,9 @@ def make_room(
                 if taken.used + need > limit and evict_version(old):
                     taken.give_back_version(old)
             evicted = set()
-            keep = after() if past else -1  # units needed no later than this are kept
+            keep = after(max(1, (limit - fixed) // need)) if past else -1  # units needed no later than this are kept
             for unit, rank in sorted(((u, next_use(u)) for u in units), key=_eviction_order):
-                if taken.used + need <= limit or (rank is not None and (not demand or rank <= keep)):
+                if keep is None or taken.used + need <= limit or (rank is not None and (not demand or rank <= keep)):
                     break
                 if evict(unit):
                     taken.give_back(unit, sidecar_of(unit))  # its links in version folders are the same inode

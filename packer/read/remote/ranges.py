@@ -21,9 +21,13 @@ from ...store.base import ObjectInfo, PerProcess
 from .download import replaced
 from .settings import VERIFY_ATTEMPTS
 
-#: Bytes between two records of a shard below which one GET takes both: a first-byte wait saved
-#: costs more than this many bytes on any link that serves ~100 MB/s at ~20 ms a request.
-RANGE_GAP = 256 << 10
+#: Bytes between two records of a shard below which one GET takes both: about what a request costs
+#: in money at S3's list prices (~4 KB of transfer out) to a few times that. Not the bytes a link
+#: moves in a first-byte wait (~2 MB at 100 MB/s and 20 ms): the GETs of a batch run
+#: :data:`RANGE_STREAMS` at once, so their waits overlap, and the records read past the cache are
+#: those of a cache too small for them, where bytes are what a gap costs (docs/PERFORMANCE.md,
+#: "Random order through half a cache").
+RANGE_GAP = 16 << 10
 #: Range GETs of records a process has in flight at once (S3 serves thousands a second a prefix).
 RANGE_STREAMS = 8
 
