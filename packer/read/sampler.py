@@ -440,7 +440,8 @@ def _agree_on_version(dataset: Any) -> None:
 
     members = dataset.datasets if isinstance(dataset, MixDataset) else [dataset]
     world = dist.get_world_size()
-    for _ in range(_AGREE_ROUNDS):
+    told: list[Any] = [[] for _ in range(world)]  # each rank's reasons its last reopen failed
+    for round_ in range(_AGREE_ROUNDS + 1):  # the last gather checks the last round's reopen
         seen: list[Any] = [None] * world
         dist.all_gather_object(seen, [_opened(m) for m in members])
         apart = [j for j in range(len(members)) if any(s[j][:2] != seen[0][j][:2] for s in seen)]
@@ -448,6 +449,8 @@ def _agree_on_version(dataset: Any) -> None:
             if isinstance(dataset, MixDataset):
                 dataset._measure()
             return
+        if round_ == _AGREE_ROUNDS:
+            break
         failed = []  # why this rank could not reopen a member, in one line each
         for j in apart:
             m = members[j]
@@ -458,7 +461,7 @@ def _agree_on_version(dataset: Any) -> None:
                 m._reopen()
             except Exception as e:  # any failure is voted on: a rank that raised alone would hang the rest
                 failed.append(f"{m.root}: {type(e).__name__}: {e}")
-        told: list[Any] = [None] * world
+        told = [None] * world
         dist.all_gather_object(told, failed)
         if any(told):
             break
