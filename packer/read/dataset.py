@@ -321,7 +321,6 @@ class ShardDataset(Dataset):
         self.box_min_visible = o.box_min_visible
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._load()
-        self.verify = FORMATS[self.manifest.format].crc_on_read if o.verify is None else o.verify
 
     def _load(self, expect: Optional[dict[str, FileKey]] = None) -> None:
         """Everything derived from disk, from one pinned version (with ``expect``: that version only)."""
@@ -343,6 +342,9 @@ class ShardDataset(Dataset):
         self._fields = self.manifest.declared  # empty: samples are (image, label) tuples
         self._table = len(self.manifest.record_fields)
         self._ragged = frozenset(f.name for f in self._fields if f.kind in ("boxes", "box_labels"))
+        # the record format's default where none was asked: a reopen onto a version of another format takes its own
+        asked = self.options.verify
+        self.verify = FORMATS[self.manifest.format].crc_on_read if asked is None else asked
 
     def __getstate__(self) -> dict[str, Any]:
         keep = (
@@ -354,7 +356,6 @@ class ShardDataset(Dataset):
             "std",
             "augment",
             "_epoch",
-            "verify",
             "transform",
             "batch_transform",
             "_files",

@@ -121,6 +121,22 @@ def test_two_datasets_over_one_path(built) -> None:
     assert same(load(evaluation, workers=2, ctx="fork"), load(evaluation))
 
 
+def test_a_reopen_takes_the_new_versions_verify_default(built, tmp_path: Path) -> None:
+    """``verify`` not asked follows the record format of the version read: a dataset reopened
+    (ShardSampler's agreement of DDP ranks) onto a version of another format takes that format's
+    default (JPEG: CRC-32 on read; raw pixels: off), an asked one stays."""
+    out = shutil.copytree(built("memmap", "jpeg"), tmp_path / "out")
+    default, asked = ShardDataset(out, crop_size=CROP), ShardDataset(out, crop_size=CROP, verify=True)
+    assert default.verify and asked.verify
+    shutil.rmtree(out)
+    shutil.copytree(built("memmap", "raw"), out)  # rebuilt in place with --force, as raw pixels
+    for ds in (default, asked):
+        ds._reopen()
+        assert ds.manifest.format == "raw" and ds[0][0].shape == (3, CROP, CROP)
+    assert not default.verify and asked.verify
+    assert not pickle.loads(pickle.dumps(default)).verify  # a worker's copy reads it alike
+
+
 def test_samplers(built) -> None:
     ds = ShardDataset(built("memmap", "jpeg"), crop_size=CROP, dtype=torch.uint8)
     counts = ds.class_counts()
