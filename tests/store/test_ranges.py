@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer import ShardDataset, ShardSampler, build
+from packer import MixDataset, ShardDataset, ShardSampler, build
 from packer.format import DatasetError
 
 from .du import du_peak
@@ -83,27 +83,37 @@ def sixteen_a_shard(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory) 
     return out
 
 
-@pytest.mark.parametrize(("workers", "context"), [(0, None), (2, "fork"), (2, "spawn")])
+@pytest.mark.parametrize(
+    ("workers", "context", "mix"), [(0, None, False), (2, "fork", False), (2, "spawn", False), (2, "fork", True)]
+)
 def test_a_global_shuffle_through_half_a_cache_fetches_each_record_once(
-    sixteen_a_shard: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, workers: int, context: str | None
+    sixteen_a_shard: Path,
+    s3_server: S3Server,
+    proxy: Proxy,
+    tmp_path: Path,
+    workers: int,
+    context: str | None,
+    mix: bool,
 ) -> None:
     """A global shuffle's batches of 16 lie in ~8 of the 9 units, a cache of half the data holds 4:
     the units it has are kept (for this epoch's draws of them and the next's) and the others'
     records read past it, so the first epoch fetches the data about once and the second about the
     part not cached, in this process and in DataLoader workers (which evict by the sampler's
-    order too), batches equal to a local run's. Before, each batch evicted whole units for a
+    order too; ``mix``: the dataset a member of a MixDataset beside a local one, whose draws it
+    does not read), batches equal to a local run's. Before, each batch evicted whole units for a
     record or two each: several times the data an epoch."""
     sizes = _files(sixteen_a_shard)
     data = sum(sizes.values())
-    url = s3_server.upload(sixteen_a_shard, f"shuffle/{workers}-{context}")
+    url = s3_server.upload(sixteen_a_shard, f"shuffle/{workers}-{context}-{mix}")
     cache, limit = tmp_path / "cache", data // 2
     local = ShardDataset(sixteen_a_shard, crop_size=16, seed=5)
     fetched = []
     with du_peak(cache) as highest:
         remote = ShardDataset(url, crop_size=16, seed=5, cache_dir=cache, cache_limit=limit)
-        sampler, want = ShardSampler(remote, seed=0, order="random"), ShardSampler(local, seed=0, order="random")
+        read, want_read = (MixDataset([remote, local]), MixDataset([local, local])) if mix else (remote, local)
+        sampler, want = ShardSampler(read, seed=0, order="random"), ShardSampler(want_read, seed=0, order="random")
         loader = DataLoader(
-            remote,
+            read,
             batch_size=16,
             sampler=sampler,
             num_workers=workers,
@@ -113,8 +123,8 @@ def test_a_global_shuffle_through_half_a_cache_fetches_each_record_once(
         for epoch in range(2):
             sampler.set_epoch(epoch)
             want.set_epoch(epoch)
-            got, wanted = list(loader), list(DataLoader(local, batch_size=16, sampler=want))
-            assert len(got) == len(wanted) == 9
+            got, wanted = list(loader), list(DataLoader(want_read, batch_size=16, sampler=want))
+            assert len(got) == len(wanted) == 9 * (1 + mix)
             assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, wanted))
             proxy.settle()
             fetched.append(sum(proxy.fetched(name) for name in sizes) / data)
