@@ -180,15 +180,16 @@ def units_of(ds: ShardDataset, records: list[int]) -> list[str]:
 
 def half_cache(
     url: str, args: argparse.Namespace, proxy: ProxyProcess, rule: Faults, names: list[str], data: int, tmp: Path
-) -> tuple[list[tuple[float, float, float]], int]:
+) -> tuple[list[tuple[float, float, float, float]], int]:
     """A cache of half the data, in the order ShardSampler takes for the dataset with that limit: read
-    in this process (the sampler's epoch order known), then by 2 DataLoader workers (its announcements
-    only); for each, bytes fetched / the offline optimum (where one batch's units alone exceed the
-    limit, as a global shuffle's do, no order of whole-unit fetches fits and batches read records
-    past the cache: the optimum is then the data itself, every record fetched once, which no
-    schedule can go below from an empty cache), bytes fetched / the data, and the most the cache
-    held as ``du`` counts it (sampled every 2 ms) / the limit. Also the window that order has."""
-    ratios, window = [], 0
+    in this process, then by 2 DataLoader workers (both evict by the sampler's order); for each,
+    bytes fetched / the offline optimum (where one batch's units alone exceed the limit, as a global
+    shuffle's do, no order of whole-unit fetches fits and batches read records past the cache: the
+    optimum is then the data itself, every record fetched once, which no schedule can go below from
+    an empty cache), bytes fetched / the data, the most the cache held as ``du`` counts it (sampled
+    every 2 ms) / the limit, and the epoch's seconds. Also the window that order has."""
+    ratios: list[tuple[float, float, float, float]] = []
+    window = 0
     for workers in (0, 2):
         proxy.rule(rule)
         limit = data // 2
@@ -198,13 +199,15 @@ def half_cache(
             order = chosen_order(ds, args)
             draws = sampler(ds, order).sequence(0).tolist()
             batches = [draws[b : b + args.batch_size] for b in range(0, len(draws), args.batch_size)]
+            t0 = time.perf_counter()
             try:
                 for _ in loader(ds, args, order, workers):
                     pass
             except DatasetError as e:  # what a user of this order and limit meets
                 print(f"half cache, {workers} workers, order {order['order']}: {e}", file=sys.stderr)
-                ratios.append((float("nan"),) * 3)
+                ratios.append((float("nan"),) * 4)
                 continue
+            seconds = time.perf_counter() - t0
         got, held = fetched(proxy, names), max(peak) / limit
         units = ds._remote._units
         sizes = {key: int(units.sizes[u]) for u, key in enumerate(units.keys)}
@@ -216,7 +219,7 @@ def half_cache(
         units_limit = limit - eviction.fixed_room(tmp / f"half-{workers}") - eviction.BLOCK
         fits = max(sum(room[u] for u in n) for n in needs) <= units_limit  # else one batch's units exceed it
         best = furthest_future_bytes(needs, sizes, units_limit, room) if fits else data
-        ratios.append((got / best, got / data, held))
+        ratios.append((got / best, got / data, held, seconds))
         window = order["window"]
     return ratios, window
 
@@ -308,7 +311,7 @@ def measure(backend: str, raw: Path, args: argparse.Namespace, tmp: Path, server
     # the local epochs just above are adjacent to the remote ones too (a shared machine)
 
     skip = set(args.skip.split(",")) - {""}
-    half: list[tuple[float, float, float]] = []
+    half: list[tuple[float, float, float, float]] = []
     half_window = 0
     if per_unit and "half" not in skip:
         half, half_window = half_cache(url, args, proxy, rule, names, data, tmp)
@@ -411,7 +414,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---:|---:|---|---:|---|---|---:|---|")
     for r in rows:
-        half = "; ".join(f"{o:.3f}x ({d:.2f}x data, du peak {h:.2f} of the limit)" for o, d, h in r["half"])
+        half = "; ".join(
+            f"{o:.3f}x ({d:.2f}x data, du peak {h:.2f} of the limit, "
+            f"{args.images / t / r['local']:.2f}x the warm local speed)"
+            for o, d, h, t in r["half"]
+        )
         half = half + f" (window {r['half_window']})" if r["half"] else "-"
         low, high = r["warm_range"]
         print(

@@ -39,7 +39,19 @@ from ..draw import Order
 from . import settings, turns
 from .checks import ROWS_DTYPE, Expected, Received, checked_for, rows_of, sidecar_bytes, unit_problem
 from .download import download, starts
-from .eviction import Files, NoRoom, create, evicted_too_often, fixed_room, make_room, room_for, too_small
+from .eviction import (
+    BLOCK,
+    Files,
+    NoRoom,
+    create,
+    evicted_too_often,
+    fixed_room,
+    footprint,
+    free_room,
+    make_room,
+    room_for,
+    too_small,
+)
 from .locks import HOLDERS, LOCKING, Held, close_held, let_go, locked
 from .nextuse import NextUses
 from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, remove, sidecar_of, unit_span
@@ -396,8 +408,9 @@ class Remote:
             for name in wanted:  # all before any fetch: one that waits lets go of them (_fetch_locked)
                 if name not in pending:
                     self._hold_cached(root / name)
+        bypass = self._past_at_once([n for n in wanted if n not in pending and not (root / n).exists()]) if wait else []
         for name in wanted:
-            if name not in pending and not (root / name).exists():
+            if name not in pending and name not in bypass and not (root / name).exists():
                 pool, fetch = turns.prefetcher.get(), functools.partial(self._fetch_into, root, name, demand=wait)
                 if wait:
                     pending[name] = pool.submit(fetch)
@@ -421,6 +434,7 @@ class Remote:
             past += self._await({n: f for n, f in futures.items() if n in whole})[0]
         else:
             past, late = self._await(futures)
+        past += bypass
         # a prefetch that found no room left its unit to this batch; one evicted since, too
         again = [n for n in wanted if n not in past and n not in late and not (root / n).exists()]
         pool = turns.prefetcher.get()
@@ -432,6 +446,28 @@ class Remote:
             self._read_past(root, records[np.isin(numbers, [units.numbers[n] for n in past])])
         # read from now on: until its units are in, the batch is what comes next (needed_before)
         self._next.count(units, numbers, wait, epoch)
+
+    def _past_at_once(self, names: list[str]) -> list[str]:
+        """Of the memmap units ``names`` a batch needs and the cache does not have, those whose records
+        it reads past the cache without trying to download them: no eviction would pay for them
+        (NextUses.after: None) and the cache's free room, counted once for the batch, holds them
+        no more (a global shuffle through a full cache, where each unit's try would take the
+        cache's lock and count all of it to find that out)."""
+        units = self._units
+        if self.limit is None or units is None or not units.ranged or not names:
+            return []
+        room = [footprint(int(units.sizes[units.numbers[n]])) + 2 * BLOCK for n in names]
+        fits = max(1, self.limit // max(room))
+        lazy = [(n, r) for n, r in zip(names, room) if self._next.after(units.numbers[n], fits) is None]
+        if not lazy:
+            return []
+        free, out = free_room(self.cache_dir, self.limit), []
+        for name, need in lazy:
+            if need <= free:
+                free -= need  # left to its download, which reserves it (or finds it taken meanwhile)
+            else:
+                out.append(name)
+        return out
 
     def _await(
         self, futures: dict[str, concurrent.futures.Future], *, within: Optional[float] = None

@@ -156,6 +156,13 @@ def too_small_at_once(limit: int, url: str, cache_dir: Path, *, held: int, need:
     )
 
 
+def free_room(cache_dir: Path, limit: int) -> int:
+    """The room under ``limit`` that nothing in ``cache_dir`` takes now, counted as
+    :func:`make_room` counts it (a snapshot: make_room decides again)."""
+    with locked(cache_dir / ".evict.lock"):
+        return limit - _Taken(cache_dir).used
+
+
 def fixed_room(cache_dir: Path) -> int:
     """The room in ``cache_dir`` that no eviction frees (_Taken.fixed): a limit must hold it and
     the largest download."""
