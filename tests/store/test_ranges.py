@@ -4,7 +4,6 @@ records of them, as byte ranges, checked; any order works down to the limit refu
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -14,13 +13,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer import MixDataset, ShardDataset, ShardSampler, build
+from packer import MixDataset, ShardDataset, ShardSampler
 from packer.format import DatasetError
 
 from .du import du_peak
 from .proxy import Faults, Proxy
 from .seaweed import S3Server
-from .test_s3 import _files, _least_limit, same_epochs
+from .test_s3 import _files, _least_limit, photo_copies, same_epochs
 from .test_s3 import small_shards as small_shards  # the fixture: 18 shards of 4 records
 
 
@@ -75,12 +74,7 @@ def test_random_order_through_a_small_cache(
 @pytest.fixture(scope="module")
 def sixteen_a_shard(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A memmap dataset of 144 records (the photos eight times over) in nine shards (units) of 16."""
-    root = tmp_path_factory.mktemp("sixteen")
-    for copy in range(8):
-        shutil.copytree(raw_photos, root / "photos" / f"copy{copy}")
-    out = root / "jpeg-memmap"
-    build(root / "photos", out, backend="memmap", format="jpeg", workers=1, quiet=True, shard_size=16)
-    return out
+    return photo_copies(raw_photos, tmp_path_factory.mktemp("sixteen"), copies=8, shard_size=16)
 
 
 @pytest.mark.parametrize(

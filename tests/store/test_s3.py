@@ -325,11 +325,15 @@ def _room(size: int) -> int:
 @pytest.fixture(scope="module")
 def small_shards(raw_photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A memmap dataset of eighteen shards of four records (the photos four times over)."""
-    root = tmp_path_factory.mktemp("small")
-    for copy in range(4):
+    return photo_copies(raw_photos, tmp_path_factory.mktemp("small"), copies=4, shard_size=4)
+
+
+def photo_copies(raw_photos: Path, root: Path, *, copies: int, shard_size: int) -> Path:
+    """A memmap JPEG dataset under ``root`` of the photos ``copies`` times over, in shards of ``shard_size``."""
+    for copy in range(copies):
         shutil.copytree(raw_photos, root / "photos" / f"copy{copy}")
     out = root / "jpeg-memmap"
-    build(root / "photos", out, backend="memmap", format="jpeg", workers=1, quiet=True, shard_size=4)
+    build(root / "photos", out, backend="memmap", format="jpeg", workers=1, quiet=True, shard_size=shard_size)
     return out
 
 
