@@ -408,9 +408,11 @@ class Remote:
             for name in wanted:  # all before any fetch: one that waits lets go of them (_fetch_locked)
                 if name not in pending:
                     self._hold_cached(root / name)
-        bypass = self._past_at_once([n for n in wanted if n not in pending and not (root / n).exists()]) if wait else []
+        folder = f"{root}{os.sep}"  # a string, not a Path per unit: this runs for every batch
+        missing = [n for n in wanted if n not in pending and not os.path.exists(folder + n)]
+        bypass = self._past_at_once(missing) if wait else []
         for name in wanted:
-            if name not in pending and name not in bypass and not (root / name).exists():
+            if name in missing and name not in bypass:
                 pool, fetch = turns.prefetcher.get(), functools.partial(self._fetch_into, root, name, demand=wait)
                 if wait:
                     pending[name] = pool.submit(fetch)
@@ -436,7 +438,7 @@ class Remote:
             past, late = self._await(futures)
         past += bypass
         # a prefetch that found no room left its unit to this batch; one evicted since, too
-        again = [n for n in wanted if n not in past and n not in late and not (root / n).exists()]
+        again = [n for n in wanted if n not in past and n not in late and not os.path.exists(folder + n)]
         pool = turns.prefetcher.get()
         for name in again:  # in pending while they run: a later batch waits for them, not a second download
             if name not in pending:
