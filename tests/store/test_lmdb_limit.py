@@ -17,12 +17,13 @@ from torch.utils.data import DataLoader
 
 from packer import ShardDataset, ShardSampler, build
 from packer.backends import data_files
-from packer.format import Manifest
+from packer.format import DatasetError, Manifest
 
 from ..conftest import PHOTOS
 from .du import du_peak, on_disk
 from .proxy import Proxy
 from .seaweed import S3Server
+from .test_s3 import _least_limit
 
 SEGMENTS = 4
 
@@ -49,7 +50,7 @@ def _sizes(local: Path) -> dict[str, int]:
 
 def _fixed_room(url: str, cache: Path) -> int:
     """What the cache keeps of ``url``'s version (manifest, index, labels, folders) as ``du`` counts
-    it: the room no eviction frees (pin() checks no LMDB file's size: it is known from a HEAD only)."""
+    it: the room no eviction frees."""
     ShardDataset(url, cache_dir=cache, cache_limit=1 << 40)
     return max(on_disk(cache))
 
@@ -110,3 +111,35 @@ def test_segments_through_a_cache_of_two_files(
             assert not _deleted_in(cache, pids), _deleted_in(cache, pids)
     assert 0 < max(highest) <= limit, (highest, limit)
     assert sum(proxy.fetched(name) for name in sizes) > sum(sizes.values())  # evicted and fetched again
+
+
+def test_a_limit_below_one_file_is_refused_as_the_dataset_opens(
+    segmented: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path
+) -> None:
+    """A cache_limit that cannot hold the largest LMDB file (the manifest lists its size) is refused
+    by ShardDataset(...) itself, in one line naming the least limit and why a batch needs its files
+    at once; at that limit, one file at a time, batches of one segment each read two epochs equal
+    to the local copy's, ``du`` within the limit."""
+    sizes = _sizes(segmented)
+    url = s3_server.upload(segmented, "lmdb-limit/least")
+    cache = tmp_path / "cache"
+    least, fixed = _least_limit(url, cache)
+    assert max(sizes.values()) < least - fixed <= max(sizes.values()) + 3 * 4096  # the file, its sidecar and log
+    with pytest.raises(DatasetError) as refused:
+        ShardDataset(url, cache_dir=cache, cache_limit=least - 1)
+    assert "\n" not in str(refused.value) and f"at least {least} bytes would work" in str(refused.value)
+    assert "needs all its data files in the cache at once" in str(refused.value)
+    with du_peak(cache) as highest:
+        remote = ShardDataset(url, crop_size=32, seed=5, cache_dir=cache, cache_limit=least)
+        local = ShardDataset(segmented, crop_size=32, seed=5)
+        # blocks of nine records, one class of one segment each, a batch each
+        sampler = ShardSampler(remote, order="block", block_size=9, window=1, seed=3)
+        want = ShardSampler(local, order="block", block_size=9, window=1, seed=3)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want.set_epoch(epoch)
+            got = list(DataLoader(remote, batch_size=9, sampler=sampler))
+            wanted = list(DataLoader(local, batch_size=9, sampler=want))
+            assert len(got) == len(wanted) == 8
+            assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, wanted))
+    assert 0 < max(highest) <= least, (highest, least)

@@ -66,7 +66,8 @@ reaches them.
   (no process holds its unit's lock), then the versions a refresh replaced that no reader holds
   (a reader holds the version it pinned: a shared flock on its manifest, for its life; each
   dataset's last opened version stays). A limit below the largest unit's room and what the cache
-  keeps of its versions is refused at once, in one line that says what limit would work. A memmap
+  keeps of its versions (an LMDB file's: its size as the manifest lists it) is refused at once, in one
+  line that says what limit would work. A memmap
   batch whose unit finds no room (the units the batches in flight hold fill the limit: a global
   shuffle through a small cache) reads just its records of it past the cache (:mod:`.ranges`:
   byte ranges, records closer than a small gap in one GET, each record checked), so any order

@@ -208,14 +208,20 @@ class Remote:
                 for k, s in enumerate(manifest.shards)
             ]
         self._pinned = weakref.ref(pinned)
-        if self.limit is not None and len(units.sizes) and int(units.sizes.max()) > 0:  # LMDB's: at its HEAD
+        if self.limit is not None and len(units.sizes) and int(units.sizes.max()) > 0:  # format 1-2 LMDB: at its HEAD
             largest = int(np.argmax(units.sizes))
             part = self.home / PARTIAL / units.keys[largest]
             rows = np.zeros(int(np.count_nonzero(units.of == largest)), ROWS_DTYPE)
             need = room_for(_with_sidecar(starts(part, int(units.sizes[largest])), part, rows))
             fixed = fixed_room(self.cache_dir)
             if need + fixed > self.limit:
-                raise too_small(self.limit, self.url, self._named(units.keys[largest]), need, fixed)
+                refused = too_small(self.limit, self.url, self._named(units.keys[largest]), need, fixed)
+                if not ranged:  # an LMDB batch cannot read its records past the cache
+                    refused = DatasetError(
+                        f"{refused}; an LMDB batch needs all its data files in the cache at once, so a "
+                        f"limit below their sum works for an order whose batches each read few of them"
+                    )
+                raise refused
         return pinned
 
     def reopen(self) -> Pinned:

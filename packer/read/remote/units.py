@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...backends import data_files, record_places
+from ...backends import BACKENDS, data_files, record_places
 from ...format import Manifest
 
 
@@ -18,9 +18,9 @@ class Units:
     blocks of a power of two records up to ``per_unit`` never straddle two units) at record
     boundaries; for LMDB (``per_unit`` 0) the data files. ``of``: each record's unit; ``keys``:
     each unit's name (a whole shard is named as its file, so it is the file ``packer verify``
-    fetches); ``ranged``: memmap's (a record can be read alone); ``sizes``: its bytes (memmap; 0
-    for LMDB); ``numbers``: name -> unit; ``record_bytes``: the mean bytes of a record (memmap; 0.0
-    for LMDB)."""
+    fetches); ``ranged``: memmap's (a record can be read alone); ``sizes``: its bytes (0 for an LMDB
+    data.mdb of format 1 or 2, whose manifest does not list it); ``numbers``: name -> unit;
+    ``record_bytes``: the mean bytes of a record, as the units hold them."""
 
     def __init__(self, manifest: Manifest, index: np.ndarray, per_unit: int) -> None:
         names = data_files(manifest)
@@ -28,7 +28,10 @@ class Units:
         if not per_unit:
             self.of = files.astype(np.int64)
             self.keys = list(names)
-            self.sizes = np.zeros(len(names), np.int64)  # an LMDB file's size is known from its HEAD only
+            # as the manifest lists them (LMDB format 3); an older one's data.mdb is known from its HEAD only: 0
+            listed = BACKENDS[manifest.backend].lists_files(manifest)
+            sizes = [int(f["bytes"]) for f in manifest.shards] if listed else [0] * len(names)
+            self.sizes = np.array(sizes, np.int64)
         else:
             group = files.astype(np.int64) * (len(index) // per_unit + 1) + np.arange(len(index)) // per_unit
             unique, self.of = np.unique(group, return_inverse=True)
