@@ -34,9 +34,11 @@ RANGE_STREAMS = 8
 _pool = PerProcess(lambda: concurrent.futures.ThreadPoolExecutor(RANGE_STREAMS, thread_name_prefix="packer-ranges"))
 
 
-def runs(positions: np.ndarray, lengths: np.ndarray, gap: int = RANGE_GAP) -> list[tuple[int, int, np.ndarray]]:
+def runs(positions: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
     """Records (``positions``, ``lengths`` in one file) grouped into the byte ranges one GET each
-    fetches: (start, end, the records' numbers in the arguments), nearby records merged."""
+    fetches: (start, end, the records' numbers in the arguments), records closer than
+    :data:`RANGE_GAP` merged (read when called: scripts/bench_remote.py's ``--range-gap`` sets it)."""
+    gap = RANGE_GAP
     order = np.argsort(positions, kind="stable")
     starts, ends = positions[order], positions[order] + lengths[order]
     out: list[tuple[int, int, np.ndarray]] = []
