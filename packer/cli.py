@@ -57,6 +57,24 @@ def _build_interrupted() -> str:
     return PUBLISH_INTERRUPTED if out is not None and is_url(out) else BUILD_INTERRUPTED
 
 
+def _end_reader(code: int) -> None:
+    """End an interrupted reading command now, its children first, without the interpreter's unwinding.
+
+    Ctrl-C can land between a lock's ``__enter__`` and the ``with`` block in CPython 3.11 (inside a
+    torch DataLoader starting up: its index queue's lock), leaving the lock held; the loader's
+    ``__del__`` then blocks forever on it as the frames are freed, and the command hangs after saying
+    it was interrupted. A reader has nothing left to undo (its ``with`` blocks have exited on the
+    way here; the node cache is safe to kill at any point), so it stops its worker processes, as
+    multiprocessing would at exit, and leaves."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _friendly(
     fn: Callable[..., Any], *, interrupted: str | Callable[[], str] = _read_interrupted
 ) -> Callable[..., Any]:
@@ -85,7 +103,10 @@ def _friendly(
                 raise
             why = interrupted if isinstance(interrupted, str) else interrupted()
             click.echo(f"packer: interrupted; {why}", err=True)
-            sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+            code = 128 + getattr(e, "signum", signal.SIGINT)
+            if interrupted is _read_interrupted:
+                _end_reader(code)
+            sys.exit(code)
         except PackerError as e:
             if debug:
                 raise

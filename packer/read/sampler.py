@@ -35,6 +35,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import numpy as np
+
+# imported here, not on numpy's first use of ``np.random`` (numpy 2 imports it lazily): that first use
+# is the sampler's first plan, as a DataLoader starts, and a Ctrl-C landing inside the import is lost
+# in numpy.random's compiled module set-up, so the command would run on (tests/test_errors.py)
+from numpy.random import default_rng
 from torch.utils.data import ConcatDataset, Sampler
 
 from ..errors import VersionsDiffer
@@ -202,7 +207,7 @@ class ShardSampler(Sampler[Draw]):
     def _plan(self, epoch: int) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """The record of every global draw of ``epoch``, and with ``order="block"`` the window of
         each (numbered through the epoch, ascending along the sequence); else None."""
-        rng = np.random.default_rng([self.seed & (2**63 - 1), int(epoch)])
+        rng = default_rng([self.seed & (2**63 - 1), int(epoch)])
         n = self.size
         windows = None
         if self.weights is not None:
@@ -545,11 +550,11 @@ def _mixing_window(sampler: ShardSampler, units: list[tuple[int, Optional[int]]]
         return min(UNLABELED_WINDOW, most)
     batch = min(MIX_BATCH, n)
     probe = batch * MIX_PROBE_BATCHES
-    target = MIX_TARGET * label_entropy(labels, np.random.default_rng(0).permutation(n)[:probe], batch)
+    target = MIX_TARGET * label_entropy(labels, default_rng(0).permutation(n)[:probe], batch)
     lo, hi = 0, max(0, (most - 1).bit_length())  # exponents: 2**hi >= most
     while lo < hi:
         mid = (lo + hi) // 2
-        order = _block_permutation(np.random.default_rng(0), n, block, 1 << mid)[0][:probe]
+        order = _block_permutation(default_rng(0), n, block, 1 << mid)[0][:probe]
         if label_entropy(labels, order, batch) >= target:
             hi = mid
         else:
