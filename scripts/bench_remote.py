@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from packer import ShardDataset, ShardSampler, build  # noqa: E402
 from packer.backends import data_files  # noqa: E402
 from packer.format import INDEX, MANIFEST, DatasetError, Manifest  # noqa: E402
-from packer.read.remote import eviction, ranges  # noqa: E402
+from packer.read.remote import eviction  # noqa: E402
 from packer.read.remote import settings as knobs  # noqa: E402
 from packer.read.sampler import label_entropy  # noqa: E402
 from packer.sample import make_folder  # noqa: E402
@@ -124,7 +124,7 @@ def set_knobs(args: argparse.Namespace) -> None:
     """The remote path's tunables the command line sets (packer.read.remote.settings)."""
     knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
     knobs.MIN_UNITS, knobs.MIN_UNIT_BYTES = args.min_units, args.min_unit_bytes
-    ranges.RANGE_GAP = args.range_gap
+    knobs.RANGE_GAP = args.range_gap
     os.environ["PACKER_PAST_WAIT"] = str(args.past_wait) if args.past_wait >= 0 else "off"
 
 
@@ -373,7 +373,7 @@ def main() -> None:
     p.add_argument("--min-unit-bytes", type=int, default=knobs.MIN_UNIT_BYTES, help="down to units of this many bytes")
     p.add_argument("--unit-streams", type=int, default=knobs.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
     p.add_argument(
-        "--range-gap", type=int, default=ranges.RANGE_GAP, help="bytes between records read past the cache in one GET"
+        "--range-gap", type=int, default=knobs.RANGE_GAP, help="bytes between records read past the cache in one GET"
     )
     p.add_argument(
         "--past-wait",

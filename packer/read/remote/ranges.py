@@ -1,7 +1,7 @@
 """Records read straight from the store, past the cache: what a batch reads of a memmap unit the
 cache has no room for (its limit taken by the units the batches in flight hold), or that is still
 downloading after settings.PAST_WAIT (the unit goes on, for later batches). Just the batch's
-records of it, as byte ranges of the shard, records closer than :data:`RANGE_GAP` taken in one GET,
+records of it, as byte ranges of the shard, records closer than settings.RANGE_GAP taken in one GET,
 up to :data:`RANGE_STREAMS` GETs at once; each record checked against its index row (length,
 CRC-32) before any decoder sees it, a damaged one read again up to ``VERIFY_ATTEMPTS`` times.
 Nothing is written under the cache directory, so the limit holds whatever the order asks."""
@@ -18,16 +18,10 @@ import numpy as np
 from ...format import DatasetError
 from ...store import ObjectChanged, Store
 from ...store.base import ObjectInfo, PerProcess
+from . import settings
 from .download import replaced
 from .settings import VERIFY_ATTEMPTS
 
-#: Bytes between two records of a shard below which one GET takes both: about what a request costs
-#: in money at S3's list prices (~4 KB of transfer out) to a few times that. Not the bytes a link
-#: moves in a first-byte wait (~2 MB at 100 MB/s and 20 ms): the GETs of a batch run
-#: :data:`RANGE_STREAMS` at once, so their waits overlap, and the records read past the cache are
-#: those of a cache too small for them, where bytes are what a gap costs (docs/PERFORMANCE.md,
-#: "Random order through half a cache").
-RANGE_GAP = 16 << 10
 #: Range GETs of records a process has in flight at once (S3 serves thousands a second a prefix).
 RANGE_STREAMS = 8
 
@@ -37,8 +31,8 @@ _pool = PerProcess(lambda: concurrent.futures.ThreadPoolExecutor(RANGE_STREAMS, 
 def runs(positions: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
     """Records (``positions``, ``lengths`` in one file) grouped into the byte ranges one GET each
     fetches: (start, end, the records' numbers in the arguments), records closer than
-    :data:`RANGE_GAP` merged (read when called: scripts/bench_remote.py's ``--range-gap`` sets it)."""
-    gap = RANGE_GAP
+    settings.RANGE_GAP merged."""
+    gap = settings.RANGE_GAP
     order = np.argsort(positions, kind="stable")
     starts, ends = positions[order], positions[order] + lengths[order]
     out: list[tuple[int, int, np.ndarray]] = []

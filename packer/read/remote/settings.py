@@ -43,6 +43,14 @@ PAST_WAIT: Optional[float] = None
 #: The most of a unit's bytes a batch reads past the cache while the unit downloads: a batch that
 #: needs more of it waits for the unit (its bytes would otherwise cross the link twice).
 PAST_SHARE = 0.5
+#: Bytes between two records of a shard below which one GET takes both: about what a request costs
+#: in money at S3's list prices (~4 KB of transfer out) to a few times that. Not the bytes a link
+#: moves in a first-byte wait (~2 MB at 100 MB/s and 20 ms): the GETs of a batch run
+#: packer.read.remote.ranges.RANGE_STREAMS at once, so their waits overlap, and the records read
+#: past the cache are those of a cache too small for them, where bytes are what a gap costs
+#: (docs/PERFORMANCE.md, "Random order through half a cache"). Read when used:
+#: scripts/bench_remote.py's ``--range-gap`` sets it.
+RANGE_GAP = 16 << 10
 #: Seconds a batch's download waits for other readers to let go of units when the cache is full.
 ROOM_WAIT = 60.0
 _UNITS_LIMIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
