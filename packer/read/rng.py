@@ -78,7 +78,7 @@ def generator() -> torch.Generator:
     first call for each sample. Outside a transform: RuntimeError."""
     s = sample_seed()
     if s is None:
-        raise RuntimeError("packer.rng.generator() is only defined inside a ShardDataset transform")
+        raise RuntimeError("packer.read.rng.generator() is only defined inside a ShardDataset transform")
     g = getattr(_current, "generator", None)
     if g is None:
         g = _current.generator = torch.Generator()

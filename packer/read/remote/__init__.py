@@ -7,7 +7,7 @@ on the node, and its data, fetched in units when a reader first needs them and h
 readers (packer.backends) then read local files as they read any dataset; nothing of the store
 reaches them.
 
-- **Units**: an LMDB segment is fetched whole (packer.pin's ``fetch``: the environment maps the
+- **Units**: an LMDB segment is fetched whole (packer.backends.pin's ``fetch``: the environment maps the
   file). A memmap shard is fetched in ranges of a power of two records (about :data:`UNIT_BYTES`,
   less for a dataset of fewer than :data:`MIN_UNITS` units: :func:`unit_records`;
   global record numbers ``u * per_unit`` and up, cut at shard ends, so ShardSampler's blocks of a
