@@ -64,7 +64,7 @@ $(VENV)/.installed: pyproject.toml packer/_native.c packer/_resize.c packer/_res
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m packer.sample $(DEMO_DIR)/raw --per-class 8
+	$(PY) -m packer.tools.sample $(DEMO_DIR)/raw --per-class 8
 	$(VENV)/bin/packer build $(DEMO_DIR)/raw $(DEMO_DIR)/demo.lmdb --force
 	$(VENV)/bin/packer info $(DEMO_DIR)/demo.lmdb
 	$(PY) scripts/train_example.py $(DEMO_DIR)/demo.lmdb --steps 30 --batch-size 16

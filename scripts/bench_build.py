@@ -36,7 +36,7 @@ from packer.builder.preprocess import target_size  # noqa: E402
 from packer.codec import decode_jpeg, shrink_factor, turbojpeg  # noqa: E402
 from packer.format import Manifest, load_index, source_path  # noqa: E402
 from packer.read.reader import open_reader  # noqa: E402
-from packer.sample import make_folder  # noqa: E402
+from packer.tools.sample import make_folder  # noqa: E402
 
 SHORT = 320
 

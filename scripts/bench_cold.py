@@ -46,7 +46,7 @@ from pagecache import cached_fraction, evict, files
 from packer.backends.lmdb import close_lmdb
 from packer.read.dataset import ShardDataset
 from packer.read.sampler import ShardSampler
-from packer.sample import make_folder
+from packer.tools.sample import make_folder
 from packer.tools.bench import cores, disk_bytes
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-bench"

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from packer import build  # noqa: E402
 from packer.builder.dask import build_dask  # noqa: E402
-from packer.sample import make_sample  # noqa: E402
+from packer.tools.sample import make_sample  # noqa: E402
 
 
 def timed(fn: Callable[[Path], str], out: Path) -> tuple[float, str]:

@@ -13,7 +13,7 @@ batch 256, num_workers = cores), interleaved over several repeats; figures are m
       quoted figures.
 
 Also measures DataLoader worker memory (RSS) growth over 20,000 samples. Camera images are
-generated once with packer.sample and cached (a folder from bench_build.py is reused read-only).
+generated once with packer.tools.sample and cached (a folder from bench_build.py is reused read-only).
 
     python scripts/bench_read.py                      # everything, ~10 minutes on 2 cores
     python scripts/bench_read.py --repeats 1 --no-rss # quicker
@@ -44,7 +44,7 @@ from packer.format import Manifest, disk_bytes, load_index, source_path  # noqa:
 from packer.read.batchpool import POOL_MAX  # noqa: E402
 from packer.read.dataset import ShardDataset  # noqa: E402
 from packer.read.reader import open_reader  # noqa: E402
-from packer.sample import make_folder  # noqa: E402
+from packer.tools.sample import make_folder  # noqa: E402
 from packer.tools.bench import cores, measure, proc_rss, worker_pids  # noqa: E402
 from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_crops, resize_backend  # noqa: E402
 

@@ -139,7 +139,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from packer import build
-    from packer.sample import make_folder
+    from packer.tools.sample import make_folder
 
     raw = CACHE / "raw-2000-480x360"
     make_folder(raw, 2000, (480, 360), args.workers)

@@ -107,7 +107,7 @@ def check_installed(work: Path) -> list[str]:
     doctor = _run(command, "doctor", cwd=work)
     if "ok  C extension" not in doctor:
         problems.append(f"`packer doctor` does not find the C extension the wheel holds:\n{doctor}")
-    _run(sys.executable, "-m", "packer.sample", "raw", "--per-class", "2", "--size", "640x480", cwd=work)
+    _run(sys.executable, "-m", "packer.tools.sample", "raw", "--per-class", "2", "--size", "640x480", cwd=work)
     _run(command, "build", "raw", "out.lmdb", "--quiet", cwd=work)
     _run(command, "verify", "out.lmdb", cwd=work)
     dataset = packer.ShardDataset(work / "out.lmdb")

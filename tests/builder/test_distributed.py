@@ -24,7 +24,7 @@ from packer import BuildError, Labelling, build  # noqa: E402
 from packer.builder.dask import FRAGMENTS, build_dask, probe  # noqa: E402
 from packer.builder.staging import staging_path  # noqa: E402
 from packer.format import LABELS, TARGETS, Manifest, load_index  # noqa: E402
-from packer.sample import make_sample  # noqa: E402
+from packer.tools.sample import make_sample  # noqa: E402
 
 from ..conftest import ONE_EACH  # noqa: E402
 from .test_build import stored_images  # noqa: E402

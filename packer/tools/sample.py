@@ -239,8 +239,8 @@ def _parse_size(text: str) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """CLI: ``python -m packer.sample OUT [--per-class N] [--size WxH] [--seed S]``."""
-    ap = argparse.ArgumentParser(prog="python -m packer.sample", description=__doc__.split("\n")[0])
+    """CLI: ``python -m packer.tools.sample OUT [--per-class N] [--size WxH] [--seed S]``."""
+    ap = argparse.ArgumentParser(prog="python -m packer.tools.sample", description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--per-class", type=int, default=4)
     ap.add_argument("--size", type=_parse_size, default=(4000, 3000), help="landscape WxH")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from packer.sample import INVERSE_ORIENTATION, main, make_sample, render_photo
+from packer.tools.sample import INVERSE_ORIENTATION, main, make_sample, render_photo
 
 SMALL = (160, 120)  # landscape W x H; small so the suite stays fast
 
