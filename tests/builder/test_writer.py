@@ -163,7 +163,7 @@ def test_bad_samples_and_declarations(tmp_path: Path) -> None:
         {"image": img, "boxes": [[5, 5, 1, 1]], "source": "inverted"},
         {"image": img, "boxes": [[0, 0, 1, float("nan")]], "source": "nan"},
         {"image": img, "mask": np.zeros((10, 10), np.uint8), "source": "small-mask"},
-        {"image": np.zeros((64, 80), np.uint8), "source": "grey-array"},
+        {"image": np.zeros((64, 80, 5), np.uint8), "source": "five-channels"},
         {"image": img, "source": "ok"},
     ]
     fields = {"boxes": "boxes", "box_labels": "box_labels", "mask": "mask"}
@@ -177,7 +177,7 @@ def test_bad_samples_and_declarations(tmp_path: Path) -> None:
     assert "2 labels for 1 boxes" in reasons["two-labels"]
     assert "x0 <= x1" in reasons["inverted"] and "finite" in reasons["nan"]
     assert "the image is 64 x 80" in reasons["small-mask"]
-    assert "H x W x 3 uint8" in reasons["grey-array"]
+    assert "C 1, 2, 3 or 4 channels" in reasons["five-channels"]
     with pytest.raises(packer.BuildError, match=r"\['boxs'\] are not declared"):
         packer.pack([{"image": img, "boxs": []}], tmp_path / "c", fields=fields)
     assert not (tmp_path / "c").exists()
