@@ -652,7 +652,8 @@ class Refresh:
             self._changed.append(source)
             return None
         self._kept.append(j)
-        _, payloads = split_record(memoryview(record.data), fields)
+        # (a dataset without fields, format version 3, has no field table in its records)
+        payloads = split_record(memoryview(record.data), fields)[1] if fields else []
         place = self.reuse.kept(np.array([j]))[0]
         label = int(self.reuse.index[j]["label"])
         return label, identity, place if place is not None else record, [bytes(p) for p in payloads]

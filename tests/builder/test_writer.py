@@ -12,6 +12,7 @@ from typing import Any
 import lmdb
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import packer
@@ -599,3 +600,60 @@ def test_field_values_that_would_be_altered_are_reported_skips(tmp_path: Path, w
     with pytest.raises(packer.BuildError, match=r"nan-mask.*not whole numbers"):
         packer.pack(samples[:1], tmp_path / "c", fields=fields, workers=workers, on_error="fail")
     assert not (tmp_path / "c").exists()
+
+
+def _paletted(indices: np.ndarray, colours: list[tuple[int, int, int]], transparent: int | None = None) -> Image.Image:
+    """A "P" image of ``indices`` into ``colours`` (and, where given, its transparent index)."""
+    im = Image.fromarray(indices, "P")
+    im.putpalette([c for colour in colours for c in colour])
+    if transparent is not None:
+        im.info["transparency"] = transparent
+    return im
+
+
+def test_update_sees_a_palette_or_transparency_change(tmp_path: Path) -> None:
+    """A "P" image's pixels are indices: a sample whose palette, or transparent index, changed is
+    packed again by update=True (its record shows the new colours), not kept as up to date."""
+    indices = np.zeros((40, 60), np.uint8)
+    indices[:, 30:] = 1
+    red_blue = [(255, 0, 0), (0, 0, 255)]
+    v1 = [
+        {"image": _paletted(indices, red_blue), "source": "palette"},
+        {"image": _paletted(indices, red_blue, transparent=1), "source": "transparency"},
+        {"image": _paletted(indices, red_blue), "source": "same"},
+    ]
+    out = tmp_path / "out"
+    packer.pack(v1, out, update=True, format="raw", workers=0)
+    v2 = [
+        {"image": _paletted(indices, [(0, 255, 0), (0, 0, 255)]), "source": "palette"},  # red -> green
+        {"image": _paletted(indices, red_blue, transparent=0), "source": "transparency"},
+        v1[2],
+    ]
+    report = packer.pack(v2, out, update=True, format="raw", workers=0)
+    assert not report.up_to_date and (report.reused, report.processed) == (1, 2)
+    assert report.changes is not None and sorted(report.changes.changed) == ["palette", "transparency"]
+    ds = packer.ShardDataset(out, crop_size=None, dtype=torch.uint8)
+    assert ds[0][0][:, 0, 0].tolist() == [0, 255, 0]  # the new palette's colour
+    left, right = ds[1][0][:, 0, 0].tolist(), ds[1][0][:, 0, -1].tolist()
+    assert (left, right) == ([255, 255, 255], [0, 0, 255])  # index 0 now transparent: on white
+
+
+def test_sample_digests_of_images_without_a_palette_stay_as_they_were() -> None:
+    """The identities update=True compares, for images that have no palette nor transparency, are
+    those packer 0.x took before the palette was digested (values recorded then): the datasets
+    packed then keep their records on a refresh."""
+    from packer.builder.writer import sample_identity
+
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
+    samples = {
+        "array": (a, 1828, 15918375281971504364),
+        "rgb": (Image.fromarray(a), 1826, 2822560011832671453),
+        "L": (Image.fromarray(a[..., 0]), 624, 11734614407450098147),
+        "RGBA": (Image.fromarray(np.dstack([a, a[..., :1]])), 2427, 10037189989031152137),
+        "bytes": (b"\x89PNG not really", 29, 801135933631703747),
+    }
+    fields = declare({"caption": "text"})
+    for name, (image, size, digest) in samples.items():
+        identity = sample_identity({"image": image, "caption": "x"}, fields)
+        assert (int(identity["src_size"]), int(identity["src_hash"])) == (size, digest), name
