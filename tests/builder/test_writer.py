@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -657,3 +659,70 @@ def test_sample_digests_of_images_without_a_palette_stay_as_they_were() -> None:
     for name, (image, size, digest) in samples.items():
         identity = sample_identity({"image": image, "caption": "x"}, fields)
         assert (int(identity["src_size"]), int(identity["src_hash"])) == (size, digest), name
+
+
+def _cli(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "packer.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def _coco_file(tmp_path: Path, images: list[str]) -> tuple[Path, Path]:
+    """images/ with a photo per name listed, and a COCO file listing them (no annotations)."""
+    folder = tmp_path / "images"
+    folder.mkdir(exist_ok=True)
+    entries = []
+    for k, name in enumerate(images):
+        Image.new("RGB", (80, 60), (10 * k, 90, 200)).save(folder / name)
+        entries.append({"id": k + 1, "file_name": name, "width": 80, "height": 60})
+    path = tmp_path / f"coco-{len(images)}.json"
+    path.write_text(json.dumps({"images": entries, "annotations": [], "categories": [{"id": 1, "name": "x"}]}))
+    return folder, path
+
+
+def test_an_empty_input_never_replaces_a_dataset(tmp_path: Path) -> None:
+    """No samples (force=True, update=True, a --coco file listing no images), or every one skipped,
+    is refused as a folder build refuses no images, OUT left as it was, in the caller's words;
+    allow_empty=True (--allow-empty) writes the empty dataset."""
+    out = tmp_path / "out"
+    first = packer.pack(_keyed(3), out, fields=KEYED, update=True, workers=0)
+    for options in ({"force": True}, {"update": True}):
+        with pytest.raises(packer.BuildError, match=r"no samples to pack: .*out is left as it was \(pass allow_empty=True"):
+            packer.pack([], out, fields=KEYED, workers=0, **options)
+        assert Manifest.load(out).digest == first.digest
+    with pytest.raises(packer.BuildError) as refused:
+        packer.pack([{"image": b"not an image", "source": "a"}], out, fields=KEYED, force=True, workers=0)
+    assert "packed 0 of 1 samples: every one was skipped" in str(refused.value)
+    assert "pass allow_empty=True" in str(refused.value) and "--allow-empty" not in str(refused.value)
+    assert Manifest.load(out).digest == first.digest
+    with pytest.raises(packer.BuildError, match=r"no samples to pack: nothing written to"):
+        packer.pack([], tmp_path / "new", workers=0)
+    assert not (tmp_path / "new").exists()
+    empty = packer.pack([], tmp_path / "new", fields=KEYED, allow_empty=True, workers=0)
+    assert empty.count == 0 and verify(tmp_path / "new").ok
+
+    images, listed = _coco_file(tmp_path, ["a.png", "b.png"])
+    coco_out = tmp_path / "coco"
+    assert _cli("build", images, coco_out, "--coco", listed).returncode == 0
+    before = Manifest.load(coco_out).digest
+    _, nothing = _coco_file(tmp_path, [])
+    run = _cli("build", images, coco_out, "--coco", nothing, "--force")
+    assert run.returncode == 1 and "no files to pack" in run.stderr and "(pass --allow-empty" in run.stderr
+    assert Manifest.load(coco_out).digest == before
+    run = _cli("build", images, coco_out, "--coco", nothing, "--force", "--allow-empty")
+    assert run.returncode == 0 and Manifest.load(coco_out).count == 0
+
+
+def test_errors_name_the_callers_options_and_an_up_to_date_update_reused_all(tmp_path: Path) -> None:
+    """--coco --resume on a complete OUT names the CLI's flags (not packer.pack's keywords); an
+    update that finds every sample up to date reports them reused, none processed."""
+    images, listed = _coco_file(tmp_path, ["a.png", "b.png"])
+    out = tmp_path / "coco"
+    assert _cli("build", images, out, "--coco", listed).returncode == 0
+    run = _cli("build", images, out, "--coco", listed, "--resume")
+    assert run.returncode == 1 and "nothing to resume (--update refreshes it, --force replaces it)" in run.stderr
+    assert "=True" not in run.stderr
+    with pytest.raises(packer.BuildError, match=r"nothing to resume \(update=True refreshes it, force=True replaces"):
+        packer.build(images, out, coco=listed, resume=True, quiet=True)
+
+    packer.pack(_keyed(5), tmp_path / "keyed", fields=KEYED, update=True, workers=0)
+    again = packer.pack(_keyed(5), tmp_path / "keyed", fields=KEYED, update=True, workers=0)
+    assert again.up_to_date and (again.reused, again.processed) == (5, 0)
