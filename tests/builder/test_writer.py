@@ -726,3 +726,68 @@ def test_errors_name_the_callers_options_and_an_up_to_date_update_reused_all(tmp
     packer.pack(_keyed(5), tmp_path / "keyed", fields=KEYED, update=True, workers=0)
     again = packer.pack(_keyed(5), tmp_path / "keyed", fields=KEYED, update=True, workers=0)
     assert again.up_to_date and (again.reused, again.processed) == (5, 0)
+
+
+class _Wrapping(torch.utils.data.Dataset):
+    """A map-style dataset whose index wraps (``i % n``): it never raises IndexError past its end."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        self.reads += 1
+        assert self.reads <= 2 * self.n, "read far past its len()"  # (a test that fails, not one that hangs)
+        return {"image": np.full((40, 50, 3), i % self.n, np.uint8), "source": f"s{i % self.n}"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_torch_dataset_is_read_to_its_len_and_fields_are_optional(tmp_path: Path, workers: int) -> None:
+    data = _Wrapping(5)
+    report = packer.pack(data, tmp_path / "out", workers=workers)  # no fields=: none
+    assert (report.count, data.reads) == (5, 5)
+    assert [packer.ShardDataset(tmp_path / "out").source(i) for i in range(5)] == [f"s{i}" for i in range(5)]
+
+
+def test_the_pixels_torch_users_hand_over(tmp_path: Path) -> None:
+    """uint8 tensors C x H x W (torchvision's read_image) and H x W x C, numpy H x W grey, RGBA
+    (alpha over white, as the folder build), floats in 0..1 (ToTensor's) are each the record that
+    the same picture as a file or an H x W x 3 array makes; floats outside 0..1 and other dtypes are
+    reported skips saying what to pass; a 3 x 3 x 3 array is channels-last."""
+    rng = np.random.default_rng(2)
+    rgb = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)  # under the short edge: no resize
+    rgba = np.dstack([rgb, rng.integers(0, 256, (60, 90), dtype=np.uint8)])
+    grey = rgb[..., 1].copy()
+    for name, a in (("rgb.png", rgb), ("rgba.png", rgba), ("grey.png", grey)):
+        Image.fromarray(a).save(tmp_path / name)
+    chw = torch.from_numpy(rgb).permute(2, 0, 1)
+    samples = [
+        {"image": chw, "source": "chw"},
+        {"image": torch.from_numpy(rgb), "source": "hwc"},
+        {"image": chw.float().div(255).requires_grad_(), "source": "unit-float"},
+        {"image": rgba, "source": "rgba"},
+        {"image": torch.from_numpy(rgba).permute(2, 0, 1), "source": "rgba-chw"},
+        {"image": grey, "source": "grey"},
+        {"image": torch.from_numpy(grey)[None], "source": "grey-chw"},
+        {"image": chw.float(), "source": "0-255-float"},
+        {"image": rgb.astype(np.uint16), "source": "uint16"},
+        {"image": np.arange(27, dtype=np.uint8).reshape(3, 3, 3), "source": "3x3x3"},
+    ]
+    report = packer.pack(samples, tmp_path / "out", fields={}, format="raw", min_size=1, workers=0)
+    assert (report.count, report.skipped) == (8, 2)
+    reasons = {r["path"]: r["reason"] for r in map(json.loads, (tmp_path / "out" / "report.jsonl").read_text().splitlines())}
+    assert "values 0..255: float pixels must lie in 0..1" in reasons["0-255-float"]
+    assert "give uint8 pixels" in reasons["uint16"]
+    files = packer.pack(
+        [{"image": tmp_path / n} for n in ("rgb.png", "rgba.png", "grey.png")], tmp_path / "files", format="raw"
+    )
+    assert files.count == 3
+    ds = packer.ShardDataset(tmp_path / "out", crop_size=None)
+    got = {ds.source(i): _record(tmp_path / "out", i) for i in range(len(ds))}
+    wanted = [_record(tmp_path / "files", i) for i in range(3)]
+    assert got["chw"] == got["hwc"] == got["unit-float"] == wanted[0] == rgb.tobytes()
+    assert got["rgba"] == got["rgba-chw"] == wanted[1]
+    assert got["grey"] == got["grey-chw"] == wanted[2] == np.repeat(grey[..., None], 3, axis=2).tobytes()
+    assert got["3x3x3"] == np.arange(27, dtype=np.uint8).tobytes()
