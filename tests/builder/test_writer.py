@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,7 @@ def _count_encoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 _RESUMABLE = """
 import sys
+import time
 import time
 
 import numpy as np
@@ -791,3 +793,73 @@ def test_the_pixels_torch_users_hand_over(tmp_path: Path) -> None:
     assert got["rgba"] == got["rgba-chw"] == wanted[1]
     assert got["grey"] == got["grey-chw"] == wanted[2] == np.repeat(grey[..., None], 3, axis=2).tobytes()
     assert got["3x3x3"] == np.arange(27, dtype=np.uint8).tobytes()
+
+
+_INTERRUPTED = """
+import sys
+import time
+import time
+from pathlib import Path
+
+import numpy as np
+
+import packer
+
+
+def samples(flag=None):
+    for i in range(12):
+        if i == 6 and flag is not None:
+            Path(flag).write_text("6 given")  # the test's cue: interrupt now
+            time.sleep(600)  # where Ctrl-C lands (the test's deadline ends it otherwise)
+        yield {"image": np.full((40, 50, 3), i, np.uint8), "source": f"s{i}"}
+
+
+if __name__ == "__main__":
+    out, flag, workers, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    packer.pack(samples(flag), out, fields={}, force=True, resume=resume, checkpoint_seconds=0, workers=workers)
+"""
+
+
+@pytest.mark.parametrize("workers, resume", [(0, True), (2, False)])
+def test_ctrl_c_of_a_pack_says_what_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, resume: bool
+) -> None:
+    """SIGINT in the middle of a real pack process (cued by a file its samples write, not a
+    sleep): it ends with one line saying OUT is left as it was and whether resume=True continues,
+    no traceback from inside the pack; the dataset on disk is unchanged, and with resume=True the
+    same call continues the work kept."""
+    import signal
+
+    script = tmp_path / "interrupted_pack.py"
+    script.write_text(_INTERRUPTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import interrupted_pack  # type: ignore[import-not-found]
+
+    out, flag = tmp_path / "out", tmp_path / "flag"
+    first = packer.pack([{"image": np.zeros((40, 50, 3), np.uint8), "source": "old"}], out, fields={}, workers=0)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(out), str(flag), str(workers), "1" if resume else "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert flag.exists(), "the pack reached its sixth sample"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGINT
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"KeyboardInterrupt: {out} is left as it was; "), err
+    assert "write_all" not in err and "sleep" not in err  # no frames from inside the pack
+    assert Manifest.load(out).digest == first.digest
+    staging = tmp_path / ".out.packer-tmp"
+    if not resume:
+        assert "nothing was kept" in last and "resume=True from its start" in last and not staging.exists()
+        return
+    assert f"the work so far is kept in {staging}: pack again with resume=True to continue" in last
+    report = packer.pack(interrupted_pack.samples(), out, fields={}, force=True, resume=True, workers=0)
+    assert (report.resumed_from, report.count) == (6, 12)
