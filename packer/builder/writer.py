@@ -240,7 +240,9 @@ class Writer:
         if self._keep_staging:
             then = f"the work so far is kept in {self._staging}: {n.run} again with {n.resume} to continue"
         else:
-            then = f"nothing was kept (a {n.run} continues after an interruption only if it had {n.resume} from its start)"
+            then = (
+                f"nothing was kept (a {n.run} continues after an interruption only if it had {n.resume} from its start)"
+            )
         e.args = (f"{left_as_it_was(self.out)}; {then}",)
 
     def _resume(self, state: dict[str, Any]) -> None:
@@ -494,9 +496,8 @@ class Writer:
                     n.resume,
                 )
             if not self._written and not self.options.allow_empty:  # as a folder build refuses no images
-                raise BuildError(
-                    f"no {n.inputs} to pack: {left_as_it_was(self.out)} (pass {n.allow_empty} to write an empty dataset)"
-                )
+                left = left_as_it_was(self.out)
+                raise BuildError(f"no {n.inputs} to pack: {left} (pass {n.allow_empty} to write an empty dataset)")
             self._checkpoint()
             rows = np.fromfile(self._staging / SAMPLES_PART, SAMPLE_DTYPE)
             labels = rows["label"]
@@ -514,7 +515,9 @@ class Writer:
                 shutil.rmtree(self._staging)
                 assert refresh.old is not None
                 changes = refresh.changes()
-                report = BuildReport.of(self.out, refresh.old[0], up_to_date=True, changes=changes, reused=self._sink.reused)
+                report = BuildReport.of(
+                    self.out, refresh.old[0], up_to_date=True, changes=changes, reused=self._sink.reused
+                )
             else:
                 counts = self._field_counts()
                 report = complete(
@@ -793,8 +796,7 @@ def sample_identity(sample: dict[str, Any], fields: Sequence[Field]) -> np.void:
         feed("bytes", memoryview(image).cast("B"))
     elif isinstance(image, Image.Image):
         feed("pil", image.mode, image.size, image.getexif().get(0x0112, 1), image.tobytes())
-        palette = image.getpalette(None) if image.palette is not None else None
-        if palette is not None:  # "P", "PA": the pixels are indices into it
+        if image.palette is not None and (palette := image.getpalette(None)) is not None:  # "P", "PA": indices
             feed("palette", image.palette.mode, bytes(palette))
         if "transparency" in image.info:  # a colour key or the palette's alpha: to_rgb composites it
             feed("transparency", repr(image.info["transparency"]))
@@ -882,7 +884,7 @@ def _from_unit(a: np.ndarray, image: np.ndarray) -> np.ndarray:
     for values outside 0..1 (0..255 floats, normalized ones: their scale is not known here)."""
     x = a if a.dtype.itemsize >= 4 else a.astype(np.float32)
     lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
-    if not (0.0 <= lo and hi <= 1.0):  # NaN fails too
+    if not (lo >= 0.0 and hi <= 1.0):  # NaN fails too
         raise ValueError(
             f"image: {_kind(image)} with values {lo:g}..{hi:g}: float pixels must lie in 0..1 "
             f"(a normalized or 0..255 image: give its uint8 pixels)"
@@ -906,13 +908,13 @@ def _untensored(sample: Any) -> Any:
     return out
 
 
-def _each(samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+def _each(samples: Any) -> Iterator[dict[str, Any]]:
     """The samples of ``samples``: a map-style dataset (``__len__`` and ``__getitem__`` without
     ``__iter__``, as torch's Dataset) by index up to its ``len()``, as FFCV's writer and LitData's
     optimize read one (Python's fallback iteration would go on until an IndexError, which a
     dataset that wraps its index never raises); anything else by iterating it."""
     if not hasattr(samples, "__iter__") and hasattr(samples, "__len__") and hasattr(samples, "__getitem__"):
-        return (samples[i] for i in range(len(samples)))  # type: ignore[index]
+        return (samples[i] for i in range(len(samples)))
     return iter(samples)
 
 

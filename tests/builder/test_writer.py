@@ -687,7 +687,9 @@ def test_an_empty_input_never_replaces_a_dataset(tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = packer.pack(_keyed(3), out, fields=KEYED, update=True, workers=0)
     for options in ({"force": True}, {"update": True}):
-        with pytest.raises(packer.BuildError, match=r"no samples to pack: .*out is left as it was \(pass allow_empty=True"):
+        with pytest.raises(
+            packer.BuildError, match=r"no samples to pack: .*out is left as it was \(pass allow_empty=True"
+        ):
             packer.pack([], out, fields=KEYED, workers=0, **options)
         assert Manifest.load(out).digest == first.digest
     with pytest.raises(packer.BuildError) as refused:
@@ -779,7 +781,9 @@ def test_the_pixels_torch_users_hand_over(tmp_path: Path) -> None:
     ]
     report = packer.pack(samples, tmp_path / "out", fields={}, format="raw", min_size=1, workers=0)
     assert (report.count, report.skipped) == (8, 2)
-    reasons = {r["path"]: r["reason"] for r in map(json.loads, (tmp_path / "out" / "report.jsonl").read_text().splitlines())}
+    reasons = {
+        r["path"]: r["reason"] for r in map(json.loads, (tmp_path / "out" / "report.jsonl").read_text().splitlines())
+    }
     assert "values 0..255: float pixels must lie in 0..1" in reasons["0-255-float"]
     assert "give uint8 pixels" in reasons["uint16"]
     files = packer.pack(
