@@ -867,3 +867,66 @@ def test_ctrl_c_of_a_pack_says_what_is_left(
     assert f"the work so far is kept in {staging}: pack again with resume=True to continue" in last
     report = packer.pack(interrupted_pack.samples(), out, fields={}, force=True, resume=True, workers=0)
     assert (report.resumed_from, report.count) == (6, 12)
+
+
+_CUED_CLI = """
+import sys
+import time
+from pathlib import Path
+
+from packer.builder import writer
+from packer.cli import main
+
+given = writer._each
+
+
+def cued(samples):
+    for k, sample in enumerate(given(samples)):
+        if k == 2:
+            Path(sys.argv[1]).write_text("2 given")  # the test's cue: interrupt now
+            time.sleep(600)
+        yield sample
+
+
+writer._each = cued  # the samples --coco hands its Writer, with a cue after the second
+main(sys.argv[2:], prog_name="packer")
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_ctrl_c_of_a_coco_build_says_whether_resume_continues_it(tmp_path: Path, resume: bool) -> None:
+    """SIGINT in the middle of `packer build --coco` (a real process; cued by a file written as its
+    third image is asked for): exit 130 and one line in the CLI's words, true of a --coco build:
+    without --resume nothing was kept; with it, the same command with --resume continues."""
+    import signal
+
+    images, listed = _coco_file(tmp_path, [f"{k}.png" for k in range(4)])
+    script, flag, out = tmp_path / "cued.py", tmp_path / "flag", tmp_path / "out"
+    script.write_text(_CUED_CLI)
+    args = ["build", str(images), str(out), "--coco", str(listed), "--checkpoint-seconds", "0", "--workers", "0"]
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(flag), *args, *(["--resume"] if resume else [])],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert flag.exists(), "the build reached its third image"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"packer: interrupted; nothing written to {out}; "), err
+    assert not out.exists() and "=True" not in err
+    if not resume:
+        assert last.endswith(
+            "nothing was kept (a build continues after an interruption only if it had --resume from its start)"
+        )
+        return
+    assert last.endswith("build again with --resume to continue")
+    run = _cli(*args, "--resume")
+    assert run.returncode == 0 and "packed 4 of 4" in run.stderr, run.stderr
