@@ -755,14 +755,15 @@ def test_a_torch_dataset_is_read_to_its_len_and_fields_are_optional(tmp_path: Pa
     assert [packer.ShardDataset(tmp_path / "out").source(i) for i in range(5)] == [f"s{i}" for i in range(5)]
 
 
-def test_the_pixels_torch_users_hand_over(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_pixels_torch_users_hand_over(tmp_path: Path, workers: int) -> None:
     """uint8 tensors C x H x W (torchvision's read_image) and H x W x C, numpy H x W grey, RGBA
     (alpha over white, as the folder build), floats in 0..1 (ToTensor's) are each the record that
     the same picture as a file or an H x W x 3 array makes; floats outside 0..1 and other dtypes are
     reported skips saying what to pass; a 3 x 3 x 3 array is channels-last."""
     rng = np.random.default_rng(2)
-    rgb = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)  # under the short edge: no resize
-    rgba = np.dstack([rgb, rng.integers(0, 256, (60, 90), dtype=np.uint8)])
+    rgb = rng.integers(0, 256, (160, 190, 3), dtype=np.uint8)  # under the short edge: no resize
+    rgba = np.dstack([rgb, rng.integers(0, 256, (160, 190), dtype=np.uint8)])
     grey = rgb[..., 1].copy()
     for name, a in (("rgb.png", rgb), ("rgba.png", rgba), ("grey.png", grey)):
         Image.fromarray(a).save(tmp_path / name)
@@ -779,7 +780,8 @@ def test_the_pixels_torch_users_hand_over(tmp_path: Path) -> None:
         {"image": rgb.astype(np.uint16), "source": "uint16"},
         {"image": np.arange(27, dtype=np.uint8).reshape(3, 3, 3), "source": "3x3x3"},
     ]
-    report = packer.pack(samples, tmp_path / "out", fields={}, format="raw", min_size=1, workers=0)
+    # (with workers: arrays over 64 KiB, these, reach them through shared memory)
+    report = packer.pack(samples, tmp_path / "out", fields={}, format="raw", min_size=1, workers=workers)
     assert (report.count, report.skipped) == (8, 2)
     reasons = {
         r["path"]: r["reason"] for r in map(json.loads, (tmp_path / "out" / "report.jsonl").read_text().splitlines())
