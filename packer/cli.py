@@ -101,7 +101,8 @@ def _friendly(
         except KeyboardInterrupt as e:
             if debug:
                 raise
-            why = interrupted if isinstance(interrupted, str) else interrupted()
+            # a packer.Writer's (--coco) says what it left and whether --resume continues it
+            why = str(e) or (interrupted if isinstance(interrupted, str) else interrupted())
             click.echo(f"packer: interrupted; {why}", err=True)
             code = 128 + getattr(e, "signum", signal.SIGINT)
             if interrupted is _read_interrupted:

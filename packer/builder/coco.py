@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw
 
 from ..errors import BuildError
 from .options import BuildOptions
-from .staging import BuildReport
+from .staging import BuildReport, OptionNames
 from .writer import pack
 
 #: The fields a COCO build writes (box label ids are COCO's category ids; their names ride on the
@@ -152,14 +152,16 @@ def load_coco(path: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[Any, 
     return images, by_image, classes
 
 
-def build_coco(images: str | os.PathLike, out: str | os.PathLike, options: BuildOptions, quiet: bool) -> BuildReport:
-    """Pack the images ``options.coco`` lists (files under ``images``) with their annotations into ``out``."""
+def build_coco(
+    images: str | os.PathLike, out: str | os.PathLike, options: BuildOptions, quiet: bool, *, names: OptionNames
+) -> BuildReport:
+    """Pack the images ``options.coco`` lists (files under ``images``) with their annotations into
+    ``out``; ``names``: how messages name the options (the caller's: CLI flags or packer.build's keywords)."""
     assert options.coco is not None, "a --coco build"
     listed, by_image, classes = load_coco(options.coco)
     fields = {name: {"kind": name, "classes": classes if name != "boxes" else ()} for name in COCO_FIELDS}
-    return pack(
-        _samples(Path(images), listed, by_image), out, fields=fields, options=options.but(coco=None), quiet=quiet
-    )
+    samples = _samples(Path(images), listed, by_image)
+    return pack(samples, out, fields=fields, options=options.but(coco=None), quiet=quiet, names=names)
 
 
 def _samples(

@@ -233,7 +233,7 @@ def _build_dataset(
         finally:
             if reuse is not None:
                 close_all(out)  # our handles on the old OUT, before the rename replaces it
-        report = complete(staging, out, found, options, sink, resumed_from)
+        report = complete(staging, out, found, options, sink, resumed_from, names=names)
     except WRITE_ERRORS as e:  # LMDB reports a full disk as a bare "Input/output error"
         if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
             raise
@@ -332,5 +332,5 @@ def build(
     if options.coco is not None:  # the images a COCO file lists, with their annotations (a Writer)
         from .coco import build_coco
 
-        return build_coco(raw_dir, out, options, quiet)
+        return build_coco(raw_dir, out, options, quiet, names=names)
     return run_build(raw_dir, out, options, quiet, LocalEngine(Path(raw_dir), quiet), names=names)

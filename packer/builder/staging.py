@@ -83,6 +83,25 @@ SAMPLE_DTYPE = np.dtype([("label", "<i4"), *((name, IDENTITY_DTYPE[name]) for na
 STAGING_STATE = (BUILD_STATE, PROGRESS, INDEX_PART, SOURCES_PART, PLAN, IDENTITIES, CHECKPOINTS, SAMPLES_PART)
 
 
+@dataclass(frozen=True)
+class OptionNames:
+    """How a caller's messages name its options and inputs: the CLI's flags, or the keywords of
+    packer.build or packer.Writer."""
+
+    update: str
+    resume: str
+    force: str
+    run: str  #: what the caller runs again ("build", "pack")
+    allow_empty: str
+    inputs: str  #: what it packs ("files", "samples")
+
+
+CLI_OPTIONS = OptionNames("--update", "--resume", "--force", "build", "--allow-empty", "files")
+#: packer.build's keywords
+BUILD_OPTIONS = OptionNames("update=True", "resume=True", "force=True", "build", "allow_empty=True", "files")
+WRITER_OPTIONS = OptionNames("update=True", "resume=True", "force=True", "pack", "allow_empty=True", "samples")
+
+
 @dataclass
 class BuildReport:
     """What a build did (``summary()`` is the CLI's last line); with --split, one per dataset inside."""
@@ -521,7 +540,12 @@ def _record_labels(found: Scan, rows: np.ndarray, staging: Path) -> dict[str, np
     return {name: a[at] for name, a in per_source.items()}
 
 
-def _nothing_packed(staging: Path, out: Path, candidates: int) -> BuildError:
+def left_as_it_was(out: Path) -> str:
+    """What a build or pack that stops before its end leaves at ``out``, in words."""
+    return f"{out} is left as it was" if out.exists() else f"nothing written to {out}"
+
+
+def _nothing_packed(staging: Path, out: Path, candidates: int, names: OptionNames) -> BuildError:
     """Every file was skipped: a broken decoder or environment far more often than a wanted empty
     dataset, so the build fails, naming the first reason, before anything replaces OUT."""
     first = ""
@@ -531,10 +555,9 @@ def _nothing_packed(staging: Path, out: Path, candidates: int) -> BuildError:
             if entry["status"] == "skipped":
                 first = f" (the first, {entry['path']}: {entry['reason']})"
                 break
-    kept = f"{out} is left as it was" if out.exists() else f"nothing written to {out}"
     return BuildError(
-        f"packed 0 of {candidates} files: every one was skipped{first}, all listed in {staging / REPORT}; "
-        f"{kept} (pass --allow-empty to write an empty dataset)"
+        f"packed 0 of {candidates} {names.inputs}: every one was skipped{first}, all listed in "
+        f"{staging / REPORT}; {left_as_it_was(out)} (pass {names.allow_empty} to write an empty dataset)"
     )
 
 
@@ -547,13 +570,15 @@ def complete(
     resumed_from: int,
     fields: Sequence[Field] = (),
     field_counts: Optional[dict[str, dict[str, Any]]] = None,
+    names: OptionNames = CLI_OPTIONS,
 ) -> BuildReport:
     """Close ``sink``, write the manifest from ``options`` and the totals (and the ``fields`` each
-    record holds with their ``field_counts``, :mod:`packer.format.fields`), then :func:`finalize`."""
+    record holds with their ``field_counts``, :mod:`packer.format.fields`), then :func:`finalize`.
+    ``names``: how a refusal names the caller's options and inputs."""
     written = sink.close()
     rows = np.fromfile(staging / INDEX_PART, dtype=INDEX_DTYPE)
     if not len(rows) and len(found.sources) and not options.allow_empty:
-        raise _nothing_packed(staging, out, len(found.sources))
+        raise _nothing_packed(staging, out, len(found.sources), names)
     arrays = _record_labels(found, rows, staging)
     counts = class_counts(found.kind, rows["label"], arrays.get(LABELS), len(found.classes))
     labels_digest = arrays_digest(arrays.get(LABELS), arrays.get(TARGETS))
@@ -642,21 +667,6 @@ def finalize(staging: Path, out: Path, manifest: Manifest, arrays: dict[str, np.
     else:
         staging.rename(out)
     fsync_path(out.parent)
-
-
-@dataclass(frozen=True)
-class OptionNames:
-    """How a caller's messages name the options of a resume: the CLI's flags, or packer.Writer's keywords."""
-
-    update: str
-    resume: str
-    force: str
-    run: str  #: what the caller runs again ("build", "pack")
-
-
-CLI_OPTIONS = OptionNames("--update", "--resume", "--force", "build")
-BUILD_OPTIONS = OptionNames("update=True", "resume=True", "force=True", "build")  #: packer.build's keywords
-WRITER_OPTIONS = OptionNames("update=True", "resume=True", "force=True", "pack")
 
 
 def continue_plan(

@@ -17,6 +17,7 @@ import itertools
 import mmap
 import os
 import shutil
+import sys
 import time
 import zlib
 from collections import deque
@@ -58,11 +59,13 @@ from .staging import (
     SAMPLES_PART,
     WRITER_OPTIONS,
     BuildReport,
+    OptionNames,
     Plan,
     RecordSink,
     cannot_resume,
     complete,
     continue_plan,
+    left_as_it_was,
     open_staging,
     staging_path,
 )
@@ -93,14 +96,18 @@ class Writer:
 
     ``fields``: what each sample holds beside its image, by name (``{"label": "label", "boxes":
     "boxes", "box_labels": "box_labels", "mask": "mask", "caption": "text", "emb": ("array",
-    "float32")}``; docs/FIELDS.md). A sample's ``image`` is a path, encoded bytes, a Pillow image or
-    an H x W x 3 uint8 array; ``source`` (optional) names it in ``ds.source(i)`` and the report
+    "float32")}``; docs/FIELDS.md; default: none). A sample's ``image`` is a path, encoded bytes, a
+    Pillow image, or pixels (a numpy array or torch tensor: :func:`_pixels`); ``source`` (optional)
+    names it in ``ds.source(i)`` and the report
     (default: the path, else ``sample-N``). Boxes (x0, y0, x1, y1) and masks are given in the
     pixels of the upright source image and scaled with it. ``classes``: the names of the label ids
     (default "0", "1", ... up to the largest). ``options`` and keywords: :class:`BuildOptions`
     (``backend``, ``format``, ``short_edge``, ``quality``, ``force``, ``on_error``, ``resume``,
-    ``update``, ...). Leaving the ``with`` block by an exception writes nothing (OUT stays as it
-    was; with ``resume`` the work so far is kept for the next run to continue).
+    ``update``, ``allow_empty``, ...). Leaving the ``with`` block by an exception writes nothing (OUT
+    stays as it was; with ``resume`` the work so far is kept for the next run to continue); Ctrl-C's
+    KeyboardInterrupt then says so. No samples, or every one skipped, is refused the same way
+    unless ``allow_empty=True`` (as a folder build refuses them). ``names``: how messages name the
+    options (the CLI's --coco build passes its flags).
 
     ``resume``: continue the interrupted pack of the same samples and options (its samples are
     checked against those given again, by content, not packed again). ``update``: refresh OUT,
@@ -117,20 +124,22 @@ class Writer:
         self,
         out: str | os.PathLike,
         *,
-        fields: Any,
+        fields: Any = None,
         options: Optional[BuildOptions] = None,
         classes: Optional[Sequence[str]] = None,
         quiet: bool = True,
+        names: OptionNames = WRITER_OPTIONS,
         **changes: Any,
     ) -> None:
         self.options = (options or BuildOptions()).but(**changes)
+        self._names = names
         given = [name for name in FOLDER_ONLY if getattr(self.options, name) not in (None, False)]
         if given or self.options.labelling != type(self.options.labelling)():
             raise BuildError(
                 f"packer.Writer does not take {', '.join(given) or 'labelling'} (options of a folder build)"
             )
         try:
-            self.fields = declare(fields)
+            self.fields = declare(fields if fields is not None else {})
         except ValueError as e:
             raise BuildError(f"packer.Writer: {e}") from None
         self._labelled = any(f.kind == "label" for f in self.fields)
@@ -166,7 +175,7 @@ class Writer:
                 self._refresh = Refresh.of(self.out, self._resolved, self.fields, quiet, self._fetch)
             elif (self.out / MANIFEST).is_file() and not self.options.force:
                 if self.options.resume and (self._staging / PLAN).is_file():  # refused if it was a refresh
-                    continue_plan(self.out, self._staging, None, quiet, None, WRITER_OPTIONS)
+                    continue_plan(self.out, self._staging, None, quiet, None, names)
                 raise self._complete()
             settings = {
                 "writer": [f.to_json() for f in self.fields],
@@ -174,7 +183,7 @@ class Writer:
                 "codec": codec_name(),
                 "classes": self.classes,
             }
-            state = open_staging(self._staging, settings, resume=self.options.resume, names=WRITER_OPTIONS)
+            state = open_staging(self._staging, settings, resume=self.options.resume, names=names)
             reuse = self._refresh.reuse if self._refresh is not None else None
             if state is None:  # what a resume must repeat: which old data files it links (update)
                 if self._refresh is not None:
@@ -182,7 +191,7 @@ class Writer:
                 of = reuse.manifest.computed_digest if reuse is not None else None
                 Plan.made(self._staging, of, reuse.base if reuse is not None else None).write(self._staging)
             else:
-                continue_plan(self.out, self._staging, reuse, quiet, self._fetch, WRITER_OPTIONS)
+                continue_plan(self.out, self._staging, reuse, quiet, self._fetch, names)
                 if self._refresh is not None:
                     self._refresh.relinked()
             backend, shard_size = BACKENDS[self._resolved.backend], self._resolved.shard_size
@@ -198,8 +207,10 @@ class Writer:
             )
             if state is not None:
                 self._resume(state)
-        except BaseException:
+        except BaseException as e:
             self._locks.close()
+            if isinstance(e, KeyboardInterrupt):
+                self._interrupted(e)
             raise
         classes_count = len(self.classes) if self.classes is not None else None
         # with update, this process takes each sample's digest (to compare it), not the workers
@@ -210,14 +221,29 @@ class Writer:
         """Why OUT, a complete dataset, is not written without force=True or update=True: an
         interrupted pack staged beside it continues only when told to replace it, as it was going to
         (a folder build's --resume never replaces a complete dataset either)."""
+        n = self._names
         if self.options.resume and (self._staging / PROGRESS).is_file():
             return BuildError(
-                f"{self.out} is a complete dataset: the interrupted pack in {self._staging} would replace it; "
-                f"resume it with force=True (and resume=True) to replace it, or update=True to refresh it instead"
+                f"{self.out} is a complete dataset: the interrupted {n.run} in {self._staging} would replace it; "
+                f"resume it with {n.force} (and {n.resume}) to replace it, or {n.update} to refresh it instead"
             )
         return BuildError(
-            f"{self.out} is a complete dataset: nothing to resume (update=True refreshes it, force=True replaces it)"
+            f"{self.out} is a complete dataset: nothing to resume ({n.update} refreshes it, {n.force} replaces it)"
         )
+
+    def _interrupted(self, e: KeyboardInterrupt) -> None:
+        """Ctrl-C (or the CLI's SIGTERM) given its one line: what is left at OUT, and whether a
+        resume continues (the CLI prints it after "interrupted;")."""
+        n = self._names
+        if e.args:  # worded already (a Writer inside another)
+            return
+        if self._keep_staging:
+            then = f"the work so far is kept in {self._staging}: {n.run} again with {n.resume} to continue"
+        else:
+            then = (
+                f"nothing was kept (a {n.run} continues after an interruption only if it had {n.resume} from its start)"
+            )
+        e.args = (f"{left_as_it_was(self.out)}; {then}",)
 
     def _resume(self, state: dict[str, Any]) -> None:
         """Continue the interrupted pack whose checkpoint is ``state``: its samples, to check against
@@ -225,14 +251,16 @@ class Writer:
         self._resumed = np.fromfile(self._staging / SAMPLES_PART, SAMPLE_DTYPE)
         if len(self._resumed) != int(state["sources_done"]) or "more" not in state:
             raise cannot_resume(
-                f"the journal in {self._staging} is damaged; pack again without resume", WRITER_OPTIONS.resume
+                f"the journal in {self._staging} is damaged; {self._names.run} again without {self._names.resume}",
+                self._names.resume,
             )
         if not state["more"].get("identified"):
+            n = self._names
             raise cannot_resume(
-                f"the interrupted pack of {self.out} was not made resumable (it took no digest of its "
-                f"samples to check those given again against: pass resume=True from the first run); "
-                f"pack again without resume",
-                WRITER_OPTIONS.resume,
+                f"the interrupted {n.run} of {self.out} was not made resumable (it took no digest of its "
+                f"{n.inputs} to check those given again against: pass {n.resume} from the first run); "
+                f"{n.run} again without {n.resume}",
+                n.resume,
             )
         for name, tally in state["more"]["field_counts"].items():
             if "per_record" in tally:
@@ -242,12 +270,16 @@ class Writer:
 
     @classmethod
     def pack(
-        cls, samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any, **options: Any
+        cls, samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any = None, **options: Any
     ) -> BuildReport:
         """Every sample of ``samples`` into a dataset at ``out``, by a Writer of this class
-        (``packer.pack``)."""
-        with cls(out, fields=fields, **options) as w:
-            w.write_all(samples)
+        (``packer.pack``). Ctrl-C ends it with a KeyboardInterrupt whose one line says what is left
+        and whether ``resume=True`` continues, its traceback from here (not from inside the pack)."""
+        try:
+            with cls(out, fields=fields, **options) as w:
+                w.write_all(samples)
+        except KeyboardInterrupt as e:
+            raise e.with_traceback(None) from None
         assert w.report is not None, "closed on leaving the with block"
         return w.report
 
@@ -259,6 +291,8 @@ class Writer:
             self.close()
         else:
             self.abort()
+            if isinstance(e, KeyboardInterrupt):
+                self._interrupted(e)
 
     @property
     def written(self) -> int:
@@ -268,6 +302,7 @@ class Writer:
     def write(self, sample: dict[str, Any]) -> None:
         """Pack one sample, in this process, or report it skipped (``on_error="fail"``: BuildError)
         naming its source."""
+        sample = _untensored(sample)
         if self._again(sample):
             return
         source = self._checked(sample)
@@ -280,13 +315,14 @@ class Writer:
     def write_all(self, samples: Iterable[dict[str, Any]]) -> None:
         """Pack every sample of ``samples``, in order, decoded by the build's worker processes
         (``workers``; 0 or 1: in this process, as :meth:`write`). A script calling it must do so
-        under ``if __name__ == "__main__":``, as for ``packer.build``."""
+        under ``if __name__ == "__main__":``, as for ``packer.build``. A map-style torch Dataset
+        (``__len__`` and ``__getitem__``, no ``__iter__``) gives its ``len()`` samples."""
         processes = self.options.processes
         if processes <= 1:
-            for sample in samples:
+            for sample in _each(samples):
                 self.write(sample)
             return
-        it = iter(samples)
+        it = map(_untensored, _each(samples))
         if self._resumed is not None:  # the interrupted pack's samples, checked in this process
             for sample in itertools.islice(it, max(0, len(self._resumed) - self._written)):
                 self._again(sample)
@@ -342,10 +378,12 @@ class Writer:
         identity = sample_identity(sample, self.fields)
         known = done[k]["src_size"] != 0  # 0: a sample that crashed its worker, of no known identity
         if known and (identity["src_size"], identity["src_hash"]) != (done[k]["src_size"], done[k]["src_hash"]):
+            n = self._names
             raise cannot_resume(
-                f"sample {k} ({source}) is not the one the interrupted pack of {self.out} packed there "
-                f"(its content differs): give the same samples in the same order, or pack again without resume",
-                WRITER_OPTIONS.resume,
+                f"sample {k} ({source}) is not the one the interrupted {n.run} of {self.out} packed there "
+                f"(its content differs): give the same {n.inputs} in the same order, or {n.run} again "
+                f"without {n.resume}",
+                n.resume,
             )
         if self._refresh is not None:
             self._refresh.resumed(source, identity)
@@ -450,12 +488,16 @@ class Writer:
         if self.report is not None:
             return self.report
         try:
+            n = self._names
             if self._resumed is not None and self._written < len(self._resumed):
                 raise cannot_resume(
-                    f"the interrupted pack of {self.out} had packed {len(self._resumed)} samples, this one "
+                    f"the interrupted {n.run} of {self.out} had packed {len(self._resumed)} {n.inputs}, this one "
                     f"gave only {self._written}",
-                    WRITER_OPTIONS.resume,
+                    n.resume,
                 )
+            if not self._written and not self.options.allow_empty:  # as a folder build refuses no images
+                left = left_as_it_was(self.out)
+                raise BuildError(f"no {n.inputs} to pack: {left} (pass {n.allow_empty} to write an empty dataset)")
             self._checkpoint()
             rows = np.fromfile(self._staging / SAMPLES_PART, SAMPLE_DTYPE)
             labels = rows["label"]
@@ -472,10 +514,15 @@ class Writer:
                 self._sink.close()
                 shutil.rmtree(self._staging)
                 assert refresh.old is not None
-                report = BuildReport.of(self.out, refresh.old[0], up_to_date=True, changes=refresh.changes())
+                changes = refresh.changes()
+                report = BuildReport.of(
+                    self.out, refresh.old[0], up_to_date=True, changes=changes, reused=self._sink.reused
+                )
             else:
                 counts = self._field_counts()
-                report = complete(self._staging, self.out, found, self._resolved, self._sink, 0, self.fields, counts)
+                report = complete(
+                    self._staging, self.out, found, self._resolved, self._sink, 0, self.fields, counts, self._names
+                )
                 report.changes = refresh.changes() if refresh is not None else None
         except BaseException:
             self.abort()
@@ -608,7 +655,8 @@ class Refresh:
             self._changed.append(source)
             return None
         self._kept.append(j)
-        _, payloads = split_record(memoryview(record.data), fields)
+        # (a dataset without fields, format version 3, has no field table in its records)
+        payloads = split_record(memoryview(record.data), fields)[1] if fields else []
         place = self.reuse.kept(np.array([j]))[0]
         label = int(self.reuse.index[j]["label"])
         return label, identity, place if place is not None else record, [bytes(p) for p in payloads]
@@ -703,9 +751,12 @@ def _encode(sample: dict[str, Any], job: SampleJob) -> tuple[np.void, Encoded | 
 def sample_identity(sample: dict[str, Any], fields: Sequence[Field]) -> np.void:
     """What a sample's record depends on, as a row of IDENTITY_DTYPE (what a folder build keeps of a
     file: its size and content hash): ``src_hash``, 64 bits of a SHA-256 over its image (a file's
-    bytes, encoded bytes, a Pillow image's mode, size, EXIF orientation and pixels, an array's dtype,
-    shape and bytes) and its fields' values in declared order; ``src_size``, the bytes digested plus
-    one (0 is "not known"). The same sample given again has the same identity, in any process."""
+    bytes, encoded bytes, a Pillow image's mode, size, EXIF orientation and pixels, and where it has
+    them its palette and ``info["transparency"]``, what :func:`~packer.builder.preprocess.to_rgb`
+    reads besides; an array's dtype, shape and bytes) and its fields' values in declared order;
+    ``src_size``, the bytes digested plus one (0 is "not known"). The same sample given again has
+    the same identity, in any process; an image without a palette or transparency has the identity
+    it had before they were digested (the datasets packed then keep their records on update)."""
     h = hashlib.sha256()
     size = 1
 
@@ -745,6 +796,10 @@ def sample_identity(sample: dict[str, Any], fields: Sequence[Field]) -> np.void:
         feed("bytes", memoryview(image).cast("B"))
     elif isinstance(image, Image.Image):
         feed("pil", image.mode, image.size, image.getexif().get(0x0112, 1), image.tobytes())
+        if image.palette is not None and (palette := image.getpalette(None)) is not None:  # "P", "PA": indices
+            feed("palette", image.palette.mode, bytes(palette))
+        if "transparency" in image.info:  # a colour key or the palette's alpha: to_rgb composites it
+            feed("transparency", repr(image.info["transparency"]))
     else:
         value(image)
     for f in fields:
@@ -771,10 +826,8 @@ def _record(sample: dict[str, Any], job: SampleJob) -> tuple[Record, list[bytes]
             im, (w0, h0) = load_bytes(file.read(), spec)
     elif isinstance(image, (bytes, bytearray, memoryview)):
         im, (w0, h0) = load_bytes(bytes(image), spec)
-    elif isinstance(image, Image.Image) or _is_pixels(image):
-        im, (w0, h0) = load_image(image, spec)
     else:
-        raise ValueError(f"image: a path, bytes, a PIL image or an H x W x 3 uint8 array, not {_kind(image)}")
+        im, (w0, h0) = load_image(_pixels(image), spec)
     rgb = np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
     h, w = rgb.shape[:2]
     values = {f.name: sample.get(f.name) for f in job.fields}
@@ -792,9 +845,77 @@ def _record(sample: dict[str, Any], job: SampleJob) -> tuple[Record, list[bytes]
     return Record(data, h, w, zlib.crc32(data)), payloads
 
 
-def _is_pixels(value: Any) -> bool:
-    """An H x W x 3 uint8 array."""
-    return isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3 and value.shape[2] == 3
+#: the Pillow mode of pixels with 1, 2 or 4 channels (3: RGB, kept as an array)
+_MODES = {1: "L", 2: "LA", 4: "RGBA"}
+_CHANNELS = (1, 2, 3, 4)
+
+
+def _pixels(image: Any) -> Image.Image | np.ndarray:
+    """A decoded image as :func:`~packer.builder.preprocess.load_image` takes it: a Pillow image,
+    or H x W x 3 uint8 pixels. An array (a torch tensor arrives as one: :func:`_untensored`) is
+    H x W (grey), H x W x C or C x H x W (C = 1 grey, 2 grey and alpha, 3 RGB, 4 RGBA): channels
+    last when its last axis has 1 to 4 entries, else first when its first has (a 3 x 3 x 3 array
+    is channels-last). uint8 values are taken as they are; floats must lie in 0..1 (what
+    torchvision's ToTensor gives) and become round(x * 255). Grey and alpha go through the folder
+    build's conversion (:func:`~packer.builder.preprocess.to_rgb`: alpha over white). ValueError
+    for anything else, saying what to pass."""
+    if isinstance(image, Image.Image):
+        return image
+    if not isinstance(image, np.ndarray):
+        raise ValueError(f"image: a path, bytes, a PIL image, a numpy array or a torch tensor, not {_kind(image)}")
+    a = image[:, :, None] if image.ndim == 2 else image
+    if a.ndim == 3 and a.shape[2] not in _CHANNELS and a.shape[0] in _CHANNELS:
+        a = a.transpose(1, 2, 0)
+    if a.ndim != 3 or a.shape[2] not in _CHANNELS:
+        raise ValueError(
+            f"image: {_kind(image)} is not H x W, H x W x C or C x H x W pixels with C 1, 2, 3 or 4 channels"
+        )
+    if a.dtype.kind == "f":
+        a = _from_unit(a, image)
+    elif a.dtype != np.uint8:
+        raise ValueError(f"image: {_kind(image)}: give uint8 pixels (0..255), or floats in 0..1")
+    if a.shape[2] == 3:
+        return np.ascontiguousarray(a)
+    return Image.fromarray(np.ascontiguousarray(a[:, :, 0] if a.shape[2] == 1 else a), _MODES[a.shape[2]])
+
+
+def _from_unit(a: np.ndarray, image: np.ndarray) -> np.ndarray:
+    """Float pixels in 0..1 as uint8, round(x * 255) (exact for ToTensor's k / 255); ValueError
+    for values outside 0..1 (0..255 floats, normalized ones: their scale is not known here)."""
+    x = a if a.dtype.itemsize >= 4 else a.astype(np.float32)
+    lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
+    if not (lo >= 0.0 and hi <= 1.0):  # NaN fails too
+        raise ValueError(
+            f"image: {_kind(image)} with values {lo:g}..{hi:g}: float pixels must lie in 0..1 "
+            f"(a normalized or 0..255 image: give its uint8 pixels)"
+        )
+    return np.rint(x * 255).astype(np.uint8)
+
+
+def _untensored(sample: Any) -> Any:
+    """``sample`` with each torch tensor in it as the numpy array of its values (from any device,
+    with grad or not), as :func:`_pixels`, the fields and shared memory take arrays; a tensor that
+    cannot be one (a dtype numpy lacks) stays, for the sample's skip to name it. torch is looked up,
+    not imported: a sample holds a tensor only where its caller imported torch."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(sample, dict) or not any(isinstance(v, torch.Tensor) for v in sample.values()):
+        return sample
+    out = dict(sample)
+    for key, v in sample.items():
+        if isinstance(v, torch.Tensor):
+            with contextlib.suppress(TypeError, RuntimeError):
+                out[key] = v.detach().cpu().numpy()
+    return out
+
+
+def _each(samples: Any) -> Iterator[dict[str, Any]]:
+    """The samples of ``samples``: a map-style dataset (``__len__`` and ``__getitem__`` without
+    ``__iter__``, as torch's Dataset) by index up to its ``len()``, as FFCV's writer and LitData's
+    optimize read one (Python's fallback iteration would go on until an IndexError, which a
+    dataset that wraps its index never raises); anything else by iterating it."""
+    if not hasattr(samples, "__iter__") and hasattr(samples, "__len__") and hasattr(samples, "__getitem__"):
+        return (samples[i] for i in range(len(samples)))
+    return iter(samples)
 
 
 def _kind(value: Any) -> str:
@@ -812,6 +933,8 @@ def _scan(paths: Paths | Sequence[str], labels: Any, classes: Sequence[str] = ()
     return Scan(Sources(held, np.asarray(labels, dtype=np.int32)), list(classes), kind=kind)
 
 
-def pack(samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any, **options: Any) -> BuildReport:
+def pack(
+    samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any = None, **options: Any
+) -> BuildReport:
     """Every sample of ``samples`` into a dataset at ``out`` (see :class:`Writer` for the rest)."""
     return Writer.pack(samples, out, fields=fields, **options)

@@ -209,6 +209,14 @@ def _shown(indices: Sequence[int]) -> str:
     return ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
 
 
+def _count(value: Any) -> Optional[int]:
+    """How many items a field value holds (its first axis), or None for one without a length."""
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
 def _described(out: Any) -> str:
     """What a transform returned, for an error: its type, or a tuple's items' types."""
     if isinstance(out, tuple):
@@ -342,6 +350,9 @@ class ShardDataset(Dataset):
         self._fields = self.manifest.declared  # empty: samples are (image, label) tuples
         self._table = len(self.manifest.record_fields)
         self._ragged = frozenset(f.name for f in self._fields if f.kind in ("boxes", "box_labels"))
+        #: the boxes and box_labels fields, where a dataset has both: a transform must keep them one per box
+        paired = [next((f.name for f in self._fields if f.kind == kind), None) for kind in ("boxes", "box_labels")]
+        self._paired = (paired[0], paired[1]) if paired[0] is not None and paired[1] is not None else None
         # the record format's default where none was asked: a reopen onto a version of another format takes its own
         asked = self.options.verify
         self.verify = FORMATS[self.manifest.format].crc_on_read if asked is None else asked
@@ -734,7 +745,9 @@ class ShardDataset(Dataset):
         """``transform(image, fields) -> (image, fields)`` on a sample of a dataset with fields (its
         field values moved by the crop already, as tensors): the fields are the transform's to
         change (torchvision v2 transforms pass plain tensors through; wrap boxes in its
-        ``tv_tensors.BoundingBoxes`` for its geometric ones to move them)."""
+        ``tv_tensors.BoundingBoxes`` for its geometric ones to move them). It must return the keys it
+        was given (a batch collates them all), and as many box labels as boxes: ValueError naming the
+        record and the key otherwise (a set comparison and two lengths: cheap beside any transform)."""
         assert self.transform is not None, "called only with a transform"
         out = self.transform(x, dict(values))  # type: ignore[call-arg]  # Transform's two-argument form
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
@@ -742,6 +755,23 @@ class ShardDataset(Dataset):
                 f"transform returned {type(out).__name__} for record {i}: on a dataset with fields it is "
                 "called as transform(image, fields) and returns (image, fields)"
             )
+        fields = out[1]
+        if fields.keys() != values.keys():
+            lost, added = values.keys() - fields.keys(), fields.keys() - values.keys()
+            what = [f"without {', '.join(map(repr, sorted(lost)))}"] if lost else []
+            what += [f"with {', '.join(sorted(map(repr, added)))}, not given"] if added else []
+            raise ValueError(
+                f"transform returned the fields of record {i} {' and '.join(what)}: it returns the keys it "
+                f"was given ({', '.join(values)}), which the batch collates"
+            )
+        if self._paired is not None:
+            n = [_count(fields[name]) for name in self._paired]
+            if n[0] is None or n[0] != n[1]:
+                shown = [str(c) if c is not None else type(fields[k]).__name__ for c, k in zip(n, self._paired)]
+                raise ValueError(
+                    f"transform returned {shown[0]} {self._paired[0]!r} and {shown[1]} {self._paired[1]!r} "
+                    f"for record {i}: one box label per box"
+                )
         return out
 
     def _batch_transformed(

@@ -376,7 +376,7 @@ class Writer(LocalWriter):
         self,
         out: str | os.PathLike,
         *,
-        fields: Any,
+        fields: Any = None,
         options: Optional[BuildOptions] = None,
         staging: Optional[str | os.PathLike] = None,
         quiet: bool = True,
@@ -424,7 +424,9 @@ class Writer(LocalWriter):
         self._lease.close()
 
 
-def pack(samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any, **options: Any) -> BuildReport:
+def pack(
+    samples: Iterable[dict[str, Any]], out: str | os.PathLike, *, fields: Any = None, **options: Any
+) -> BuildReport:
     """``packer.pack``: every sample of ``samples`` into a dataset at ``out``, a local path or an
     ``s3://`` URL (:class:`Writer`)."""
     return Writer.pack(samples, out, fields=fields, **options)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 import lmdb
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import packer
@@ -163,7 +167,7 @@ def test_bad_samples_and_declarations(tmp_path: Path) -> None:
         {"image": img, "boxes": [[5, 5, 1, 1]], "source": "inverted"},
         {"image": img, "boxes": [[0, 0, 1, float("nan")]], "source": "nan"},
         {"image": img, "mask": np.zeros((10, 10), np.uint8), "source": "small-mask"},
-        {"image": np.zeros((64, 80), np.uint8), "source": "grey-array"},
+        {"image": np.zeros((64, 80, 5), np.uint8), "source": "five-channels"},
         {"image": img, "source": "ok"},
     ]
     fields = {"boxes": "boxes", "box_labels": "box_labels", "mask": "mask"}
@@ -177,7 +181,7 @@ def test_bad_samples_and_declarations(tmp_path: Path) -> None:
     assert "2 labels for 1 boxes" in reasons["two-labels"]
     assert "x0 <= x1" in reasons["inverted"] and "finite" in reasons["nan"]
     assert "the image is 64 x 80" in reasons["small-mask"]
-    assert "H x W x 3 uint8" in reasons["grey-array"]
+    assert "C 1, 2, 3 or 4 channels" in reasons["five-channels"]
     with pytest.raises(packer.BuildError, match=r"\['boxs'\] are not declared"):
         packer.pack([{"image": img, "boxs": []}], tmp_path / "c", fields=fields)
     assert not (tmp_path / "c").exists()
@@ -280,6 +284,7 @@ def _count_encoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 _RESUMABLE = """
 import sys
+import time
 import time
 
 import numpy as np
@@ -599,3 +604,331 @@ def test_field_values_that_would_be_altered_are_reported_skips(tmp_path: Path, w
     with pytest.raises(packer.BuildError, match=r"nan-mask.*not whole numbers"):
         packer.pack(samples[:1], tmp_path / "c", fields=fields, workers=workers, on_error="fail")
     assert not (tmp_path / "c").exists()
+
+
+def _paletted(indices: np.ndarray, colours: list[tuple[int, int, int]], transparent: int | None = None) -> Image.Image:
+    """A "P" image of ``indices`` into ``colours`` (and, where given, its transparent index)."""
+    im = Image.fromarray(indices, "P")
+    im.putpalette([c for colour in colours for c in colour])
+    if transparent is not None:
+        im.info["transparency"] = transparent
+    return im
+
+
+def test_update_sees_a_palette_or_transparency_change(tmp_path: Path) -> None:
+    """A "P" image's pixels are indices: a sample whose palette, or transparent index, changed is
+    packed again by update=True (its record shows the new colours), not kept as up to date."""
+    indices = np.zeros((40, 60), np.uint8)
+    indices[:, 30:] = 1
+    red_blue = [(255, 0, 0), (0, 0, 255)]
+    v1 = [
+        {"image": _paletted(indices, red_blue), "source": "palette"},
+        {"image": _paletted(indices, red_blue, transparent=1), "source": "transparency"},
+        {"image": _paletted(indices, red_blue), "source": "same"},
+    ]
+    out = tmp_path / "out"
+    packer.pack(v1, out, update=True, format="raw", workers=0)
+    v2 = [
+        {"image": _paletted(indices, [(0, 255, 0), (0, 0, 255)]), "source": "palette"},  # red -> green
+        {"image": _paletted(indices, red_blue, transparent=0), "source": "transparency"},
+        v1[2],
+    ]
+    report = packer.pack(v2, out, update=True, format="raw", workers=0)
+    assert not report.up_to_date and (report.reused, report.processed) == (1, 2)
+    assert report.changes is not None and sorted(report.changes.changed) == ["palette", "transparency"]
+    ds = packer.ShardDataset(out, crop_size=None, dtype=torch.uint8)
+    assert ds[0][0][:, 0, 0].tolist() == [0, 255, 0]  # the new palette's colour
+    left, right = ds[1][0][:, 0, 0].tolist(), ds[1][0][:, 0, -1].tolist()
+    assert (left, right) == ([255, 255, 255], [0, 0, 255])  # index 0 now transparent: on white
+
+
+def test_sample_digests_of_images_without_a_palette_stay_as_they_were() -> None:
+    """The identities update=True compares, for images that have no palette nor transparency, are
+    those packer 0.x took before the palette was digested (values recorded then): the datasets
+    packed then keep their records on a refresh."""
+    from packer.builder.writer import sample_identity
+
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
+    samples = {
+        "array": (a, 1828, 15918375281971504364),
+        "rgb": (Image.fromarray(a), 1826, 2822560011832671453),
+        "L": (Image.fromarray(a[..., 0]), 624, 11734614407450098147),
+        "RGBA": (Image.fromarray(np.dstack([a, a[..., :1]])), 2427, 10037189989031152137),
+        "bytes": (b"\x89PNG not really", 29, 801135933631703747),
+    }
+    fields = declare({"caption": "text"})
+    for name, (image, size, digest) in samples.items():
+        identity = sample_identity({"image": image, "caption": "x"}, fields)
+        assert (int(identity["src_size"]), int(identity["src_hash"])) == (size, digest), name
+
+
+def _cli(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "packer.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def _coco_file(tmp_path: Path, images: list[str]) -> tuple[Path, Path]:
+    """images/ with a photo per name listed, and a COCO file listing them (no annotations)."""
+    folder = tmp_path / "images"
+    folder.mkdir(exist_ok=True)
+    entries = []
+    for k, name in enumerate(images):
+        Image.new("RGB", (80, 60), (10 * k, 90, 200)).save(folder / name)
+        entries.append({"id": k + 1, "file_name": name, "width": 80, "height": 60})
+    path = tmp_path / f"coco-{len(images)}.json"
+    path.write_text(json.dumps({"images": entries, "annotations": [], "categories": [{"id": 1, "name": "x"}]}))
+    return folder, path
+
+
+def test_an_empty_input_never_replaces_a_dataset(tmp_path: Path) -> None:
+    """No samples (force=True, update=True, a --coco file listing no images), or every one skipped,
+    is refused as a folder build refuses no images, OUT left as it was, in the caller's words;
+    allow_empty=True (--allow-empty) writes the empty dataset."""
+    out = tmp_path / "out"
+    first = packer.pack(_keyed(3), out, fields=KEYED, update=True, workers=0)
+    for options in ({"force": True}, {"update": True}):
+        with pytest.raises(
+            packer.BuildError, match=r"no samples to pack: .*out is left as it was \(pass allow_empty=True"
+        ):
+            packer.pack([], out, fields=KEYED, workers=0, **options)
+        assert Manifest.load(out).digest == first.digest
+    with pytest.raises(packer.BuildError) as refused:
+        packer.pack([{"image": b"not an image", "source": "a"}], out, fields=KEYED, force=True, workers=0)
+    assert "packed 0 of 1 samples: every one was skipped" in str(refused.value)
+    assert "pass allow_empty=True" in str(refused.value) and "--allow-empty" not in str(refused.value)
+    assert Manifest.load(out).digest == first.digest
+    with pytest.raises(packer.BuildError, match=r"no samples to pack: nothing written to"):
+        packer.pack([], tmp_path / "new", workers=0)
+    assert not (tmp_path / "new").exists()
+    empty = packer.pack([], tmp_path / "new", fields=KEYED, allow_empty=True, workers=0)
+    assert empty.count == 0 and verify(tmp_path / "new").ok
+
+    images, listed = _coco_file(tmp_path, ["a.png", "b.png"])
+    coco_out = tmp_path / "coco"
+    assert _cli("build", images, coco_out, "--coco", listed).returncode == 0
+    before = Manifest.load(coco_out).digest
+    _, nothing = _coco_file(tmp_path, [])
+    run = _cli("build", images, coco_out, "--coco", nothing, "--force")
+    assert run.returncode == 1 and "no files to pack" in run.stderr and "(pass --allow-empty" in run.stderr
+    assert Manifest.load(coco_out).digest == before
+    run = _cli("build", images, coco_out, "--coco", nothing, "--force", "--allow-empty")
+    assert run.returncode == 0 and Manifest.load(coco_out).count == 0
+
+
+def test_errors_name_the_callers_options_and_an_up_to_date_update_reused_all(tmp_path: Path) -> None:
+    """--coco --resume on a complete OUT names the CLI's flags (not packer.pack's keywords); an
+    update that finds every sample up to date reports them reused, none processed."""
+    images, listed = _coco_file(tmp_path, ["a.png", "b.png"])
+    out = tmp_path / "coco"
+    assert _cli("build", images, out, "--coco", listed).returncode == 0
+    run = _cli("build", images, out, "--coco", listed, "--resume")
+    assert run.returncode == 1 and "nothing to resume (--update refreshes it, --force replaces it)" in run.stderr
+    assert "=True" not in run.stderr
+    with pytest.raises(packer.BuildError, match=r"nothing to resume \(update=True refreshes it, force=True replaces"):
+        packer.build(images, out, coco=listed, resume=True, quiet=True)
+
+    packer.pack(_keyed(5), tmp_path / "keyed", fields=KEYED, update=True, workers=0)
+    again = packer.pack(_keyed(5), tmp_path / "keyed", fields=KEYED, update=True, workers=0)
+    assert again.up_to_date and (again.reused, again.processed) == (5, 0)
+
+
+class _Wrapping(torch.utils.data.Dataset):
+    """A map-style dataset whose index wraps (``i % n``): it never raises IndexError past its end."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        self.reads += 1
+        assert self.reads <= 2 * self.n, "read far past its len()"  # (a test that fails, not one that hangs)
+        return {"image": np.full((40, 50, 3), i % self.n, np.uint8), "source": f"s{i % self.n}"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_torch_dataset_is_read_to_its_len_and_fields_are_optional(tmp_path: Path, workers: int) -> None:
+    data = _Wrapping(5)
+    report = packer.pack(data, tmp_path / "out", workers=workers)  # no fields=: none
+    assert (report.count, data.reads) == (5, 5)
+    assert [packer.ShardDataset(tmp_path / "out").source(i) for i in range(5)] == [f"s{i}" for i in range(5)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_pixels_torch_users_hand_over(tmp_path: Path, workers: int) -> None:
+    """uint8 tensors C x H x W (torchvision's read_image) and H x W x C, numpy H x W grey, RGBA
+    (alpha over white, as the folder build), floats in 0..1 (ToTensor's) are each the record that
+    the same picture as a file or an H x W x 3 array makes; floats outside 0..1 and other dtypes are
+    reported skips saying what to pass; a 3 x 3 x 3 array is channels-last."""
+    rng = np.random.default_rng(2)
+    rgb = rng.integers(0, 256, (160, 190, 3), dtype=np.uint8)  # under the short edge: no resize
+    rgba = np.dstack([rgb, rng.integers(0, 256, (160, 190), dtype=np.uint8)])
+    grey = rgb[..., 1].copy()
+    for name, a in (("rgb.png", rgb), ("rgba.png", rgba), ("grey.png", grey)):
+        Image.fromarray(a).save(tmp_path / name)
+    chw = torch.from_numpy(rgb).permute(2, 0, 1)
+    samples = [
+        {"image": chw, "source": "chw"},
+        {"image": torch.from_numpy(rgb), "source": "hwc"},
+        {"image": chw.float().div(255).requires_grad_(), "source": "unit-float"},
+        {"image": rgba, "source": "rgba"},
+        {"image": torch.from_numpy(rgba).permute(2, 0, 1), "source": "rgba-chw"},
+        {"image": grey, "source": "grey"},
+        {"image": torch.from_numpy(grey)[None], "source": "grey-chw"},
+        {"image": chw.float(), "source": "0-255-float"},
+        {"image": rgb.astype(np.uint16), "source": "uint16"},
+        {"image": np.arange(27, dtype=np.uint8).reshape(3, 3, 3), "source": "3x3x3"},
+    ]
+    # (with workers: arrays over 64 KiB, these, reach them through shared memory)
+    report = packer.pack(samples, tmp_path / "out", fields={}, format="raw", min_size=1, workers=workers)
+    assert (report.count, report.skipped) == (8, 2)
+    reasons = {
+        r["path"]: r["reason"] for r in map(json.loads, (tmp_path / "out" / "report.jsonl").read_text().splitlines())
+    }
+    assert "values 0..255: float pixels must lie in 0..1" in reasons["0-255-float"]
+    assert "give uint8 pixels" in reasons["uint16"]
+    files = packer.pack(
+        [{"image": tmp_path / n} for n in ("rgb.png", "rgba.png", "grey.png")], tmp_path / "files", format="raw"
+    )
+    assert files.count == 3
+    ds = packer.ShardDataset(tmp_path / "out", crop_size=None)
+    got = {ds.source(i): _record(tmp_path / "out", i) for i in range(len(ds))}
+    wanted = [_record(tmp_path / "files", i) for i in range(3)]
+    assert got["chw"] == got["hwc"] == got["unit-float"] == wanted[0] == rgb.tobytes()
+    assert got["rgba"] == got["rgba-chw"] == wanted[1]
+    assert got["grey"] == got["grey-chw"] == wanted[2] == np.repeat(grey[..., None], 3, axis=2).tobytes()
+    assert got["3x3x3"] == np.arange(27, dtype=np.uint8).tobytes()
+
+
+_INTERRUPTED = """
+import sys
+import time
+import time
+from pathlib import Path
+
+import numpy as np
+
+import packer
+
+
+def samples(flag=None):
+    for i in range(12):
+        if i == 6 and flag is not None:
+            Path(flag).write_text("6 given")  # the test's cue: interrupt now
+            time.sleep(600)  # where Ctrl-C lands (the test's deadline ends it otherwise)
+        yield {"image": np.full((40, 50, 3), i, np.uint8), "source": f"s{i}"}
+
+
+if __name__ == "__main__":
+    out, flag, workers, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    packer.pack(samples(flag), out, fields={}, force=True, resume=resume, checkpoint_seconds=0, workers=workers)
+"""
+
+
+@pytest.mark.parametrize("workers, resume", [(0, True), (2, False)])
+def test_ctrl_c_of_a_pack_says_what_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, resume: bool
+) -> None:
+    """SIGINT in the middle of a real pack process (cued by a file its samples write, not a
+    sleep): it ends with one line saying OUT is left as it was and whether resume=True continues,
+    no traceback from inside the pack; the dataset on disk is unchanged, and with resume=True the
+    same call continues the work kept."""
+    import signal
+
+    script = tmp_path / "interrupted_pack.py"
+    script.write_text(_INTERRUPTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import interrupted_pack  # type: ignore[import-not-found]
+
+    out, flag = tmp_path / "out", tmp_path / "flag"
+    first = packer.pack([{"image": np.zeros((40, 50, 3), np.uint8), "source": "old"}], out, fields={}, workers=0)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(out), str(flag), str(workers), "1" if resume else "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert flag.exists(), "the pack reached its sixth sample"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGINT
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"KeyboardInterrupt: {out} is left as it was; "), err
+    assert "write_all" not in err and "sleep" not in err  # no frames from inside the pack
+    assert Manifest.load(out).digest == first.digest
+    staging = tmp_path / ".out.packer-tmp"
+    if not resume:
+        assert "nothing was kept" in last and "resume=True from its start" in last and not staging.exists()
+        return
+    assert f"the work so far is kept in {staging}: pack again with resume=True to continue" in last
+    report = packer.pack(interrupted_pack.samples(), out, fields={}, force=True, resume=True, workers=0)
+    assert (report.resumed_from, report.count) == (6, 12)
+
+
+_CUED_CLI = """
+import sys
+import time
+from pathlib import Path
+
+from packer.builder import writer
+from packer.cli import main
+
+given = writer._each
+
+
+def cued(samples):
+    for k, sample in enumerate(given(samples)):
+        if k == 2:
+            Path(sys.argv[1]).write_text("2 given")  # the test's cue: interrupt now
+            time.sleep(600)
+        yield sample
+
+
+writer._each = cued  # the samples --coco hands its Writer, with a cue after the second
+main(sys.argv[2:], prog_name="packer")
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_ctrl_c_of_a_coco_build_says_whether_resume_continues_it(tmp_path: Path, resume: bool) -> None:
+    """SIGINT in the middle of `packer build --coco` (a real process; cued by a file written as its
+    third image is asked for): exit 130 and one line in the CLI's words, true of a --coco build:
+    without --resume nothing was kept; with it, the same command with --resume continues."""
+    import signal
+
+    images, listed = _coco_file(tmp_path, [f"{k}.png" for k in range(4)])
+    script, flag, out = tmp_path / "cued.py", tmp_path / "flag", tmp_path / "out"
+    script.write_text(_CUED_CLI)
+    args = ["build", str(images), str(out), "--coco", str(listed), "--checkpoint-seconds", "0", "--workers", "0"]
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(flag), *args, *(["--resume"] if resume else [])],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert flag.exists(), "the build reached its third image"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"packer: interrupted; nothing written to {out}; "), err
+    assert not out.exists() and "=True" not in err
+    if not resume:
+        assert last.endswith(
+            "nothing was kept (a build continues after an interruption only if it had --resume from its start)"
+        )
+        return
+    assert last.endswith("build again with --resume to continue")
+    run = _cli(*args, "--resume")
+    assert run.returncode == 0 and "packed 4 of 4" in run.stderr, run.stderr

@@ -237,6 +237,37 @@ def test_a_transform_receives_the_fields(drawn: Path) -> None:
         ShardDataset(drawn, crop_size=96, dtype=torch.uint8, transform=lambda image, fields: image)[0]
 
 
+def test_a_transform_that_changes_the_fields_keys_or_pairs_is_one_clear_error(drawn: Path) -> None:
+    """A transform(image, fields) that drops or adds a key for some records, or returns boxes and box
+    labels of different lengths, fails at that record naming it and the key (not a bare KeyError
+    in collate, nor boxes served without their labels); one that keeps them collates."""
+
+    def some(change):
+        def transform(image: torch.Tensor, fields: dict) -> tuple[torch.Tensor, dict]:
+            return image, change(dict(fields)) if int(fields["boxes"].shape[0]) > 1 else fields
+
+        return transform
+
+    def dropped(f: dict) -> dict:
+        del f["mask"]
+        return f
+
+    def added(f: dict) -> dict:
+        return {**f, "area": f["boxes"][:, 2] - f["boxes"][:, 0]}
+
+    def unpaired(f: dict) -> dict:
+        return {**f, "box_labels": f["box_labels"][:1]}
+
+    cases = ((dropped, r"fields of record \d+ without 'mask'"), (added, r"fields of record \d+ with 'area', not given"))
+    for change, message in (*cases, (unpaired, r"returned \d+ 'boxes' and 1 'box_labels' for record \d+")):
+        loader = DataLoader(ShardDataset(drawn, crop_size=96, transform=some(change)), batch_size=6, num_workers=0)
+        with pytest.raises(ValueError, match=message):
+            for _ in loader:
+                pass
+    kept = ShardDataset(drawn, crop_size=96, transform=some(lambda f: {**f, "boxes": f["boxes"] * 0.5}))
+    assert sum(len(batch["id"]) for batch in DataLoader(kept, batch_size=6, num_workers=0)) == 18
+
+
 def test_a_mix_of_datasets_with_fields(drawn: Path, tmp_path: Path) -> None:
     """MixDataset: samples of members with the same fields, ids the mix's indices (mix.source(id));
     members with other fields are refused."""
