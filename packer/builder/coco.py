@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -166,7 +166,7 @@ def _finite(value: Any) -> bool:
         return False
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return type(value) is int  # what json makes of an integer: not a bool, not a float
 
 
@@ -195,13 +195,14 @@ def _sample(
     """One image's sample; ValueError for an annotation that is not COCO's or a size its file does
     not have (its image is skipped). The file's header is read first: nothing is made at a size
     the file does not have."""
-    height, width = entry.get("height"), entry.get("width")
+    size = entry.get("width"), entry.get("height")
     stored = stored_size(os.fspath(file), spec)
     # the size as stored or upright (EXIF rotated): which one the writer checks against the pixels
-    if not (_is_int(width) and _is_int(height) and (width, height) in (stored, stored[::-1])):
+    if size not in (stored, stored[::-1]):
         raise ValueError(
-            f"the file says {_show.repr(width)} x {_show.repr(height)}, the image is {stored[0]} x {stored[1]}"
+            f"the file says {_show.repr(size[0])} x {_show.repr(size[1])}, the image is {stored[0]} x {stored[1]}"
         )
+    width, height = stored if size == stored else stored[::-1]
     mask = np.zeros((height, width), np.uint8)
     boxes, labels = [], []
     for a in annotations:

@@ -313,7 +313,7 @@ def test_polygons_are_drawn_as_pycocotools_draws_them() -> None:
     ``mask.decode(mask.merge(mask.frPyObjects(polygons, h, w)))``), written here as runs_of() them:
     checked by hand for the rectangles (60 x 40 covers rows 10..49, columns 10..69; 4 x 4 rows and
     columns 0..3), Pillow fills one more row and column (2,501 and 25 pixels)."""
-    cases = [
+    cases: list[tuple[list[list[float]], int, int, list[int]]] = [
         ([[1.3, 0.6, 8.7, 2.2, 3.1, 10.9]], 12, 10, [25, 6, 6, 9, 3, 8, 4, 6, 7, 4, 8, 2, 10, 1, 21]),
         (
             [[0.5, 0.5, 9.5, 0.5, 9.5, 9.5, 5.2, 3.7, 0.5, 9.5]],
@@ -330,11 +330,11 @@ def test_polygons_are_drawn_as_pycocotools_draws_them() -> None:
             x0, columns = polygon_mask(polygon, height, width)
             mask[:, x0 : x0 + columns.shape[1]] |= columns
         assert runs_of(mask) == runs, polygons
-    for polygon, (top, left, bottom, right) in (
+    for rectangle, (top, left, bottom, right) in (
         ([10, 10, 70, 10, 70, 50, 10, 50], (10, 10, 50, 70)),
         ([0, 0, 4, 0, 4, 4, 0, 4], (0, 0, 4, 4)),
     ):
-        x0, columns = polygon_mask(polygon, 100, 100)
+        x0, columns = polygon_mask(rectangle, 100, 100)
         mask = np.zeros((100, 100), bool)
         mask[:, x0 : x0 + columns.shape[1]] = columns
         expected = np.zeros((100, 100), bool)
