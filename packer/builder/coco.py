@@ -104,10 +104,10 @@ def rle_mask(segmentation: dict[str, Any], height: int, width: int) -> np.ndarra
     return flat.reshape(width, height).T
 
 
-def polygon_mask(polygon: Sequence[float], height: int, width: int) -> tuple[int, np.ndarray]:
+def polygon_mask(polygon: Sequence[float] | np.ndarray, height: int, width: int) -> tuple[int, int, np.ndarray]:
     """The pixels of one COCO polygon (x, y, x, y, ...) in a ``height`` x ``width`` image, exactly as
     pycocotools' rleFrPoly (common/maskApi.c) rasterises it, so that masks agree with the
-    evaluation's: (x0, a bool height x n array of the columns x0 .. x0 + n - 1 it touches).
+    evaluation's: (top, left, a bool array of the box of pixels from there that it can cover).
 
     rleFrPoly upsamples the points by 5 (C's int cast: toward zero), walks each edge one step of
     the longer axis at a time, keeps the steps that cross a pixel column's centre line (in the
@@ -121,8 +121,8 @@ def polygon_mask(polygon: Sequence[float], height: int, width: int) -> tuple[int
         raise ValueError(
             f"a polygon reaches past {reach} pixels (its points or outline), {POLYGON_REACH} x width + height"
         )
-    x, y = (5 * xy.T + 0.5).astype(np.int64)  # x[j] = (int)(scale * xy[2j] + .5)
-    x1, y1 = np.roll(x, -1), np.roll(y, -1)
+    points = (5 * xy + 0.5).astype(np.int64)  # x[j] = (int)(scale * xy[2j] + .5)
+    (x, y), (x1, y1) = points.T, np.roll(points, -1, axis=0).T
     dx, dy = np.abs(x1 - x), np.abs(y1 - y)
     along_x = dx >= dy
     flip = np.where(along_x, x > x1, y > y1)  # each edge is computed from its lower end, walked from its start
@@ -133,27 +133,29 @@ def polygon_mask(polygon: Sequence[float], height: int, width: int) -> tuple[int
     # its column is its neighbours'); here it is 0
     slope = np.where(along_x, ye - ys, xe - xs) / np.maximum(steps, 1)
     edge = np.repeat(np.arange(len(x)), steps + 1)
-    d = np.arange(len(edge)) - np.repeat(np.cumsum(steps + 1) - (steps + 1), steps + 1)
-    t = np.where(flip[edge], steps[edge] - d, d)
+    t = np.arange(len(edge)) - (np.cumsum(steps + 1) - (steps + 1))[edge]
+    t = np.where(flip[edge], steps[edge] - t, t)
+    walked = np.where(along_x, xs, ys)[edge] + t
     other = (np.where(along_x, ys, xs)[edge] + slope[edge] * t + 0.5).astype(np.int64)
-    u = np.where(along_x[edge], xs[edge] + t, other)
-    v = np.where(along_x[edge], other, ys[edge] + t)
-    # the steps that change column: their crossing's column, its first pixel centre at or below it
-    j = np.flatnonzero(u[1:] != u[:-1]) + 1
-    xd = (np.where(u[j] < u[j - 1], u[j], u[j] - 1) + 0.5) / 5 - 0.5
-    yd = np.ceil(np.clip((np.minimum(v[j], v[j - 1]) + 0.5) / 5 - 0.5, 0, height))
-    keep = (np.floor(xd) == xd) & (xd >= 0) & (xd <= width - 1)
-    toggles, times = np.unique(xd[keep].astype(np.int64) * height + yd[keep].astype(np.int64), return_counts=True)
-    toggles = toggles[times % 2 == 1]  # a boundary met twice at one pixel is none (rleFrPoly's zero runs)
-    if len(toggles) == 0:
-        return 0, np.zeros((height, 0), bool)
-    # each column is crossed an even number of times (the walk is closed), so the pixels lie between
-    # pairs of toggles; a toggle at y == height is the next column's first: it ends its own column
-    first, end = int(toggles[0]) // height, (int(toggles[-1]) - 1) // height + 1
-    flat = np.zeros((end - first) * height + 1, np.uint8)
-    flat[toggles - first * height] = 1
-    np.bitwise_xor.accumulate(flat, out=flat)
-    return first, flat[:-1].reshape(end - first, height).T.view(bool)
+    u = np.where(along_x[edge], walked, other)
+    v = np.where(along_x[edge], other, walked)
+    # the steps between columns a and a + 1 whose crossing is a pixel column's centre in the image:
+    # rleFrPoly's xd = (a + .5) / 5 - .5 an integer in 0 .. w - 1, i.e. a = 2 (mod 5); at the first
+    # pixel centre at or below the lower of its two ends, yd = ceil((b + .5) / 5 - .5) in 0 .. h
+    a = np.minimum(u[1:], u[:-1])
+    j = np.flatnonzero((u[1:] != u[:-1]) & (a % 5 == 2) & (a >= 2) & (a <= 5 * width - 3))
+    if len(j) == 0:
+        return 0, 0, np.zeros((0, 0), bool)
+    column = (a[j] - 2) // 5
+    row = np.clip((np.minimum(v[j], v[j + 1]) + 2) // 5, 0, height)  # row == height: below the last
+    # each column is crossed an even number of times (the walk is closed): its pixels lie between
+    # pairs of boundaries, from one's row up to the next's (rleFrPoly's runs; two at one pixel are
+    # none, its zero runs); here within the box the boundaries span
+    top, left = row.min(), column.min()
+    box = np.zeros((row.max() - top + 1, column.max() - left + 1), np.uint8)
+    np.bitwise_xor.at(box, (row - top, column - left), 1)
+    np.bitwise_xor.accumulate(box, axis=0, out=box)
+    return int(top), int(left), box[:-1].view(bool)
 
 
 def _finite(value: Any) -> bool:
@@ -182,11 +184,16 @@ def _json_kind(value: Any) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
-def _polygons(segmentation: list[Any]) -> list[list[float]]:
-    for poly in segmentation:
-        if not (isinstance(poly, list) and len(poly) >= 6 and len(poly) % 2 == 0 and all(map(_finite, poly))):
-            raise ValueError("a polygon is not x, y pairs (at least three points)")
-    return segmentation
+def _points(polygon: Any) -> np.ndarray:
+    """A COCO polygon's x, y pairs as floats; ValueError unless it is three or more finite pairs."""
+    try:  # type() excludes bools; a float of an integer past its range raises
+        pairs = isinstance(polygon, list) and len(polygon) >= 6 and len(polygon) % 2 == 0
+        xy = np.array(polygon if pairs and all(type(v) in (int, float) for v in polygon) else (), np.float64)
+    except OverflowError:
+        xy = np.array(())
+    if not (xy.size and np.isfinite(xy).all()):
+        raise ValueError("a polygon is not x, y pairs (at least three points)")
+    return xy
 
 
 def _sample(
@@ -217,9 +224,9 @@ def _sample(
         labels.append(category)
         seg = a.get("segmentation")
         if isinstance(seg, list):
-            for poly in _polygons(seg):
-                x0, columns = polygon_mask(poly, height, width)
-                mask[:, x0 : x0 + columns.shape[1]][columns] = category
+            for polygon in seg:
+                top, left, box = polygon_mask(_points(polygon), height, width)
+                mask[top : top + box.shape[0], left : left + box.shape[1]][box] = category
         elif isinstance(seg, dict):
             mask[rle_mask(seg, height, width)] = category
         elif seg is not None:

@@ -327,16 +327,16 @@ def test_polygons_are_drawn_as_pycocotools_draws_them() -> None:
     for polygons, height, width, runs in cases:
         mask = np.zeros((height, width), bool)
         for polygon in polygons:
-            x0, columns = polygon_mask(polygon, height, width)
-            mask[:, x0 : x0 + columns.shape[1]] |= columns
+            top, left, box = polygon_mask(polygon, height, width)
+            mask[top : top + box.shape[0], left : left + box.shape[1]] |= box
         assert runs_of(mask) == runs, polygons
     for rectangle, (top, left, bottom, right) in (
         ([10, 10, 70, 10, 70, 50, 10, 50], (10, 10, 50, 70)),
         ([0, 0, 4, 0, 4, 4, 0, 4], (0, 0, 4, 4)),
     ):
-        x0, columns = polygon_mask(rectangle, 100, 100)
+        top, left, box = polygon_mask(rectangle, 100, 100)
         mask = np.zeros((100, 100), bool)
-        mask[:, x0 : x0 + columns.shape[1]] = columns
+        mask[top : top + box.shape[0], left : left + box.shape[1]] = box
         expected = np.zeros((100, 100), bool)
         expected[top:bottom, left:right] = True
         np.testing.assert_array_equal(mask, expected)
