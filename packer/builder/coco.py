@@ -119,7 +119,7 @@ def polygon_mask(polygon: Sequence[float] | np.ndarray, height: int, width: int)
     outline = np.abs(np.roll(xy, -1, axis=0) - xy).max(axis=1).sum()
     if not (np.abs(xy).max() <= reach and outline <= reach):
         raise ValueError(
-            f"a polygon reaches past {reach} pixels (its points or outline), {POLYGON_REACH} x width + height"
+            f"a polygon reaches past {reach} pixels ({POLYGON_REACH} x (width + height)): its points or its outline"
         )
     points = (5 * xy + 0.5).astype(np.int64)  # x[j] = (int)(scale * xy[2j] + .5)
     (x, y), (x1, y1) = points.T, np.roll(points, -1, axis=0).T
@@ -225,8 +225,8 @@ def _sample(
         seg = a.get("segmentation")
         if isinstance(seg, list):
             for polygon in seg:
-                top, left, box = polygon_mask(_points(polygon), height, width)
-                mask[top : top + box.shape[0], left : left + box.shape[1]][box] = category
+                top, left, inside = polygon_mask(_points(polygon), height, width)
+                mask[top : top + inside.shape[0], left : left + inside.shape[1]][inside] = category
         elif isinstance(seg, dict):
             mask[rle_mask(seg, height, width)] = category
         elif seg is not None:

@@ -275,8 +275,9 @@ def test_json_nested_too_deeply_is_one_line(tmp_path: Path) -> None:
 
 def test_values_that_are_not_coco_are_reported_skips(tmp_path: Path) -> None:
     """An id that is a list or an object, a size that is not a number, a bbox number past a float,
-    a category id true, an RLE string of 2 MB: each its image's reported skip, counts adding up."""
-    sizes = dict.fromkeys(("a.png", "b.png", "c.png", "d.png", "e.png", "f.png", "g.png"), (40, 30))
+    a category id true, an RLE string of 2 MB, a polygon number past a float or a polygon reaching
+    far past its image: each its image's reported skip, counts adding up."""
+    sizes = dict.fromkeys(("a.png", "b.png", "c.png", "d.png", "e.png", "f.png", "g.png", "h.png", "i.png"), (40, 30))
     images = noise(tmp_path / "images", sizes)
     doc = {
         "images": [
@@ -287,17 +288,21 @@ def test_values_that_are_not_coco_are_reported_skips(tmp_path: Path) -> None:
             entry(5, "e.png"),
             entry(6, "f.png"),
             entry(7, "g.png"),
+            entry(8, "h.png"),
+            entry(9, "i.png"),
         ],
         "annotations": [
             box(1, 4, [0, 0, 10**400, 5]),
             box(2, 5, [0, 0, 5, 5], category=True),
             box(3, 6, [0, 0, 5, 5], segmentation={"size": [30, 40], "counts": "o" * 2_000_000}),
             box(4, 7, [0, 0, 5, 5], segmentation=[[0, 0, 5, 0, 5, 5]]),
+            box(5, 8, [0, 0, 5, 5], segmentation=[[0, 0, 10**400, 0, 5, 5]]),
+            box(6, 9, [0, 0, 5, 5], segmentation=[[0, 0, 1e12, 0, 5, 5]]),
         ],
         "categories": [{"id": 3, "name": "cat"}],
     }
     report, reasons = coco_build(tmp_path, images, doc)
-    assert (report.count, report.skipped, report.scanned) == (1, 6, 7)
+    assert (report.count, report.skipped, report.scanned) == (1, 8, 9)
     assert reasons == [
         ("a.png", "image id [1] is not an id (an integer or a string)"),
         ("b.png", "image id {'x': 1} is not an id (an integer or a string)"),
@@ -305,6 +310,8 @@ def test_values_that_are_not_coco_are_reported_skips(tmp_path: Path) -> None:
         ("d.png", f"annotation 1: bbox [0, 0, {reprlib.repr(10**400)}, 5] is not [x, y, width, height]"),
         ("e.png", "annotation 2: category_id True is not 1..255 (a mask byte)"),
         ("f.png", "RLE counts: 2000000 characters, more than a 30 x 40 image's runs take"),
+        ("h.png", "a polygon is not x, y pairs (at least three points)"),
+        ("i.png", "a polygon reaches past 4480 pixels (64 x (width + height)): its points or its outline"),
     ]
 
 
