@@ -20,7 +20,7 @@ import os
 import reprlib
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -45,6 +45,12 @@ RLE_DIGITS = 9
 #: image; past that a polygon is a hostile file's, whose rasterisation (a walk along the outline,
 #: as pycocotools' rleFrPoly walks it) would take as long as its numbers are large.
 POLYGON_REACH = 64
+
+#: The most steps one walk of polygons takes at once (its arrays are a few dozen bytes a step).
+WALK_STEPS = 1 << 20
+
+#: A polygon's pixels: (top, left, a bool array of the box from there).
+Mask = tuple[int, int, np.ndarray]
 
 _show = reprlib.Repr()  # a value from the file, as an error message quotes it: short whatever its size
 _show.maxlevel, _show.maxstring, _show.maxlong, _show.maxother = 2, 40, 40, 40
@@ -104,25 +110,49 @@ def rle_mask(segmentation: dict[str, Any], height: int, width: int) -> np.ndarra
     return flat.reshape(width, height).T
 
 
-def polygon_mask(polygon: Sequence[float] | np.ndarray, height: int, width: int) -> tuple[int, int, np.ndarray]:
-    """The pixels of one COCO polygon (x, y, x, y, ...) in a ``height`` x ``width`` image, exactly as
-    pycocotools' rleFrPoly (common/maskApi.c) rasterises it, so that masks agree with the
-    evaluation's: (top, left, a bool array of the box of pixels from there that it can cover).
+def polygon_masks(polygons: Sequence[Sequence[float] | np.ndarray], height: int, width: int) -> list[Mask]:
+    """The pixels of COCO polygons (each x, y, x, y, ...) in a ``height`` x ``width`` image, exactly
+    as pycocotools' rleFrPoly (common/maskApi.c) rasterises each, so that masks agree with the
+    evaluation's: per polygon (top, left, a bool array of the box of pixels from there that it can
+    cover). ValueError for a polygon beyond :data:`POLYGON_REACH`.
 
     rleFrPoly upsamples the points by 5 (C's int cast: toward zero), walks each edge one step of
     the longer axis at a time, keeps the steps that cross a pixel column's centre line (in the
     image), each at the first pixel centre below it, and fills column-major between pairs of such
-    boundaries; here each stage is one numpy operation over all steps. ValueError for a polygon
-    beyond :data:`POLYGON_REACH`."""
-    xy = np.asarray(polygon, np.float64).reshape(-1, 2)
+    boundaries. Here each stage is one numpy operation over all steps of many polygons at once (an
+    image's, up to :data:`WALK_STEPS` steps a walk): a polygon costs its steps, not a few dozen calls."""
+    if not polygons:
+        return []
+    corners = np.concatenate([np.asarray(polygon, np.float64) for polygon in polygons]).reshape(-1, 2)
+    sizes = np.array([len(polygon) // 2 for polygon in polygons])
+    outlines = np.add.reduceat(np.abs(corners[_following(sizes)] - corners).max(axis=1), np.cumsum(sizes) - sizes)
     reach = POLYGON_REACH * (width + height)
-    outline = np.abs(np.roll(xy, -1, axis=0) - xy).max(axis=1).sum()
-    if not (np.abs(xy).max() <= reach and outline <= reach):
+    if not (np.abs(corners).max() <= reach and outlines.max() <= reach):
         raise ValueError(
             f"a polygon reaches past {reach} pixels ({POLYGON_REACH} x (width + height)): its points or its outline"
         )
-    points = (5 * xy + 0.5).astype(np.int64)  # x[j] = (int)(scale * xy[2j] + .5)
-    (x, y), (x1, y1) = points.T, np.roll(points, -1, axis=0).T
+    # walks of polygons whose steps (about 5 x their outline + their points) add up to WALK_STEPS
+    walk = np.cumsum(5 * outlines + 2 * sizes) // WALK_STEPS
+    bounds = [0, *(np.flatnonzero(np.diff(walk)) + 1), len(sizes)]  # the polygons of each walk
+    starts = np.concatenate(([0], np.cumsum(sizes)))  # their points
+    masks = []
+    for i, k in pairwise(bounds):
+        masks += _walk(corners[starts[i] : starts[k]], sizes[i:k], height, width)
+    return masks
+
+
+def _following(sizes: np.ndarray) -> np.ndarray:
+    """The index of each point's next one in polygons of ``sizes`` points laid end to end (the last
+    point's next is its polygon's first)."""
+    following = np.arange(sizes.sum()) + 1
+    following[np.cumsum(sizes) - 1] = np.cumsum(sizes) - sizes
+    return following
+
+
+def _walk(corners: np.ndarray, sizes: np.ndarray, height: int, width: int) -> list[Mask]:
+    """:func:`polygon_masks` of polygons of ``sizes`` points laid end to end in ``corners``, in one walk."""
+    points = (5 * corners + 0.5).astype(np.int64)  # x[j] = (int)(scale * xy[2j] + .5)
+    (x, y), (x1, y1) = points.T, points[_following(sizes)].T
     dx, dy = np.abs(x1 - x), np.abs(y1 - y)
     along_x = dx >= dy
     flip = np.where(along_x, x > x1, y > y1)  # each edge is computed from its lower end, walked from its start
@@ -132,28 +162,36 @@ def polygon_mask(polygon: Sequence[float] | np.ndarray, height: int, width: int)
     # a zero-length edge divides 0 by 0 there (its one point's other coordinate is then never read:
     # its column is its neighbours'); here it is 0
     slope = np.where(along_x, ye - ys, xe - xs) / np.maximum(steps, 1)
-    edge = np.repeat(np.arange(len(x)), steps + 1)
-    t = np.arange(len(edge)) - (np.cumsum(steps + 1) - (steps + 1))[edge]
-    t = np.where(flip[edge], steps[edge] - t, t)
-    walked = np.where(along_x, xs, ys)[edge] + t
-    other = (np.where(along_x, ys, xs)[edge] + slope[edge] * t + 0.5).astype(np.int64)
-    u = np.where(along_x[edge], walked, other)
-    v = np.where(along_x[edge], other, walked)
-    # the steps between columns a and a + 1 whose crossing is a pixel column's centre in the image:
-    # rleFrPoly's xd = (a + .5) / 5 - .5 an integer in 0 .. w - 1, i.e. a = 2 (mod 5); at the first
-    # pixel centre at or below the lower of its two ends, yd = ceil((b + .5) / 5 - .5) in 0 .. h
+    counts = steps + 1  # each edge's points, its ends included: each per edge value, per step
+    t = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    t = np.where(np.repeat(flip, counts), np.repeat(steps, counts) - t, t)
+    walked = np.repeat(np.where(along_x, xs, ys), counts) + t
+    other = (np.repeat(np.where(along_x, ys, xs), counts) + np.repeat(slope, counts) * t + 0.5).astype(np.int64)
+    along = np.repeat(along_x, counts)
+    u, v = np.where(along, walked, other), np.where(along, other, walked)
+    owner = np.repeat(np.repeat(np.arange(len(sizes)), sizes), counts)  # each step's polygon
+    # the steps between columns a and a + 1 (in one polygon) whose crossing is a pixel column's
+    # centre in the image: rleFrPoly's xd = (a + .5) / 5 - .5 an integer in 0 .. w - 1, i.e.
+    # a = 2 (mod 5); at the first pixel centre at or below the lower of its two ends,
+    # yd = ceil((b + .5) / 5 - .5) in 0 .. h
     a = np.minimum(u[1:], u[:-1])
-    j = np.flatnonzero((u[1:] != u[:-1]) & (a % 5 == 2) & (a >= 2) & (a <= 5 * width - 3))
-    if len(j) == 0:
+    crossing = (u[1:] != u[:-1]) & (a % 5 == 2) & (a >= 2) & (a <= 5 * width - 3) & (owner[1:] == owner[:-1])
+    j = np.flatnonzero(crossing)
+    columns = (a[j] - 2) // 5
+    rows = np.clip((np.minimum(v[j], v[j + 1]) + 2) // 5, 0, height)  # row == height: below the last
+    bounds = np.searchsorted(owner[j], np.arange(len(sizes) + 1))
+    return [_fill(rows[i:k], columns[i:k]) for i, k in pairwise(bounds)]
+
+
+def _fill(rows: np.ndarray, columns: np.ndarray) -> Mask:
+    """One polygon's pixels from its boundaries. Each column is crossed an even number of times (the
+    walk is closed): its pixels lie between pairs of boundaries, from one's row up to the next's
+    (rleFrPoly's runs; two at one pixel are none, its zero runs); here within the box they span."""
+    if len(rows) == 0:
         return 0, 0, np.zeros((0, 0), bool)
-    column = (a[j] - 2) // 5
-    row = np.clip((np.minimum(v[j], v[j + 1]) + 2) // 5, 0, height)  # row == height: below the last
-    # each column is crossed an even number of times (the walk is closed): its pixels lie between
-    # pairs of boundaries, from one's row up to the next's (rleFrPoly's runs; two at one pixel are
-    # none, its zero runs); here within the box the boundaries span
-    top, left = row.min(), column.min()
-    box = np.zeros((row.max() - top + 1, column.max() - left + 1), np.uint8)
-    np.bitwise_xor.at(box, (row - top, column - left), 1)
+    top, left = rows.min(), columns.min()
+    box = np.zeros((rows.max() - top + 1, columns.max() - left + 1), np.uint8)
+    np.bitwise_xor.at(box, (rows - top, columns - left), 1)
     np.bitwise_xor.accumulate(box, axis=0, out=box)
     return int(top), int(left), box[:-1].view(bool)
 
@@ -184,15 +222,16 @@ def _json_kind(value: Any) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
-def _points(polygon: Any) -> np.ndarray:
-    """A COCO polygon's x, y pairs as floats; ValueError unless it is three or more finite pairs."""
+def _points(polygon: Any, name: str) -> np.ndarray:
+    """A COCO polygon's x, y pairs as floats; ValueError (naming its annotation) unless it is three
+    or more finite pairs."""
     try:  # type() excludes bools; a float of an integer past its range raises
         pairs = isinstance(polygon, list) and len(polygon) >= 6 and len(polygon) % 2 == 0
         xy = np.array(polygon if pairs and all(type(v) in (int, float) for v in polygon) else (), np.float64)
     except OverflowError:
         xy = np.array(())
     if not (xy.size and np.isfinite(xy).all()):
-        raise ValueError("a polygon is not x, y pairs (at least three points)")
+        raise ValueError(f"{name}: a polygon is not x, y pairs (at least three points)")
     return xy
 
 
@@ -210,8 +249,8 @@ def _sample(
             f"the file says {_show.repr(size[0])} x {_show.repr(size[1])}, the image is {stored[0]} x {stored[1]}"
         )
     width, height = stored if size == stored else stored[::-1]
-    mask = np.zeros((height, width), np.uint8)
     boxes, labels = [], []
+    shapes: list[tuple[int, np.ndarray | dict[str, Any]]] = []  # each polygon or RLE, in its category
     for a in annotations:
         name = f"annotation {_show.repr(a.get('id'))}"
         box, category = a.get("bbox"), a.get("category_id")
@@ -224,13 +263,19 @@ def _sample(
         labels.append(category)
         seg = a.get("segmentation")
         if isinstance(seg, list):
-            for polygon in seg:
-                top, left, inside = polygon_mask(_points(polygon), height, width)
-                mask[top : top + inside.shape[0], left : left + inside.shape[1]][inside] = category
+            shapes += [(category, _points(polygon, name)) for polygon in seg]
         elif isinstance(seg, dict):
-            mask[rle_mask(seg, height, width)] = category
+            shapes.append((category, seg))
         elif seg is not None:
             raise ValueError(f"{name}: segmentation is neither polygons nor RLE")
+    drawn = iter(polygon_masks([s for _, s in shapes if isinstance(s, np.ndarray)], height, width))
+    mask = np.zeros((height, width), np.uint8)
+    for category, shape in shapes:  # in the file's order: later annotations over earlier ones
+        if isinstance(shape, dict):
+            mask[rle_mask(shape, height, width)] = category
+        else:
+            top, left, inside = next(drawn)
+            mask[top : top + inside.shape[0], left : left + inside.shape[1]][inside] = category
     return {
         "image": file,
         "boxes": np.array(boxes, np.float64).reshape(-1, 4),

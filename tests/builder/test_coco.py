@@ -16,7 +16,7 @@ from PIL import Image, ImageOps
 
 import packer
 from packer import ShardDataset
-from packer.builder.coco import polygon_mask, rle_counts, rle_mask
+from packer.builder.coco import polygon_masks, rle_counts, rle_mask
 from packer.tools.verify import verify
 
 PHOTOS = Path(__file__).resolve().parents[1] / "data" / "exif-orientation"
@@ -310,7 +310,7 @@ def test_values_that_are_not_coco_are_reported_skips(tmp_path: Path) -> None:
         ("d.png", f"annotation 1: bbox [0, 0, {reprlib.repr(10**400)}, 5] is not [x, y, width, height]"),
         ("e.png", "annotation 2: category_id True is not 1..255 (a mask byte)"),
         ("f.png", "RLE counts: 2000000 characters, more than a 30 x 40 image's runs take"),
-        ("h.png", "a polygon is not x, y pairs (at least three points)"),
+        ("h.png", "annotation 5: a polygon is not x, y pairs (at least three points)"),
         ("i.png", "a polygon reaches past 4480 pixels (64 x (width + height)): its points or its outline"),
     ]
 
@@ -333,22 +333,21 @@ def test_polygons_are_drawn_as_pycocotools_draws_them() -> None:
     ]
     for polygons, height, width, runs in cases:
         mask = np.zeros((height, width), bool)
-        for polygon in polygons:
-            top, left, box = polygon_mask(polygon, height, width)
+        for top, left, box in polygon_masks(polygons, height, width):
             mask[top : top + box.shape[0], left : left + box.shape[1]] |= box
         assert runs_of(mask) == runs, polygons
     for rectangle, (top, left, bottom, right) in (
         ([10, 10, 70, 10, 70, 50, 10, 50], (10, 10, 50, 70)),
         ([0, 0, 4, 0, 4, 4, 0, 4], (0, 0, 4, 4)),
     ):
-        top, left, box = polygon_mask(rectangle, 100, 100)
+        [(top, left, box)] = polygon_masks([rectangle], 100, 100)
         mask = np.zeros((100, 100), bool)
         mask[top : top + box.shape[0], left : left + box.shape[1]] = box
         expected = np.zeros((100, 100), bool)
         expected[top:bottom, left:right] = True
         np.testing.assert_array_equal(mask, expected)
     with pytest.raises(ValueError, match="reaches past 11520 pixels"):
-        polygon_mask([0, 0, 1e12, 0, 5, 5], 100, 80)
+        polygon_masks([[0, 0, 5, 0, 5, 5], [0, 0, 1e12, 0, 5, 5]], 100, 80)
 
 
 def test_a_coco_build_masks_polygons_as_pycocotools(tmp_path: Path) -> None:
