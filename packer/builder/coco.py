@@ -44,10 +44,10 @@ RLE_DIGITS = 9
 #: distance of the origin, its outline no longer. Real annotations lie in or just outside their
 #: image; past that a polygon is a hostile file's, whose rasterisation (a walk along the outline,
 #: as pycocotools' rleFrPoly walks it) would take as long as its numbers are large.
-POLYGON_REACH = 64
+POLYGON_REACH = 16
 
-#: The most steps one walk of polygons takes at once (its arrays are a few dozen bytes a step).
-WALK_STEPS = 1 << 20
+#: The most steps one walk of polygons takes at once (its arrays take about 100 bytes a step).
+WALK_STEPS = 1 << 18
 
 #: A polygon's pixels: (top, left, a bool array of the box from there).
 Mask = tuple[int, int, np.ndarray]
