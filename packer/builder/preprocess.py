@@ -19,7 +19,7 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import BinaryIO, Optional, Union
 
 import numpy as np
 from PIL import Image
@@ -120,11 +120,14 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def open_image(data: bytes) -> Image.Image:
-    """``Image.open`` (the same plugins, tried in the same order) without Pillow's decompression-bomb
-    check, which reads the process-wide ``Image.MAX_IMAGE_PIXELS``: packer checks ``--max-pixels``
-    against the header right after, so neither limit is changed for anyone else in the process."""
-    prefix = data[:16]
+def open_image(data: bytes | BinaryIO) -> Image.Image:
+    """``Image.open`` of encoded bytes or of a file opened for reading (the same plugins, tried in the
+    same order; only the header is read until the pixels are loaded) without Pillow's
+    decompression-bomb check, which reads the process-wide ``Image.MAX_IMAGE_PIXELS``: packer checks
+    ``--max-pixels`` against the header right after, so neither limit is changed for anyone else in
+    the process."""
+    fp = io.BytesIO(data) if isinstance(data, bytes) else data
+    prefix = fp.read(16)
     tried: list[str] = []
     for loader in (None, Image.preinit, Image.init):  # Image.open's order: registered, common, all
         if loader is not None:
@@ -135,10 +138,27 @@ def open_image(data: bytes) -> Image.Image:
             try:
                 result = accept(prefix) if accept else True
                 if result and not isinstance(result, str):
-                    return factory(io.BytesIO(data), "")
+                    fp.seek(0)  # where an earlier plugin's attempt may have left it
+                    return factory(fp, "")
             except (SyntaxError, IndexError, TypeError, struct.error):
                 continue
     raise Image.UnidentifiedImageError("cannot identify image file")
+
+
+def stored_size(path: str, opts: PreprocessSpec) -> tuple[int, int]:
+    """The (width, height) of the source image ``path`` as stored (EXIF orientation not applied), from
+    its header alone: what a converter checks its annotations' sizes against before it makes
+    anything that large. ValueError, with the reason :func:`process` would give, for a file that
+    the build would skip (unreadable, not an image, beyond ``--max-pixels`` and the other limits)."""
+    try:
+        with open_source(path) as f, open_image(f) as im:
+            width, height = im.size
+    except Exception as e:  # any failure is the file's, as in process()
+        raise ValueError(describe(e)) from None
+    problem = _check_geometry(width, height, opts)
+    if problem:
+        raise ValueError(problem)
+    return width, height
 
 
 def load(path: str, opts: PreprocessSpec) -> Image.Image:
