@@ -345,12 +345,10 @@ def _field_facts(manifest: Any) -> list[dict[str, Any]]:
             entry["records"] = manifest.count
         elif counts:
             entry["records"], entry["items"] = counts["records"], counts["items"]
-            if "per_record" in counts:
-                per = np.repeat(
-                    np.array([int(k) for k in counts["per_record"]], np.int64),
-                    np.array(list(counts["per_record"].values()), np.int64),
-                )
-                entry["per_record_histogram"] = _histogram(per)
+            if "per_record" in counts:  # drawn from its (boxes, records) pairs, never expanded
+                per = counts["per_record"]
+                boxes = np.array([int(k) for k in per], np.int64)
+                entry["per_record_histogram"] = _histogram(boxes, weights=np.array(list(per.values()), np.int64))
         facts.append(entry)
     return facts
 
@@ -373,13 +371,14 @@ def _stored_bytes(root: Path, manifest: Any) -> int:
     return data + sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.suffix in (".json", ".npy"))
 
 
-def _histogram(values: np.ndarray, bins: int = 8) -> list[dict[str, int]]:
-    """Counts over at most ``bins`` integer ranges [lo, hi] (one bin when all values are equal)."""
+def _histogram(values: np.ndarray, bins: int = 8, weights: np.ndarray | None = None) -> list[dict[str, int]]:
+    """Counts over at most ``bins`` integer ranges [lo, hi] (one bin when all values are equal);
+    ``weights``: how many times each value counts (a histogram given as its pairs)."""
     if len(values) == 0:
         return []
     lo, hi = int(values.min()), int(values.max())
     edges = np.unique(np.linspace(lo, hi + 1, min(bins, hi - lo + 1) + 1).astype(np.int64))
-    counts, _ = np.histogram(values, bins=edges)
+    counts, _ = np.histogram(values, bins=edges, weights=weights)
     return [{"lo": int(a), "hi": int(b) - 1, "count": int(c)} for a, b, c in zip(edges[:-1], edges[1:], counts)]
 
 
@@ -639,8 +638,13 @@ def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: 
     """Write a contact sheet of records captioned with index and class."""
     from .tools.preview import contact_sheet
 
-    cols, rows = contact_sheet(out, dest, n=count, augment=augment, seed=seed, crop_size=crop_size, epoch=epoch)
+    cols, rows, damaged = contact_sheet(
+        out, dest, n=count, augment=augment, seed=seed, crop_size=crop_size, epoch=epoch
+    )
     click.echo(f"packer: wrote {dest} ({cols} x {rows} grid)", err=True)
+    if damaged:
+        many = f"{len(damaged)} records damaged, the first" if len(damaged) > 1 else "1 record damaged"
+        click.echo(f"packer: {many} ({damaged[0]}): its tile is left dark; `packer verify` lists them", err=True)
 
 
 @main.command()

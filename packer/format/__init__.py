@@ -287,9 +287,9 @@ class Manifest:
             and all(
                 isinstance(c, dict)
                 and size(c.get("records"))
+                and c["records"] <= self.count
                 and size(c.get("items"))
-                and isinstance(c.get("per_record", {}), dict)
-                and all(k.isdigit() and size(n) for k, n in c.get("per_record", {}).items())
+                and _per_record(c.get("per_record", {}), self.count)
                 for c in counts.values()
             )
         ):
@@ -304,6 +304,27 @@ class Manifest:
     def record_fields(self) -> tuple[Field, ...]:
         """The fields whose payloads each record holds after its image (empty: records are images)."""
         return record_fields(self.declared)
+
+
+#: A number of boxes as ``field_counts``' ``per_record`` keys spell it: ASCII digits, no leading zero,
+#: at most 18 (below 2**60: a record's bytes fit the index's u8 length, a box is 16 of them).
+_BOX_COUNT = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def _per_record(per: Any, count: int) -> bool:
+    """Whether ``per`` is a boxes-per-record histogram a reader can trust (``packer info`` draws it
+    without expanding it): ``{"<boxes>": records}``, keys as :data:`_BOX_COUNT` says, the records
+    adding up to at most the dataset's ``count`` (a manifest's numbers are untrusted)."""
+    if not isinstance(per, dict) or len(per) > count:
+        return False
+    total = 0
+    for k, n in per.items():
+        if not (isinstance(k, str) and _BOX_COUNT.fullmatch(k) and isinstance(n, int) and not isinstance(n, bool)):
+            return False
+        if n < 0:
+            return False
+        total += n
+    return total <= count
 
 
 def written_version(fields: list[dict[str, Any]]) -> int:
