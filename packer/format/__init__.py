@@ -129,8 +129,9 @@ class Manifest:
     #: Version 4: the declared fields, ``{"name", "kind", "dtype"}`` each (packer.format.fields), in
     #: record order. Absent from manifest.json when empty, so a dataset without fields is as it was.
     fields: list[dict[str, Any]] = field(default_factory=list)
-    #: Version 4: per record field, ``{"records": with a non-empty value, "items": in all}``, and for
-    #: boxes ``"per_record"``: ``{"<boxes>": records with that many}`` (``packer info``). Absent when empty.
+    #: Version 4: per record field, ``{"records": with a non-empty value, "items": in all}``, for
+    #: boxes ``"per_record"``: ``{"<boxes>": records with that many}``, for box labels ``"per_class"``:
+    #: ``{"<label id>": boxes}`` (``packer info``). Absent when empty.
     field_counts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -290,6 +291,7 @@ class Manifest:
                 and c["records"] <= self.count
                 and size(c.get("items"))
                 and _per_record(c.get("per_record", {}), self.count)
+                and _per_class(c.get("per_class", {}), c["items"])
                 for c in counts.values()
             )
         ):
@@ -325,6 +327,23 @@ def _per_record(per: Any, count: int) -> bool:
             return False
         total += n
     return total <= count
+
+
+#: A box label id as ``field_counts``' ``per_class`` keys spell it: an int32 in decimal.
+_LABEL_ID = re.compile(r"-?(0|[1-9][0-9]{0,9})")
+
+
+def _per_class(per: Any, items: int) -> bool:
+    """Whether ``per`` is a boxes-per-category count a reader can trust: ``{"<label id>": boxes}``,
+    the boxes adding up to the field's ``items`` (its labels in all)."""
+    if not isinstance(per, dict) or len(per) > items:
+        return False
+    for k, n in per.items():
+        if not (isinstance(k, str) and _LABEL_ID.fullmatch(k) and isinstance(n, int) and not isinstance(n, bool)):
+            return False
+        if n < 1:
+            return False
+    return not per or sum(per.values()) == items
 
 
 def written_version(fields: list[dict[str, Any]]) -> int:
