@@ -40,8 +40,8 @@ from ..format import label_arrays as labelling
 from ..format.fields import RAGGED, Field, decode_fields, split_record
 from ..format.records import FORMATS
 from ..transform.fields import cropped as move_fields
-from ..transform.fields import whole as whole_fields
 from ..transform.fields import tensors as field_tensors
+from ..transform.fields import whole as whole_fields
 from . import batchpool, rng
 from .draw import Draw, Order, Ranges
 from .options import DEFAULTS, BatchTransform, ReadOptions, Transform

@@ -183,7 +183,12 @@ def test_a_users_dtype_is_made_canonical() -> None:
         ("array", np.array([2**63 - 1]), "<f8", "not exactly held"),  # 2**63 as a float: no int64
         ("array", np.array([2**64 - 1], np.uint64), "<f8", "not exactly held"),
         ("array", np.array([16777217]), "<c8", "not exactly held by the field's complex64"),
-        ("array", np.array([1.0, 1e-50]), "<f4", r"beyond the precision of the field's float32 \(1e-50 would become 0.0"),
+        (
+            "array",
+            np.array([1.0, 1e-50]),
+            "<f4",
+            r"beyond the precision of the field's float32 \(1e-50 would become 0.0",
+        ),
         ("array", np.array([1e-40]), "<f4", "beyond the precision"),  # a subnormal of a few bits
         ("array", np.array([1e-300]), "<f2", "beyond the precision"),
     ],

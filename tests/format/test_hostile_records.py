@@ -111,8 +111,9 @@ def test_boxes_that_are_not_finite_and_ordered_are_reported_and_refused(detectio
     forge(detections, 2, with_payload(detections, 2, 0, np.array(BAD_BOXES[bad], "<f4").tobytes()))
     result = verify(detections)
     assert not result.ok and result.bad_records == 1
-    assert result.problems[0].startswith("record 2 (im2): boxes: box 1 ") and "is not finite with x0 <= x1" in (
-        result.problems[0]
+    assert (
+        result.problems[0].startswith("record 2 (im2): boxes: box 1 ")
+        and "is not finite with x0 <= x1" in (result.problems[0])
     )
     why = r"record 2 \(source 'im2'\): boxes: box 1 \[.*\] is not finite with x0 <= x1 and y0 <= y1"
     for ds in (
@@ -234,4 +235,8 @@ def test_a_histogram_of_far_apart_box_counts_is_drawn_from_its_pairs(detections:
     assert run.returncode == 0, run.stderr
     (boxes,) = [f for f in json.loads(run.stdout)["fields"] if f["name"] == "boxes"]
     histogram = boxes["per_record_histogram"]
-    assert sum(b["count"] for b in histogram) == 6 and histogram[0] == {"lo": 0, "hi": 12500000000000000 - 1, "count": 4}
+    assert sum(b["count"] for b in histogram) == 6 and histogram[0] == {
+        "lo": 0,
+        "hi": 12500000000000000 - 1,
+        "count": 4,
+    }

@@ -144,7 +144,9 @@ def test_info_show_and_preview_of_a_coco_dataset_name_its_categories(tmp_path: P
 
     ds = ShardDataset(out, crop_size=None)
     first = ds.source(0) == "Landscape_1.jpg"
-    assert [caption(ds, i, ds[i]) for i in range(2)] == (["cat x2, crowd", "cat"] if first else ["cat", "cat x2, crowd"])
+    assert [caption(ds, i, ds[i]) for i in range(2)] == (
+        ["cat x2, crowd", "cat"] if first else ["cat", "cat x2, crowd"]
+    )
     run = cli("show", out, 0)
     assert run.returncode == 0 and "unlabeled" not in run.stdout and " cat" in run.stdout, run.stdout
     assert contact_sheet(out, tmp_path / "sheet.png", n=2) == (2, 1, [])
