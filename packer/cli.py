@@ -668,13 +668,8 @@ def preview(out: Path, dest: Path, count: int, augment: bool, seed: int, epoch: 
     """Write a contact sheet of records captioned with index and class."""
     from .tools.preview import contact_sheet
 
-    cols, rows, damaged = contact_sheet(
-        out, dest, n=count, augment=augment, seed=seed, crop_size=crop_size, epoch=epoch
-    )
+    cols, rows = contact_sheet(out, dest, n=count, augment=augment, seed=seed, crop_size=crop_size, epoch=epoch)
     click.echo(f"packer: wrote {dest} ({cols} x {rows} grid)", err=True)
-    if damaged:
-        many = f"{len(damaged)} records damaged, the first" if len(damaged) > 1 else "1 record damaged"
-        click.echo(f"packer: {many} ({damaged[0]}): its tile is left dark; `packer verify` lists them", err=True)
 
 
 @main.command()

@@ -4,7 +4,8 @@ table (:data:`FIELD_KINDS`), each kind's encode beside its decode and check (as 
 A dataset declares its fields once, in the manifest (``fields``: name, kind, dtype); a record of a
 dataset with fields is its image followed by the fields' payloads in that order, behind a table of
 their lengths (docs/FORMAT.md, "Fields"). Nothing is pickled: every payload is little-endian numbers
-or UTF-8, and every length is checked against the record's before anything is allocated.
+or UTF-8 (but an array field a manifest declares big-endian, as packer once wrote a user's ``>f4``:
+read all the same), and every length is checked against the record's before anything is allocated.
 """
 
 from __future__ import annotations

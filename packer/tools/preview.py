@@ -94,11 +94,9 @@ def contact_sheet(
     seed: int = 0,
     crop_size: int = 224,
     epoch: int = 0,
-) -> tuple[int, int, list[str]]:
-    """Write a grid of ``n`` records captioned ``index class``; returns the grid's (columns, rows)
-    and why each damaged record among them could not be read (its tile left dark, captioned
-    "damaged"): a look at a dataset shows what it can rather than dying on its first bad record.
-    A DatasetError that is not one record's (a data file refused) ends it."""
+) -> tuple[int, int]:
+    """Write a grid of ``n`` records captioned ``index`` and :func:`caption`; returns the grid's
+    (columns, rows). A damaged record is a DatasetError naming it."""
     ds = _dataset(out, augment, seed, crop_size)
     ds.set_epoch(epoch)
     indices = pick(len(ds), n, seed)
@@ -108,23 +106,15 @@ def contact_sheet(
     rows = math.ceil(len(indices) / cols)
     sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (32, 32, 32))
     draw = ImageDraw.Draw(sheet)
-    damaged = []
     for k, i in enumerate(indices):
-        x, y = (k % cols) * CELL, (k // cols) * (CELL + CAPTION)
-        try:
-            sample = ds[i]
-        except DatasetError as e:
-            if e.record is None:  # not one record's damage (a data file refused): nothing to show
-                raise
-            damaged.append(str(e).removeprefix(f"{ds.root}: "))
-            draw.text((x + 3, y + CELL), f"{i} damaged", fill=(255, 80, 80))
-            continue
+        sample = ds[i]
         thumb = drawn(sample, ds.fields)
         thumb.thumbnail((CELL - 4, CELL - 4), Image.Resampling.BILINEAR)
+        x, y = (k % cols) * CELL, (k // cols) * (CELL + CAPTION)
         sheet.paste(thumb, (x + (CELL - thumb.width) // 2, y + (CELL - thumb.height) // 2))
         draw.text((x + 3, y + CELL), f"{i} {caption(ds, i, sample)}"[:26], fill=(235, 235, 235))
     sheet.save(dest, quality=90)
-    return cols, rows, damaged
+    return cols, rows
 
 
 def show(out: str | os.PathLike, index: int, dest: Optional[str | os.PathLike]) -> tuple[str, str, tuple[int, int]]:

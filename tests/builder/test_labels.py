@@ -176,7 +176,7 @@ def test_multi_label_csv_gives_multi_hot_vectors(tmp_path: Path) -> None:
     facts = json.loads(cli("info", tmp_path / "out", "--json").stdout)
     assert facts["class_counts"] == counts and facts["records_without_labels"] == 2
     assert "per label" in cli("info", tmp_path / "out").stdout
-    assert contact_sheet(tmp_path / "out", tmp_path / "sheet.png", n=4) == (2, 2, [])  # captions: 'cat;dog'
+    assert contact_sheet(tmp_path / "out", tmp_path / "sheet.png", n=4) == (2, 2)  # captions: 'cat;dog'
     assert [ds.source(i) for i in range(7)] == rels  # sorted walk order
     assert [ds.label_name(i) for i in (0, 2, 3)] == ["cat;dog", "(none)", "bird;cat"]
 

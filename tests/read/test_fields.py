@@ -186,7 +186,7 @@ def test_a_hostile_field_table_is_a_clear_error(tmp_path: Path) -> None:
 def test_preview_and_show_draw_the_fields(drawn: Path, tmp_path: Path) -> None:
     from packer.tools.preview import _PALETTE, contact_sheet, show
 
-    assert contact_sheet(drawn, tmp_path / "grid.png", n=6, augment=True) == (3, 2, [])
+    assert contact_sheet(drawn, tmp_path / "grid.png", n=6, augment=True) == (3, 2)
     show(drawn, 0, tmp_path / "one.png")
     s = ShardDataset(drawn, crop_size=None, dtype=torch.uint8)[0]
     one = np.asarray(Image.open(tmp_path / "one.png").convert("RGB")).astype(np.int16)

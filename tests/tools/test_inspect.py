@@ -149,4 +149,4 @@ def test_info_show_and_preview_of_a_coco_dataset_name_its_categories(tmp_path: P
     )
     run = cli("show", out, 0)
     assert run.returncode == 0 and "unlabeled" not in run.stdout and " cat" in run.stdout, run.stdout
-    assert contact_sheet(out, tmp_path / "sheet.png", n=2) == (2, 1, [])
+    assert contact_sheet(out, tmp_path / "sheet.png", n=2) == (2, 1)
