@@ -337,7 +337,8 @@ def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
 
 def _field_facts(manifest: Any) -> list[dict[str, Any]]:
     """Each declared field (name, kind, dtype) with the counts its writer recorded: records with a
-    value, items in all (boxes, bytes of text or arrays), and for boxes a boxes-per-image histogram."""
+    value, items in all (boxes, bytes of text or arrays), for boxes a boxes-per-image histogram, and
+    for box labels (a ``--coco`` dataset's categories) each id's name and boxes."""
     facts = []
     for f in manifest.declared:
         entry: dict[str, Any] = f.to_json()
@@ -346,14 +347,29 @@ def _field_facts(manifest: Any) -> list[dict[str, Any]]:
             entry["records"] = manifest.count
         elif counts:
             entry["records"], entry["items"] = counts["records"], counts["items"]
-            if "per_record" in counts:
-                per = np.repeat(
-                    np.array([int(k) for k in counts["per_record"]], np.int64),
-                    np.array(list(counts["per_record"].values()), np.int64),
-                )
-                entry["per_record_histogram"] = _histogram(per)
+            if "per_record" in counts:  # drawn from its (boxes, records) pairs, never expanded
+                per = counts["per_record"]
+                boxes = np.array([int(k) for k in per], np.int64)
+                entry["per_record_histogram"] = _histogram(boxes, weights=np.array(list(per.values()), np.int64))
+        if f.kind == "box_labels":
+            entry["categories"] = _categories(f.classes, counts.get("per_class"))
         facts.append(entry)
     return facts
+
+
+def _categories(names: tuple[str, ...], per_class: dict[str, int] | None) -> list[dict[str, Any]]:
+    """Box label ids with a name or boxes, in id order: ``{"id", "name", "boxes"}`` (boxes None where
+    the manifest has no count of them: a dataset packed before packer counted them)."""
+    boxes = {int(k): n for k, n in (per_class or {}).items()}
+    ids = sorted({i for i, name in enumerate(names) if name} | set(boxes))
+    return [
+        {
+            "id": i,
+            "name": names[i] if 0 <= i < len(names) else "",
+            "boxes": boxes.get(i, 0) if per_class is not None else None,
+        }
+        for i in ids
+    ]
 
 
 def _kept_versions(url: str) -> int | None:
@@ -374,13 +390,14 @@ def _stored_bytes(root: Path, manifest: Any) -> int:
     return data + sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.suffix in (".json", ".npy"))
 
 
-def _histogram(values: np.ndarray, bins: int = 8) -> list[dict[str, int]]:
-    """Counts over at most ``bins`` integer ranges [lo, hi] (one bin when all values are equal)."""
+def _histogram(values: np.ndarray, bins: int = 8, weights: np.ndarray | None = None) -> list[dict[str, int]]:
+    """Counts over at most ``bins`` integer ranges [lo, hi] (one bin when all values are equal);
+    ``weights``: how many times each value counts (a histogram given as its pairs)."""
     if len(values) == 0:
         return []
     lo, hi = int(values.min()), int(values.max())
     edges = np.unique(np.linspace(lo, hi + 1, min(bins, hi - lo + 1) + 1).astype(np.int64))
-    counts, _ = np.histogram(values, bins=edges)
+    counts, _ = np.histogram(values, bins=edges, weights=weights)
     return [{"lo": int(a), "hi": int(b) - 1, "count": int(c)} for a, b, c in zip(edges[:-1], edges[1:], counts)]
 
 
@@ -400,8 +417,12 @@ def info(out: Path, as_json: bool) -> None:
         return
     width = max((len(c) for c in facts["classes"]), default=0)
     kind = {"class": "", "multi": " (multi-label)", "none": " (unlabeled)"}[facts["label_kind"]]
+    categories = next((f["categories"] for f in facts.get("fields", []) if "categories" in f), None)
+    labels = f"{len(facts['classes'])} classes{kind}"
+    if categories and facts["label_kind"] == "none":  # a --coco dataset: its labels are its boxes'
+        labels = f"{len(categories)} box categories (no image label)"
     click.echo(
-        f"{facts['path']}: {facts['count']} images, {len(facts['classes'])} classes{kind}, "
+        f"{facts['path']}: {facts['count']} images, {labels}, "
         f"{facts['format']} in {facts['backend']}, short edge {facts['short_edge']}"
         + (f", quality {facts['quality']}" if FORMATS[facts["format"]].lossy else "")
     )
@@ -435,6 +456,14 @@ def info(out: Path, as_json: bool) -> None:
         for b in f.get("per_record_histogram", []):
             span = f"{b['lo']}" if b["lo"] == b["hi"] else f"{b['lo']}-{b['hi']}"
             click.echo(f"    {span:>7} boxes  {b['count']:>8}  {_bar(b['count'], total)}")
+        if f.get("categories"):
+            counted = f["categories"][0]["boxes"] is not None
+            click.echo("    boxes per category:" if counted else "    categories (boxes not counted by its packer):")
+            named = max(len(f"{c['id']} {c['name']}") for c in f["categories"])
+            most = max((c["boxes"] or 0 for c in f["categories"]), default=0)
+            for c in f["categories"]:
+                line = f"      {c['id']} {c['name']}".ljust(6 + named)
+                click.echo(f"{line}  {c['boxes']:>8}  {_bar(c['boxes'], most)}" if counted else line)
     for edge in ("short", "long"):
         click.echo(f"  stored {edge} edge (px):")
         for b in facts[f"{edge}_edge_histogram"]:

@@ -449,6 +449,10 @@ class Writer:
             tally["items"] += items
             if f.kind == "boxes":
                 tally["per_record"][items] = tally["per_record"].get(items, 0) + 1
+            elif f.kind == "box_labels":  # boxes per category (packer info), keyed as JSON keeps them
+                per = tally.setdefault("per_class", {})
+                for label_id, n in zip(*np.unique(np.frombuffer(payload, "<i4"), return_counts=True)):
+                    per[str(label_id)] = per.get(str(label_id), 0) + int(n)
         self._journal(source, label, identity)
 
     def _journal(self, source: str, label: int, identity: np.void) -> None:

@@ -129,8 +129,9 @@ class Manifest:
     #: Version 4: the declared fields, ``{"name", "kind", "dtype"}`` each (packer.format.fields), in
     #: record order. Absent from manifest.json when empty, so a dataset without fields is as it was.
     fields: list[dict[str, Any]] = field(default_factory=list)
-    #: Version 4: per record field, ``{"records": with a non-empty value, "items": in all}``, and for
-    #: boxes ``"per_record"``: ``{"<boxes>": records with that many}`` (``packer info``). Absent when empty.
+    #: Version 4: per record field, ``{"records": with a non-empty value, "items": in all}``, for
+    #: boxes ``"per_record"``: ``{"<boxes>": records with that many}``, for box labels ``"per_class"``:
+    #: ``{"<label id>": boxes}`` (``packer info``). Absent when empty.
     field_counts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -287,9 +288,10 @@ class Manifest:
             and all(
                 isinstance(c, dict)
                 and size(c.get("records"))
+                and c["records"] <= self.count
                 and size(c.get("items"))
-                and isinstance(c.get("per_record", {}), dict)
-                and all(k.isdigit() and size(n) for k, n in c.get("per_record", {}).items())
+                and _per_record(c.get("per_record", {}), self.count)
+                and _per_class(c.get("per_class", {}), c["items"])
                 for c in counts.values()
             )
         ):
@@ -304,6 +306,44 @@ class Manifest:
     def record_fields(self) -> tuple[Field, ...]:
         """The fields whose payloads each record holds after its image (empty: records are images)."""
         return record_fields(self.declared)
+
+
+#: A number of boxes as ``field_counts``' ``per_record`` keys spell it: ASCII digits, no leading zero,
+#: at most 18 (below 2**60: a record's bytes fit the index's u8 length, a box is 16 of them).
+_BOX_COUNT = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def _per_record(per: Any, count: int) -> bool:
+    """Whether ``per`` is a boxes-per-record histogram a reader can trust (``packer info`` draws it
+    without expanding it): ``{"<boxes>": records}``, keys as :data:`_BOX_COUNT` says, the records
+    adding up to at most the dataset's ``count`` (a manifest's numbers are untrusted)."""
+    if not isinstance(per, dict) or len(per) > count:
+        return False
+    total = 0
+    for k, n in per.items():
+        if not (isinstance(k, str) and _BOX_COUNT.fullmatch(k) and isinstance(n, int) and not isinstance(n, bool)):
+            return False
+        if n < 0:
+            return False
+        total += n
+    return total <= count
+
+
+#: A box label id as ``field_counts``' ``per_class`` keys spell it: an int32 in decimal.
+_LABEL_ID = re.compile(r"-?(0|[1-9][0-9]{0,9})")
+
+
+def _per_class(per: Any, items: int) -> bool:
+    """Whether ``per`` is a boxes-per-category count a reader can trust: ``{"<label id>": boxes}``,
+    the boxes adding up to the field's ``items`` (its labels in all)."""
+    if not isinstance(per, dict) or len(per) > items:
+        return False
+    for k, n in per.items():
+        if not (isinstance(k, str) and _LABEL_ID.fullmatch(k) and isinstance(n, int) and not isinstance(n, bool)):
+            return False
+        if n < 1:
+            return False
+    return not per or sum(per.values()) == items
 
 
 def written_version(fields: list[dict[str, Any]]) -> int:

@@ -4,7 +4,8 @@ table (:data:`FIELD_KINDS`), each kind's encode beside its decode and check (as 
 A dataset declares its fields once, in the manifest (``fields``: name, kind, dtype); a record of a
 dataset with fields is its image followed by the fields' payloads in that order, behind a table of
 their lengths (docs/FORMAT.md, "Fields"). Nothing is pickled: every payload is little-endian numbers
-or UTF-8, and every length is checked against the record's before anything is allocated.
+or UTF-8 (but an array field a manifest declares big-endian, as packer once wrote a user's ``>f4``:
+read all the same), and every length is checked against the record's before anything is allocated.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import functools
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,8 +22,10 @@ import numpy as np
 
 #: The manifest's ``format_version`` of a dataset with fields (one without keeps version 3's).
 FIELDS_VERSION = 4
-#: Names a sample dict uses for what is not a field.
-RESERVED = frozenset(("image", "id"))
+#: Names a sample dict uses for what is not a field: a read sample's image and record index, a written
+#: sample's source name and skip reason (packer.builder.writer.SAMPLE_KEYS). A field of one of these
+#: names would collide with it (a ``skip`` text field turned its samples into skips).
+RESERVED = ("image", "id", "source", "skip")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 MAX_NDIM = 32  # an array field's dimensions at most (numpy's own limit is 64)
 
@@ -111,6 +114,26 @@ def mask_pixels(value: Any, what: str) -> np.ndarray:
     return a.astype(np.uint8)
 
 
+#: What every stored box is (docs/FORMAT.md): what a writer refuses otherwise, and a reader reports
+#: of a damaged or hostile record.
+BOX_RULE = "finite with x0 <= x1 and y0 <= y1"
+
+
+def bad_box(boxes: np.ndarray) -> Optional[int]:
+    """The first of the N x 4 ``boxes`` that is not :data:`BOX_RULE`, or None: two reductions when
+    none is (NaN fails every comparison), for a whole batch's boxes at once on the read path."""
+    if np.isfinite(boxes).all() and (boxes[:, 2:] >= boxes[:, :2]).all():
+        return None
+    ok = np.isfinite(boxes).all(axis=1) & (boxes[:, 2:] >= boxes[:, :2]).all(axis=1)
+    return int(np.flatnonzero(~ok)[0])
+
+
+def box_problem(boxes: np.ndarray) -> Optional[str]:
+    """Why the N x 4 ``boxes`` are not all :data:`BOX_RULE` (naming the first), or None."""
+    k = bad_box(boxes)
+    return None if k is None else f"box {k} {boxes[k].tolist()} is not {BOX_RULE}"
+
+
 class Label(FieldKind):
     """The class id, kept in index.npy's ``label`` column as it always was (not in the record)."""
 
@@ -128,8 +151,9 @@ class Boxes(FieldKind):
             return b""
         with np.errstate(over="ignore"):  # beyond float32: inf, refused below
             a = a.astype("<f4")
-        if not np.isfinite(a).all() or (a[:, 2] < a[:, 0]).any() or (a[:, 3] < a[:, 1]).any():
-            raise ValueError("boxes: every box must be finite with x0 <= x1 and y0 <= y1")
+        why = box_problem(a)
+        if why:
+            raise ValueError(f"boxes: {why}")
         return a.tobytes()
 
     def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
@@ -227,7 +251,8 @@ class Text(FieldKind):
 
 class Array(FieldKind):
     """Any shape per record of the dtype the field declares: ``u4 ndim``, ``ndim`` x ``u8`` sizes,
-    then the elements in C order."""
+    then the elements in C order. A value is stored exactly or refused: no value is wrapped,
+    rounded or cut to fit (docs/FIELDS.md)."""
 
     name = "array"
 
@@ -237,17 +262,12 @@ class Array(FieldKind):
             raise ValueError(f"array: {a.ndim} dimensions, at most {MAX_NDIM}")
         if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
             raise ValueError(f"array: dtype {a.dtype} does not convert to the field's {dtype}")
-        narrowed = a.size and not np.can_cast(a.dtype, dtype, "safe")  # values to check, not the dtype alone
-        if narrowed and dtype.kind in "iu" and a.dtype.kind in "iu":
-            info = np.iinfo(dtype)
-            if a.min() < info.min or a.max() > info.max:  # would wrap
-                raise ValueError(f"array: values outside the field's {dtype} ({info.min}..{info.max})")
-        elif narrowed and dtype.kind in "fc":
-            with np.errstate(over="ignore"):
-                if np.count_nonzero(np.isfinite(a.astype(dtype))) != np.count_nonzero(np.isfinite(a)):
-                    raise ValueError(f"array: values beyond the field's {dtype} (they would become inf)")
+        with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype: inf, refused below
+            stored = np.ascontiguousarray(a, dtype)
+        if a.size and a.dtype.kind != "b" and not np.can_cast(a.dtype, dtype, "equiv"):
+            _exactly(a, stored, dtype)
         head = np.array([a.ndim], "<u4").tobytes() + np.array(a.shape, "<u8").tobytes()
-        return head + np.ascontiguousarray(a, dtype).tobytes()
+        return head + stored.tobytes()
 
     def _shape(self, payload: memoryview, dtype: np.dtype) -> tuple[tuple[int, ...], int]:
         if len(payload) < 4:
@@ -268,13 +288,49 @@ class Array(FieldKind):
         return shape, start
 
     def decode(self, payload: memoryview, *, dtype: np.dtype, height: int, width: int) -> np.ndarray:
+        """The array in native byte order (torch takes no other): a field declared ``>f4`` (as
+        packers before 0.x wrote a user's ``>f4``) is converted in the copy every decode makes."""
         shape, start = self._shape(payload, dtype)
-        return np.frombuffer(payload[start:], dtype).reshape(shape).copy()
+        return np.frombuffer(payload[start:], dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
     def count(self, payload: memoryview) -> int:
         """The elements (the product of the shape the payload's header gives)."""
         ndim = int(np.frombuffer(payload[:4], "<u4")[0])
         return int(np.prod(np.frombuffer(payload[4 : 4 + 8 * ndim], "<u8"), dtype=object))
+
+
+def _exactly(a: np.ndarray, stored: np.ndarray, dtype: np.dtype) -> None:
+    """ValueError unless ``stored`` (``a`` converted to the field's ``dtype``) holds ``a``'s values:
+    an integer within the field's range and, in a float, exactly (float32 has 24 bits of mantissa:
+    16777217 would be 16777216.0); a float rounded to the field's precision as a cast does
+    (float64's 0.1 in float32), never beyond it (1e-50 would be 0.0 in float32, 1e-40 a subnormal
+    of a few bits) nor to inf. NaN stays NaN."""
+    if dtype.kind in "iu" and a.dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if a.min() < info.min or a.max() > info.max:  # would wrap
+            raise ValueError(f"array: values outside the field's {dtype} ({info.min}..{info.max})")
+        return
+    if a.dtype.kind in "fc":  # float to a narrower float: within the field's precision
+        with np.errstate(invalid="ignore", over="ignore"):
+            same = (stored == a) | (np.isnan(stored) & np.isnan(a))
+            same |= np.abs(stored - a) <= np.finfo(dtype).eps * np.abs(a)
+        if not same.all():
+            k = int(np.flatnonzero(~same.ravel())[0])
+            was, now = a.ravel()[k], stored.ravel()[k]
+            why = "beyond" if np.isfinite(was) and not np.isfinite(now) else "rounded beyond the precision of"
+            raise ValueError(f"array: values {why} the field's {dtype} ({was.item()!r} would become {now.item()!r})")
+        return
+    # an integer to a float: compared as integers (numpy would compare int64 and float32 in float64,
+    # itself inexact), where the float is within the integer type's range (2**63 is not an int64)
+    info = np.iinfo(a.dtype)
+    real = stored.real if dtype.kind == "c" else stored
+    inside = (real >= info.min) & (real < float(info.max) + 1)
+    same = inside.copy()
+    same[inside] = real[inside].astype(a.dtype) == a[inside]
+    if not same.all():
+        k = int(np.flatnonzero(~same.ravel())[0])
+        was, now = a.ravel()[k].item(), stored.ravel()[k].item()
+        raise ValueError(f"array: integers not exactly held by the field's {dtype} ({was!r} would become {now!r})")
 
 
 #: Every field kind by the name manifests use.
@@ -283,6 +339,9 @@ FIELD_KINDS: dict[str, FieldKind] = {k.name: k for k in (Label(), Boxes(), BoxLa
 
 #: Kinds whose values are class ids that a field may name (``classes``: the name of id i at i).
 NAMED_IDS = ("box_labels", "mask")
+#: Kinds with a number of items per record that differs from record to record (a batch's are lists,
+#: or padded with ``<name>_lengths`` beside them: packer.read.dataset.collate_fields).
+RAGGED = ("boxes", "box_labels")
 
 
 @dataclass(frozen=True)
@@ -359,8 +418,10 @@ def declare(spec: Any) -> tuple[Field, ...]:
     given = isinstance(spec, dict)  # a user's declaration, not a manifest's (which must be canonical)
     out: list[Field] = []
     for name, kind, dtype, classes, encoding in items:
-        if not isinstance(name, str) or not _NAME.match(name) or name in RESERVED:
-            raise ValueError(f"field name {name!r}: letters, digits and _ (not 'image' or 'id')")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"field name {name!r}: letters, digits and _ (at most 64, not a digit first)")
+        if name in RESERVED:
+            raise ValueError(f"field name {name!r} is reserved (a sample's {', '.join(RESERVED)} are not fields)")
         if not isinstance(kind, str) or kind not in FIELD_KINDS:
             raise ValueError(f"field {name!r}: kind {kind!r} is not one of {', '.join(FIELD_KINDS)}")
         fixed = FIELD_KINDS[kind].dtype
@@ -369,9 +430,9 @@ def declare(spec: Any) -> tuple[Field, ...]:
                 raise ValueError(f"field {name!r}: a {kind} field's dtype is {fixed}, not {dtype!r}")
             dtype = fixed
         else:
-            if given and dtype is not None:  # a user's "float32" or np.float32: its canonical '<f4'
+            if given and dtype is not None:  # a user's "float32", np.float32 or ">f4": its canonical '<f4'
                 with contextlib.suppress(TypeError, ValueError, SyntaxError):
-                    dtype = np.dtype(dtype).str
+                    dtype = np.dtype(dtype).newbyteorder("<").str  # stored little-endian, as every payload
             if not _array_dtype(dtype):
                 raise ValueError(f"field {name!r}: dtype {dtype!r} is not a plain numpy dtype (like '<f4')")
         if classes and (
@@ -393,8 +454,11 @@ def declare(spec: Any) -> tuple[Field, ...]:
     for kind in (k for k in FIELD_KINDS.values() if k.single):
         if sum(f.kind == kind.name for f in out) > 1:
             raise ValueError(f"fields: at most one {kind.name} field")
-    if any(f.kind == "label" and f.name != "label" for f in out):
-        raise ValueError("fields: the label field is named 'label'")
+    if any((f.kind == "label") != (f.name == "label") for f in out):
+        raise ValueError("fields: the label field is named 'label', and only it")
+    lengths = {f"{f.name}_lengths" for f in out if f.kind in RAGGED} & set(names)
+    if lengths:  # collate_fields(padded=True) gives each ragged field's counts that name
+        raise ValueError(f"field name {lengths.pop()!r} is reserved (the counts of a padded batch's boxes)")
     if any(f.kind == "box_labels" for f in out) and not any(f.kind == "boxes" for f in out):
         raise ValueError("fields: box_labels need a boxes field")
     return tuple(out)
@@ -432,7 +496,8 @@ def split_record(data: memoryview, fields: int) -> tuple[memoryview, list[memory
 
 def encode_fields(fields: Sequence[Field], values: dict[str, Any], *, height: int, width: int) -> list[bytes]:
     """The payloads of ``values`` for the record fields, in order. Boxes, box labels and text left
-    out are empty; a mask or array left out is an error. ValueError naming the field."""
+    out are empty; a mask or array left out is an error. ValueError naming the field (a sample's
+    reported skip: packer.builder.writer)."""
     out = []
     boxes = None
     for f in record_fields(fields):
@@ -441,7 +506,10 @@ def encode_fields(fields: Sequence[Field], values: dict[str, Any], *, height: in
             if f.kind in ("mask", "array"):
                 raise ValueError(f"{f.name}: missing (a {f.kind} field needs a value in every sample)")
             value = "" if f.kind == "text" else np.zeros((0, 4) if f.kind == "boxes" else 0)
-        payload = f.of.encode(value, dtype=f.numpy_dtype, height=height, width=width)
+        try:
+            payload = f.of.encode(value, dtype=f.numpy_dtype, height=height, width=width)
+        except ValueError as e:  # named by the field (the kind's message names its kind)
+            raise ValueError(f"field {f.name!r}: {e}") from None
         if f.kind == "boxes":
             boxes = len(payload) // 16
         out.append(payload)
@@ -467,19 +535,31 @@ def decode_fields(
 
 
 def record_problem(
-    fields: Sequence[Field], data: memoryview, *, height: int, width: int
-) -> tuple[memoryview, Optional[str]]:
-    """A record's image bytes and why its fields are not what ``fields`` declare (None when they
-    are): the field table, each payload's shape, boxes and box labels of one count."""
+    fields: Sequence[Field],
+    data: memoryview,
+    *,
+    height: int,
+    width: int,
+    image_problem: Callable[[memoryview], Optional[str]],
+) -> Optional[str]:
+    """Why a record is not one of ``height`` x ``width`` with the fields ``fields`` declare, or None:
+    its field table, its image (``image_problem``: checked before any payload is decoded, since a
+    mask's runs can say as many pixels as a hostile index row), each payload's shape, boxes and box
+    labels of one count, every box :data:`BOX_RULE`."""
     try:
         image, payloads = split_record(data, len(record_fields(fields)))
     except ValueError as e:
-        return data[:0], str(e)
+        return str(e)
+    why = image_problem(image)
+    if why:
+        return why
     try:
-        decode_fields(fields, payloads, height=height, width=width)
+        values = decode_fields(fields, payloads, height=height, width=width)
     except ValueError as e:
-        return image, str(e)
-    return image, None
+        return str(e)
+    boxes = next((f.name for f in fields if f.kind == "boxes"), None)
+    why = box_problem(values[boxes]) if boxes is not None else None
+    return f"{boxes}: {why}" if why else None
 
 
 def nearest(

@@ -37,10 +37,11 @@ from ..backends.pin import FileKey, Pinned, pin
 from ..errors import is_url
 from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
-from ..format.fields import Field, decode_fields, split_record
+from ..format.fields import RAGGED, Field, decode_fields, split_record
 from ..format.records import FORMATS
 from ..transform.fields import cropped as move_fields
 from ..transform.fields import tensors as field_tensors
+from ..transform.fields import whole as whole_fields
 from . import batchpool, rng
 from .draw import Draw, Order, Ranges
 from .options import DEFAULTS, BatchTransform, ReadOptions, Transform
@@ -349,7 +350,7 @@ class ShardDataset(Dataset):
         self._reader = open_reader(self.root, pinned=pinned)
         self._fields = self.manifest.declared  # empty: samples are (image, label) tuples
         self._table = len(self.manifest.record_fields)
-        self._ragged = frozenset(f.name for f in self._fields if f.kind in ("boxes", "box_labels"))
+        self._ragged = frozenset(f.name for f in self._fields if f.kind in RAGGED)
         #: the boxes and box_labels fields, where a dataset has both: a transform must keep them one per box
         paired = [next((f.name for f in self._fields if f.kind == kind), None) for kind in ("boxes", "box_labels")]
         self._paired = (paired[0], paired[1]) if paired[0] is not None and paired[1] is not None else None
@@ -581,10 +582,10 @@ class ShardDataset(Dataset):
                     self._verify(datas[k], crcs[k])
                     if clock:
                         clock("read")
-                    data = datas[k]
-                    if self._fields:
-                        data, values[k] = self._split(data, heights[k], widths[k])
+                    data, payloads = self._split(datas[k]) if self._fields else (datas[k], None)
                     transform.crop_into(data, fmt, heights[k], widths[k], crops[k], outs[k], clock)
+                    if payloads is not None:  # after the image, whose decode checked the size a mask fills
+                        values[k] = decode_fields(self._fields, payloads, height=heights[k], width=widths[k])
                 except (DatasetError, ValueError) as e:
                     raise self._damaged(i, e) from None
                 if self.dtype != torch.uint8:
@@ -594,7 +595,10 @@ class ShardDataset(Dataset):
         finally:
             if collecting:
                 gc.enable()
-        values = self._moved(values, crops)
+        try:
+            values = self._moved(values, crops)
+        except DatasetError as e:  # a record's boxes: e.record is its place in the batch
+            raise self._damaged(indices[e.record], e) if e.record is not None else e from None
         return [self._sample(images[k], parts, values[k], indices[k]) for k, parts in enumerate(extras)]
 
     def _multi_rows(self) -> np.ndarray:
@@ -632,19 +636,22 @@ class ShardDataset(Dataset):
         sample.ragged = self._ragged
         return sample
 
-    def _split(self, data: memoryview, height: int, width: int) -> tuple[memoryview, dict[str, Any]]:
-        """A record's image bytes and its field values as stored (a mask: a view of the record);
-        ValueError for a damaged field table or payload."""
-        image, payloads = split_record(data, self._table) if self._table else (data, [])
-        return image, decode_fields(self._fields, payloads, height=height, width=width)
+    def _split(self, data: memoryview) -> tuple[memoryview, Optional[list[memoryview]]]:
+        """A record's image bytes and its fields' payloads (None without fields), to decode after
+        the image (a mask's runs can say as many pixels as a hostile index row: the image's decode
+        checks that size first); ValueError for a damaged field table."""
+        if not self._fields:
+            return data, None
+        return split_record(data, self._table) if self._table else (data, [])
 
     def _moved(self, values: list[Any], crops: Optional[list[transform.Crop]]) -> list[Any]:
         """A batch's field values moved by its images' ``crops`` (None: whole images, copied out
-        of the records); as it is without fields."""
+        of the records), their boxes checked (DatasetError, ``record``: the sample's place in
+        ``values``); as it is without fields."""
         if not self._fields:
             return values
         if crops is None or self.augment is None:
-            return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in d.items()} for d in values]
+            return whole_fields(self._fields, values)
         fmt, size = self.manifest.format, self.augment.crop_size
         return move_fields(self._fields, values, crops, fmt, size, self.box_min_visible)
 
@@ -681,15 +688,15 @@ class ShardDataset(Dataset):
                 h, w = heights[k], widths[k]
                 try:
                     self._verify(datas[k], crcs[k])
-                    data = datas[k]
-                    if self._fields:  # moved now: the transform receives them
-                        data, stored = self._split(data, h, w)
-                        values[k] = field_tensors(self._moved([stored], [crops[k]] if crops else None)[0])
+                    data, payloads = self._split(datas[k]) if self._fields else (datas[k], None)
                     if crops is None or scratch is None:
                         hwc = transform.whole_record(data, fmt, h, w)
                     else:
                         transform.crop_into(data, fmt, h, w, crops[k], scratch)
                         hwc = torch.from_numpy(scratch)
+                    if payloads is not None:  # moved now: the transform receives them
+                        stored = decode_fields(self._fields, payloads, height=h, width=w)
+                        values[k] = field_tensors(self._moved([stored], [crops[k]] if crops else None)[0])
                 except (DatasetError, ValueError) as e:
                     raise self._damaged(i, e) from None
                 x = hwc.permute(2, 0, 1)
@@ -854,10 +861,11 @@ class ShardDataset(Dataset):
         try:
             data = self._reader.get(i)
             self._verify(data, int(row["crc32"]))
-            if self._fields:
-                data, values = self._split(data, int(row["height"]), int(row["width"]))
-                values = self._moved([values], None)[0]
-            hwc = transform.whole_record(data, self.manifest.format, int(row["height"]), int(row["width"]))
+            height, width = int(row["height"]), int(row["width"])
+            data, payloads = self._split(data)
+            hwc = transform.whole_record(data, self.manifest.format, height, width)
+            if payloads is not None:
+                values = self._moved([decode_fields(self._fields, payloads, height=height, width=width)], None)[0]
         except (DatasetError, ValueError) as e:
             raise self._damaged(i, e) from None
         if self.dtype != torch.uint8:

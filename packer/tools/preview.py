@@ -64,6 +64,22 @@ def drawn(sample: Any, fields: dict[str, Any]) -> Image.Image:
     return pil
 
 
+def caption(ds: Any, i: int, sample: Any) -> str:
+    """What a record is: its class (or classes); for an unlabeled dataset with box labels (a
+    ``--coco`` one), the categories of the boxes shown, by name where the field names its ids
+    (``cat x2, dog``); else "unlabeled"."""
+    labels = next((f for f in ds.fields.values() if f.kind == "box_labels"), None)
+    if ds.label_kind != "none" or labels is None:
+        return ds.label_name(i)
+    ids, counts = np.unique(np.asarray(sample[labels.name], np.int64), return_counts=True)
+    names = labels.classes
+    named = [
+        (names[k] if 0 <= k < len(names) and names[k] else str(k)) + (f" x{n}" if n > 1 else "")
+        for k, n in zip(ids.tolist(), counts.tolist())
+    ]
+    return ", ".join(named) or "no boxes"
+
+
 def pick(count: int, n: int, seed: int) -> list[int]:
     """``n`` distinct record indices, sorted, chosen reproducibly from ``seed``."""
     n = min(n, count)
@@ -79,7 +95,8 @@ def contact_sheet(
     crop_size: int = 224,
     epoch: int = 0,
 ) -> tuple[int, int]:
-    """Write a grid of ``n`` records captioned ``index class``; returns the grid's (columns, rows)."""
+    """Write a grid of ``n`` records captioned ``index`` and :func:`caption`; returns the grid's
+    (columns, rows). A damaged record is a DatasetError naming it."""
     ds = _dataset(out, augment, seed, crop_size)
     ds.set_epoch(epoch)
     indices = pick(len(ds), n, seed)
@@ -90,19 +107,22 @@ def contact_sheet(
     sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (32, 32, 32))
     draw = ImageDraw.Draw(sheet)
     for k, i in enumerate(indices):
-        thumb = drawn(ds[i], ds.fields)
+        sample = ds[i]
+        thumb = drawn(sample, ds.fields)
         thumb.thumbnail((CELL - 4, CELL - 4), Image.Resampling.BILINEAR)
         x, y = (k % cols) * CELL, (k // cols) * (CELL + CAPTION)
         sheet.paste(thumb, (x + (CELL - thumb.width) // 2, y + (CELL - thumb.height) // 2))
-        draw.text((x + 3, y + CELL), f"{i} {ds.label_name(i)}"[:26], fill=(235, 235, 235))
+        draw.text((x + 3, y + CELL), f"{i} {caption(ds, i, sample)}"[:26], fill=(235, 235, 235))
     sheet.save(dest, quality=90)
     return cols, rows
 
 
 def show(out: str | os.PathLike, index: int, dest: Optional[str | os.PathLike]) -> tuple[str, str, tuple[int, int]]:
-    """Write record ``index`` as stored (upright, short edge 320); returns (source, class, (w, h))."""
+    """Write record ``index`` as stored (upright, short edge 320); returns (source, what it is:
+    :func:`caption`, (w, h)). A damaged record is a DatasetError naming it."""
     ds = _dataset(out, augment=False, seed=0, crop_size=0)
-    pil = drawn(ds[index], ds.fields)
+    sample = ds[index]
+    pil = drawn(sample, ds.fields)
     if dest is not None:
         pil.save(Path(dest), quality=95)
-    return ds.source(index), ds.label_name(index), pil.size
+    return ds.source(index), caption(ds, index, sample), pil.size

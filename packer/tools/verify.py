@@ -345,12 +345,16 @@ def _record_problem(manifest: Manifest, row: np.void, data: Optional[bytes], crc
     if crc != int(row["crc32"]):
         return f"crc32 {crc:08x} differs from the index's {int(row['crc32']):08x} (damaged bytes)"
     height, width = int(row["height"]), int(row["width"])
-    if manifest.declared:
-        image, why = record_problem(manifest.declared, memoryview(data), height=height, width=width)
-        if why is None and not FORMATS[manifest.format].compressed and len(image) != height * width * 3:
-            why = f"raw image of {len(image)} bytes, the index says {height} x {width} x 3"
-        return why or FORMATS[manifest.format].problem(image, height=height, width=width)
-    return FORMATS[manifest.format].problem(data, height=height, width=width)
+    fmt = FORMATS[manifest.format]
+    if not manifest.declared:
+        return fmt.problem(data, height=height, width=width)
+
+    def image_problem(image: memoryview) -> Optional[str]:
+        if not fmt.compressed and len(image) != height * width * 3:
+            return f"raw image of {len(image)} bytes, the index says {height} x {width} x 3"
+        return fmt.problem(image, height=height, width=width)
+
+    return record_problem(manifest.declared, memoryview(data), height=height, width=width, image_problem=image_problem)
 
 
 def _first_gap(offsets: np.ndarray, lengths: np.ndarray, total: int) -> Optional[int]:

@@ -77,7 +77,11 @@ def decode_jpeg_band(
 
 def whole_record(data: memoryview, fmt: str, height: int, width: int) -> torch.Tensor:
     """One record -> the whole stored image as uint8 HWC, a copy (decode buffers are reused, record
-    bytes transient)."""
+    bytes transient). A JPEG's frame header is checked against the index's size before the buffer
+    for that size is taken (a hostile row may say 65,535 x 65,535 of a small image)."""
+    why = FORMATS[fmt].problem(data, height=height, width=width)
+    if why:
+        raise ValueError(why)
     out = _buffer(height * width * 3)[: height * width * 3].reshape(height, width, 3)
     img = FORMATS[fmt].decode(data, height=height, width=width, out=out)
     return torch.from_numpy(img.copy())

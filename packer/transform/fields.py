@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..format.fields import Field, nearest
+from ..errors import DatasetError
+from ..format.fields import BOX_RULE, Field, bad_box, nearest
 from ..format.records import FORMATS
 from .geometry import Crop, crop_box, dct_scale
 
@@ -34,17 +35,25 @@ def image_region(crop: Crop, fmt: str, size: int) -> Region:
 
 
 def move_boxes(
-    boxes: Sequence[np.ndarray], regions: np.ndarray, flips: Sequence[bool], size: int, min_visible: float
+    boxes: Sequence[np.ndarray],
+    regions: np.ndarray,
+    flips: Sequence[bool],
+    size: int,
+    min_visible: float,
+    name: str = "boxes",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each sample's ``boxes`` (N x 4, x0 y0 x1 y1, stored pixels) in the ``size`` x ``size`` output
     of its ``regions`` row (B x 4: top, left, height, width), mirrored where ``flips``, clipped to
     it, keeping those with some area left in the output and at least ``min_visible`` of their own
     area in it (the rest are dropped, with their labels). Returns the kept boxes of the whole batch
     (M x 4, sample after sample), how many each sample keeps (B) and which of the batch's boxes,
-    concatenated, are kept. One pass over the whole batch's boxes: no per-sample numpy calls."""
+    concatenated, are kept. One pass over the whole batch's boxes: no per-sample numpy calls.
+    Checked first (:func:`check_boxes`, ``name``: the field's): inverted both ways, a box would
+    keep a positive area."""
     counts = [len(b) for b in boxes]
     every = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
     at = np.repeat(np.arange(len(counts)), counts)
+    check_boxes(every, at, name)
     top, left, height, width = np.asarray(regions, np.float32)[at].T[:, :, None]
     x = (every[:, 0::2] - left) * (np.float32(size) / width)  # N x (x0, x1)
     y = (every[:, 1::2] - top) * (np.float32(size) / height)
@@ -58,6 +67,28 @@ def move_boxes(
     out = np.empty((len(every), 4), np.float32)
     out[:, 0::2], out[:, 1::2] = x, y
     return out[keep], np.bincount(at[keep], minlength=len(counts)), keep
+
+
+def check_boxes(every: np.ndarray, at: np.ndarray, name: str = "boxes") -> None:
+    """DatasetError (``record``: the sample's place in the batch) unless the batch's boxes (``at``:
+    each one's sample) are all finite with x0 <= x1 and y0 <= y1, as the writer stored them: a
+    damaged or hostile record's, CRCs matching. Once a batch (two reductions over all its boxes),
+    not per sample."""
+    k = bad_box(every)
+    if k is not None:
+        sample = int(at[k])
+        first = int(np.searchsorted(at, sample))
+        raise DatasetError(f"{name}: box {k - first} {every[k].tolist()} is not {BOX_RULE}", record=sample)
+
+
+def whole(fields: Sequence[Field], values: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A batch's decoded field ``values`` for their whole images: copied out of the records, the
+    boxes checked as :func:`cropped` checks them."""
+    boxes = next((f.name for f in fields if f.kind == "boxes"), None)
+    if boxes is not None and values:
+        every = [v[boxes] for v in values]
+        check_boxes(np.concatenate(every), np.repeat(np.arange(len(every)), [len(b) for b in every]), boxes)
+    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in d.items()} for d in values]
 
 
 def move_mask(mask: np.ndarray, region: Region, flip: bool, size: int) -> np.ndarray:
@@ -92,7 +123,7 @@ def cropped(
     boxes = next((f.name for f in fields if f.kind == "boxes"), None)
     if boxes is not None and out:
         kept, counts, keep = move_boxes(
-            [v[boxes] for v in values], np.array(regions), [c.flip for c in crops], size, min_visible
+            [v[boxes] for v in values], np.array(regions), [c.flip for c in crops], size, min_visible, boxes
         )
         # Each sample's boxes and labels are views of one batch tensor, split once (no per-sample
         # numpy work); a DataLoader worker sends each list by value, its bytes joined

@@ -131,7 +131,11 @@ def test_a_table_that_does_not_add_up() -> None:
         ({"name": "a", "kind": "array", "dtype": "|O"}, "not a plain numpy dtype"),
         ({"name": "a", "kind": "array", "dtype": "[('x', '<f4')]"}, "not a plain numpy dtype"),
         ({"name": "a", "kind": "array", "dtype": "float32"}, "not a plain numpy dtype"),  # not canonical '<f4'
-        ({"name": "image", "kind": "text", "dtype": "utf-8"}, "not 'image' or 'id'"),
+        ({"name": "image", "kind": "text", "dtype": "utf-8"}, "field name 'image' is reserved"),
+        ({"name": "id", "kind": "text", "dtype": "utf-8"}, "field name 'id' is reserved"),
+        ({"name": "skip", "kind": "text", "dtype": "utf-8"}, "field name 'skip' is reserved"),  # a sample's skip
+        ({"name": "source", "kind": "text", "dtype": "utf-8"}, "field name 'source' is reserved"),
+        ({"name": "label", "kind": "text", "dtype": "utf-8"}, "the label field is named 'label', and only it"),
         ({"name": "x y", "kind": "text", "dtype": "utf-8"}, "letters, digits and _"),
         ({"name": "b", "kind": "boxes", "dtype": "<f8"}, "a boxes field's dtype is <f4"),
         ({"name": "b", "kind": "boxes", "dtype": "<f4", "classes": ["a"]}, "classes .* are for"),
@@ -173,6 +177,20 @@ def test_a_users_dtype_is_made_canonical() -> None:
         ("array", np.array([2**40]), "<i4", "outside the field's int32"),
         ("array", np.array([1e300]), "<f4", "would become inf"),
         ("array", np.array([-1]), "|u1", "does not convert"),
+        # issue 40 item 6: rounded without a word before
+        ("array", np.array([16777217]), "<f4", r"not exactly held by the field's float32 \(16777217 would become 1677"),
+        ("array", np.array([2**53 + 1]), "<f8", "not exactly held by the field's float64"),  # numpy calls it safe
+        ("array", np.array([2**63 - 1]), "<f8", "not exactly held"),  # 2**63 as a float: no int64
+        ("array", np.array([2**64 - 1], np.uint64), "<f8", "not exactly held"),
+        ("array", np.array([16777217]), "<c8", "not exactly held by the field's complex64"),
+        (
+            "array",
+            np.array([1.0, 1e-50]),
+            "<f4",
+            r"beyond the precision of the field's float32 \(1e-50 would become 0.0",
+        ),
+        ("array", np.array([1e-40]), "<f4", "beyond the precision"),  # a subnormal of a few bits
+        ("array", np.array([1e-300]), "<f2", "beyond the precision"),
     ],
 )
 def test_values_that_would_change_when_stored_are_refused(kind: str, value, dtype: str, why: str) -> None:
@@ -189,3 +207,38 @@ def test_values_stored_exactly_are_taken() -> None:
     assert small[-2:] == np.array([-128, 127], "|i1").tobytes()
     nan = FIELD_KINDS["array"].encode(np.array([np.nan, 1e30]), dtype=np.dtype("<f4"), height=1, width=3)
     assert np.isnan(np.frombuffer(nan[-8:], "<f4")[0]) and np.frombuffer(nan[-8:], "<f4")[1] == np.float32(1e30)
+    # a float to the field's precision, as a cast does; integers a float holds exactly; inf stays inf
+    values = np.array([0.1, -np.inf, 16777216, 2**-126, 0.0, -0.0])
+    stored = FIELD_KINDS["array"].encode(values, dtype=np.dtype("<f4"), height=1, width=3)
+    np.testing.assert_array_equal(np.frombuffer(stored[-24:], "<f4"), values.astype(np.float32))
+    ints = np.array([-(2**24), 2**24, 2**40], np.int64)  # 2**40: a power of two, one bit of mantissa
+    stored = FIELD_KINDS["array"].encode(ints, dtype=np.dtype("<f4"), height=1, width=3)
+    assert np.frombuffer(stored[-12:], "<f4").astype(np.int64).tolist() == ints.tolist()
+
+
+def test_reserved_and_colliding_names_are_refused_where_fields_are_declared() -> None:
+    """Issue 40 item 16: a sample's own keys are not field names (a ``skip`` text field turned its
+    samples into skips), nor is the name padded batches give a ragged field's counts."""
+    for name in ("skip", "source", "image", "id"):
+        with pytest.raises(ValueError, match=f"field name '{name}' is reserved"):
+            declare({name: "text"})
+    with pytest.raises(ValueError, match="'boxes_lengths' is reserved"):
+        declare({"boxes": "boxes", "boxes_lengths": ("array", "<i8")})
+    assert [f.name for f in declare({"lengths": "text", "skipped": "text"})] == ["lengths", "skipped"]
+
+
+def test_a_big_endian_dtype_is_declared_little_endian_and_read_natively() -> None:
+    """Issue 40 item 14: a user's ``>f4`` is stored ``<f4`` (docs/FORMAT.md: payloads are little-endian);
+    a field a manifest declares ``>f4`` (as packer wrote a user's before) decodes to native order."""
+    (emb,) = declare({"emb": ("array", ">f4")})
+    assert emb.dtype == "<f4"
+    payload = emb.of.encode(np.array([1.5, -2.0], ">f4"), dtype=emb.numpy_dtype, height=1, width=1)
+    assert np.frombuffer(payload[-8:], "<f4").tolist() == [1.5, -2.0]
+    (old,) = declare([{"name": "emb", "kind": "array", "dtype": ">f4"}])
+    value = old.of.decode(
+        memoryview(FIELD_KINDS["array"].encode(np.array([1.5, 3.0]), dtype=np.dtype(">f4"), height=1, width=1)),
+        dtype=old.numpy_dtype,
+        height=1,
+        width=1,
+    )
+    assert value.dtype.isnative and value.tolist() == [1.5, 3.0]

@@ -372,3 +372,63 @@ def test_a_workers_batch_arrives_whole_and_equal_by_value(drawn: Path) -> None:
             assert [t.dtype for t in b[key]] == [t.dtype for t in a[key]]
             assert all(torch.equal(x, y) for x, y in zip(a[key], b[key]))
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["mask"], b["mask"])
+
+
+def test_array_values_a_field_cannot_hold_are_reported_skips_naming_the_field(tmp_path: Path) -> None:
+    """Issue 40 item 6: int64 16777217 in a float32 field (16777216.0 once stored), float64 1e-50
+    (0.0): each a reported skip naming the sample and the field; what a float32 holds is packed and
+    read back as given."""
+    import json
+
+    img = np.zeros((40, 40, 3), np.uint8)
+    samples = [
+        {"image": img, "emb": np.array([1, 16777217], np.int64), "source": "big-int"},
+        {"image": img, "emb": np.array([1.0, 1e-50]), "source": "tiny-float"},
+        {"image": img, "emb": np.array([16777216, 3], np.int64), "source": "ok"},
+    ]
+    out = tmp_path / "d"
+    report = packer.pack(samples, out, fields={"emb": ("array", "float32")}, workers=1)
+    assert (report.count, report.skipped, report.scanned) == (1, 2, 3)
+    reasons = {s["path"]: s["reason"] for s in map(json.loads, (out / "report.jsonl").read_text().splitlines())}
+    assert "field 'emb'" in reasons["big-int"] and "16777217 would become 16777216.0" in reasons["big-int"]
+    assert "field 'emb'" in reasons["tiny-float"] and "1e-50 would become 0.0" in reasons["tiny-float"]
+    assert ShardDataset(out, crop_size=None)[0]["emb"].tolist() == [16777216.0, 3.0]
+
+
+def test_a_big_endian_array_field_reads_in_every_worker(tmp_path: Path) -> None:
+    """Issue 40 item 14: ``("array", ">f4")`` is declared and stored ``<f4``; a dataset on disk whose
+    manifest declares ``>f4`` (what packer wrote for it before, as a list of manifest entries still
+    writes) is read in native order: batches from DataLoader workers, verify and info all agree."""
+    import json
+    import subprocess
+    import sys
+
+    from packer.tools.verify import verify
+
+    img = np.zeros((40, 40, 3), np.uint8)
+    values = [np.array([1.5, -2.25, float(i)], ">f4") for i in range(4)]
+    samples = [{"image": img, "emb": v} for v in values]
+    declared = {
+        "dict": {"emb": ("array", ">f4")},
+        "manifest entries": [{"name": "emb", "kind": "array", "dtype": ">f4"}],
+    }
+    for how, fields in declared.items():
+        out = tmp_path / how.replace(" ", "-")
+        packer.pack(samples, out, fields=fields, workers=1)
+        dtype = json.loads((out / "manifest.json").read_text())["fields"][0]["dtype"]
+        assert dtype == ("<f4" if how == "dict" else ">f4")
+        assert verify(out).ok
+        batch = next(iter(DataLoader(ShardDataset(out, crop_size=16), batch_size=4, num_workers=2)))
+        assert batch["emb"].dtype == torch.float32 and batch["emb"].tolist() == [v.tolist() for v in values]
+        info = subprocess.run([sys.executable, "-m", "packer.cli", "info", str(out)], capture_output=True, text=True)
+        assert info.returncode == 0 and f"field emb: array ({dtype})" in info.stdout, info.stderr
+
+
+@pytest.mark.parametrize("name", ["skip", "source"])
+def test_a_field_named_as_a_samples_own_key_is_refused(tmp_path: Path, name: str) -> None:
+    """Issue 40 item 16: a ``skip`` text field turned every sample with a value into a skip; now
+    such a name is refused where the fields are declared, in one line, before anything is packed."""
+    img = np.zeros((40, 40, 3), np.uint8)
+    with pytest.raises(packer.BuildError, match=f"field name '{name}' is reserved"):
+        packer.pack([{"image": img, name: "x"}], tmp_path / "d", fields={name: "text"})
+    assert not (tmp_path / "d").exists()

@@ -97,3 +97,56 @@ def test_non_utf8_names_print_as_valid_utf8(raw_photos: Path, tmp_path: Path) ->
     assert run.stdout.startswith(b"0: caf\\xe9/p\\xff.jpg  class caf\\xe9  ")
     (line,) = (out / "report.jsonl").read_bytes().decode("utf-8").splitlines()
     assert os.fsencode(json.loads(line)["path"]) == b"caf\xe9/bad\xfe.jpg"
+
+
+def test_info_show_and_preview_of_a_coco_dataset_name_its_categories(tmp_path: Path) -> None:
+    """A ``--coco`` dataset has no image labels: `info` says its box categories (names, boxes per
+    category), not "0 classes (unlabeled)"; `show` and the preview's captions name the categories
+    of the boxes shown, not "unlabeled"."""
+    from PIL import ImageOps
+
+    from packer import ShardDataset
+    from packer.tools.preview import caption
+
+    photos = Path(__file__).resolve().parents[1] / "data" / "exif-orientation"
+    images = tmp_path / "images"
+    images.mkdir()
+    entries, annotations = [], []
+    for k, name in enumerate(["Landscape_1.jpg", "Portrait_3.jpg"]):
+        im = ImageOps.exif_transpose(Image.open(photos / name)).convert("RGB")
+        im.save(images / name, quality=95)
+        entries.append({"id": k, "file_name": name, "width": im.width, "height": im.height})
+    for number, (image, category, box) in enumerate(
+        [(0, 3, [100, 50, 200, 100]), (0, 3, [400, 300, 100, 100]), (0, 7, [10, 10, 50, 50]), (1, 3, [20, 20, 90, 90])]
+    ):
+        annotations.append({"id": number, "image_id": image, "category_id": category, "bbox": box})
+    categories = [{"id": 3, "name": "cat"}, {"id": 7, "name": "crowd"}, {"id": 9, "name": "unused"}]
+    instances = tmp_path / "instances.json"
+    instances.write_text(json.dumps({"images": entries, "annotations": annotations, "categories": categories}))
+    out = tmp_path / "coco"
+    run = cli("build", images, out, "--coco", instances, "--backend", "memmap", "--workers", "1")
+    assert run.returncode == 0, run.stderr
+
+    text = cli("info", out).stdout
+    assert "2 images, 3 box categories (no image label)" in text and "0 classes" not in text
+    assert "boxes per category:" in text
+    lines = text.splitlines()
+    assert any(line.split()[:3] == ["3", "cat", "3"] for line in lines), text
+    assert any(line.split()[:3] == ["7", "crowd", "1"] for line in lines), text
+    assert any(line.split()[:3] == ["9", "unused", "0"] for line in lines), text
+    facts = json.loads(cli("info", "--json", out).stdout)
+    (labels,) = [f for f in facts["fields"] if f["kind"] == "box_labels"]
+    assert labels["categories"] == [
+        {"id": 3, "name": "cat", "boxes": 3},
+        {"id": 7, "name": "crowd", "boxes": 1},
+        {"id": 9, "name": "unused", "boxes": 0},
+    ]
+
+    ds = ShardDataset(out, crop_size=None)
+    first = ds.source(0) == "Landscape_1.jpg"
+    assert [caption(ds, i, ds[i]) for i in range(2)] == (
+        ["cat x2, crowd", "cat"] if first else ["cat", "cat x2, crowd"]
+    )
+    run = cli("show", out, 0)
+    assert run.returncode == 0 and "unlabeled" not in run.stdout and " cat" in run.stdout, run.stdout
+    assert contact_sheet(out, tmp_path / "sheet.png", n=2) == (2, 1)
