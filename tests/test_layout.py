@@ -133,7 +133,7 @@ def test_no_import_cycle() -> None:
 def documented_names() -> set[str]:
     """Every dotted ``packer.`` name the README and docs/ write (``packer.read.rng.generator()``,
     ``from packer.builder.dask import build_dask``): the paths a user copies."""
-    names = set()
+    names: set[str] = set()
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = page.read_text()
         for module, imported in re.findall(r"from (packer(?:\.\w+)*) import \(?([\w, ]+)", text):
@@ -146,8 +146,10 @@ def test_every_documented_path_imports() -> None:
     """A name the docs give resolves where they say (no re-export shims keep old paths alive: a
     module that moves takes its docs with it)."""
     missing: list[str] = []
+    absent = object()
     for name in sorted(documented_names()):
-        parts, target = name.split("."), importlib.import_module("packer")
+        parts = name.split(".")
+        target: object = importlib.import_module("packer")
         for k in range(1, len(parts)):
             module = ".".join(parts[: k + 1])
             if not hasattr(target, parts[k]) and isinstance(target, types.ModuleType):
@@ -156,8 +158,8 @@ def test_every_documented_path_imports() -> None:
                 except ModuleNotFoundError as e:
                     if e.name != module:
                         raise
-            target = getattr(target, parts[k], missing)
-            if target is missing:
+            target = getattr(target, parts[k], absent)
+            if target is absent:
                 missing.append(name)
                 break
     assert len(documented_names()) > 20 and missing == []
