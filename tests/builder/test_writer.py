@@ -843,21 +843,10 @@ def test_ctrl_c_of_a_pack_says_what_is_left(
 
     out, flag = tmp_path / "out", tmp_path / "flag"
     first = packer.pack([{"image": np.zeros((40, 50, 3), np.uint8), "source": "old"}], out, fields={}, workers=0)
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(out), str(flag), str(workers), "1" if resume else "0"],
-        stderr=subprocess.PIPE,
-        text=True,
+    returncode, err = _interrupted_at_cue(
+        [sys.executable, str(script), str(out), str(flag), str(workers), "1" if resume else "0"], flag
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert flag.exists(), "the pack reached its sixth sample"
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=120)
-    finally:
-        child.kill()
-    assert child.returncode == -signal.SIGINT
+    assert returncode == -signal.SIGINT
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"KeyboardInterrupt: {out} is left as it was; "), err
     assert "write_all" not in err and "sleep" not in err  # no frames from inside the pack
@@ -869,6 +858,24 @@ def test_ctrl_c_of_a_pack_says_what_is_left(
     assert f"the work so far is kept in {staging}: pack again with resume=True to continue" in last
     report = packer.pack(interrupted_pack.samples(), out, fields={}, force=True, resume=True, workers=0)
     assert (report.resumed_from, report.count) == (6, 12)
+
+
+def _interrupted_at_cue(command: list[str], cue: Path) -> tuple[int, str]:
+    """Run ``command``, SIGINT it once it writes ``cue`` (an event, not a delay), and return its exit
+    status and stderr."""
+    import signal
+
+    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not cue.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cue.exists(), f"the child never wrote its cue {cue}"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    return child.returncode, err
 
 
 _CUED_CLI = """
@@ -900,27 +907,15 @@ def test_ctrl_c_of_a_coco_build_says_whether_resume_continues_it(tmp_path: Path,
     """SIGINT in the middle of `packer build --coco` (a real process; cued by a file written as its
     third image is asked for): exit 130 and one line in the CLI's words, true of a --coco build:
     without --resume nothing was kept; with it, the same command with --resume continues."""
-    import signal
 
     images, listed = _coco_file(tmp_path, [f"{k}.png" for k in range(4)])
     script, flag, out = tmp_path / "cued.py", tmp_path / "flag", tmp_path / "out"
     script.write_text(_CUED_CLI)
     args = ["build", str(images), str(out), "--coco", str(listed), "--checkpoint-seconds", "0", "--workers", "0"]
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(flag), *args, *(["--resume"] if resume else [])],
-        stderr=subprocess.PIPE,
-        text=True,
+    returncode, err = _interrupted_at_cue(
+        [sys.executable, str(script), str(flag), *args, *(["--resume"] if resume else [])], flag
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert flag.exists(), "the build reached its third image"
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=120)
-    finally:
-        child.kill()
-    assert child.returncode == 130, err
+    assert returncode == 130, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"packer: interrupted; nothing written to {out}; "), err
     assert not out.exists() and "=True" not in err
