@@ -46,8 +46,8 @@ from pagecache import cached_fraction, evict, files
 from packer.backends.lmdb import close_lmdb
 from packer.read.dataset import ShardDataset
 from packer.read.sampler import ShardSampler
-from packer.tools.sample import make_folder
 from packer.tools.bench import cores, disk_bytes
+from packer.tools.sample import make_folder
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "packer-bench"
 

@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from packer.tools.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
 from packer.store.published import read_files, version_id  # noqa: E402
+from packer.tools.sample import make_folder  # noqa: E402
 from tests.store.proxy import start  # noqa: E402
 from tests.store.seaweed import seaweed  # noqa: E402
 

@@ -44,8 +44,8 @@ from packer.format import Manifest, disk_bytes, load_index, source_path  # noqa:
 from packer.read.batchpool import POOL_MAX  # noqa: E402
 from packer.read.dataset import ShardDataset  # noqa: E402
 from packer.read.reader import open_reader  # noqa: E402
-from packer.tools.sample import make_folder  # noqa: E402
 from packer.tools.bench import cores, measure, proc_rss, worker_pids  # noqa: E402
+from packer.tools.sample import make_folder  # noqa: E402
 from packer.transform import DRAWS, IMAGENET_MEAN, IMAGENET_STD, random_resized_crops, resize_backend  # noqa: E402
 
 CROP = 224

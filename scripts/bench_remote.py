@@ -58,8 +58,8 @@ from packer.format import INDEX, MANIFEST, DatasetError, Manifest  # noqa: E402
 from packer.read.remote import eviction  # noqa: E402
 from packer.read.remote import settings as knobs  # noqa: E402
 from packer.read.sampler import label_entropy  # noqa: E402
-from packer.tools.sample import make_folder  # noqa: E402
 from packer.store import open_store  # noqa: E402
+from packer.tools.sample import make_folder  # noqa: E402
 from tests.store.du import du_peak  # noqa: E402
 from tests.store.furthest import furthest_future_bytes  # noqa: E402
 from tests.store.proxy import Faults, start  # noqa: E402
