@@ -50,8 +50,10 @@ class Ramp:
         if len(sides) != 2 or any(s % step for s in sides):
             raise ValueError(f"Ramp sides must be two multiples of step={step}, not {self.sides!r}")
         epochs = tuple(operator.index(e) for e in self.epochs)
-        if len(epochs) != 2 or not 0 <= epochs[0] <= epochs[1]:
-            raise ValueError(f"Ramp epochs must be (start, end) with 0 <= start <= end, not {self.epochs!r}")
+        if len(epochs) != 2 or not 0 <= epochs[0] < epochs[1]:
+            raise ValueError(
+                f"Ramp epochs must be (start, end) with 0 <= start < end (a jump: Steps), not {self.epochs!r}"
+            )
         object.__setattr__(self, "sides", sides)
         object.__setattr__(self, "epochs", epochs)
 
