@@ -39,6 +39,7 @@ from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
 from ..format.fields import RAGGED, Field, decode_fields, split_record
 from ..format.records import FORMATS
+from ..transform import Augment
 from ..transform.fields import cropped as move_fields
 from ..transform.fields import tensors as field_tensors
 from ..transform.fields import whole as whole_fields
@@ -243,7 +244,8 @@ class ShardDataset(Dataset):
 
     ``ds[i]`` is ``(image, label)``: ``image`` is a CHW tensor of ``dtype``, normalized with
     ``mean``/``std`` unless ``dtype`` is ``torch.uint8``; ``crop_size=None`` returns the whole stored
-    image (sizes then differ, so batch with batch_size=1 or a custom collate_fn). ``label`` depends
+    image (sizes then differ, so batch with batch_size=1 or a custom collate_fn); a ``crop_size``
+    schedule (packer.read.resolution) crops each batch at its epoch's side. ``label`` depends
     on the dataset's ``label_kind``: the class id (an int), a multi-hot float32 vector of
     ``len(classes)`` ("multi"), -1 ("none"). With targets, ``ds[i]`` is ``(image, label, targets)``
     (float32 vector), or ``(image, targets)`` when unlabeled. A dataset with fields (boxes, masks,
@@ -327,7 +329,7 @@ class ShardDataset(Dataset):
         self.seed, self.dtype, self.memory_format = o.seed, o.dtype, o.memory_format
         self.mean, self.std = tuple(o.mean), tuple(o.std)
         self.augment = o.augment()  # with a crop_size schedule, epoch 0's (a batch takes its epoch's: _policy)
-        self._policies: dict[int, Optional[transform.Augment]] = {}  # a schedule's, by epoch, in this process
+        self._policies: dict[int, Optional[Augment]] = {}  # a schedule's, by epoch, in this process
         self.transform, self.batch_transform = o.transform, o.batch_transform
         self.box_min_visible = o.box_min_visible
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -482,7 +484,7 @@ class ShardDataset(Dataset):
         a = self._policy(self.epoch if epoch is None else operator.index(epoch))
         return None if a is None else a.crop_size
 
-    def _policy(self, epoch: Any) -> Optional[transform.Augment]:
+    def _policy(self, epoch: Any) -> Optional[Augment]:
         """The crop policy of a batch in ``epoch`` (one value, or one per sample): with a
         ``crop_size`` schedule, its side for that epoch (computed once per epoch in each process;
         a batch whose draws span epochs of two sides is a ValueError: one batch, one shape)."""
