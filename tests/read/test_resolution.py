@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from packer import ShardSampler
+from packer import MixDataset, ShardSampler
 from packer.read.dataset import ShardDataset
 from packer.read.draw import Draw
 from packer.read.resolution import Ramp, Steps
@@ -212,3 +212,33 @@ def test_a_user_schedule_that_cannot_be_pickled_is_one_clear_error_under_spawn(b
     with pytest.raises(TypeError, match=expected):
         iter(load(ds, workers=2, ctx="spawn"))
     assert pickle.loads(pickle.dumps(ShardDataset(ds.root, crop_size=side_of))).crop_size_at(1) == 48
+
+
+def test_a_mix_reads_its_members_schedule_and_refuses_two(built) -> None:
+    """A MixDataset's members must share the schedule (as they share a side): the mix's batches
+    then take the epoch's side; members with two schedules are refused, naming both."""
+    members = [ShardDataset(built("memmap", fmt), crop_size=RAMP, dtype=torch.uint8) for fmt in ("raw", "jpeg")]
+    mix = MixDataset(members)
+    sampler = ShardSampler(mix)
+    sampler.set_epoch(1)
+    assert {b[0].shape for b in DataLoader(mix, batch_size=6, sampler=sampler)} == {(6, 3, 48, 48)}
+    other = ShardDataset(built("memmap", "jpeg"), crop_size=Steps({0: 32, 1: 64}))
+    with pytest.raises(ValueError, match=r"differ in crop size .*: Steps\(\{0: 32, 1: 64\}\) vs Ramp\("):
+        MixDataset([members[0], other])
+
+
+def test_a_transform_receives_the_crop_at_the_epochs_side(built) -> None:
+    seen = []
+
+    def look(image: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(image.shape))
+        return image
+
+    ds = ShardDataset(built("memmap", "jpeg"), crop_size=RAMP, dtype=torch.uint8, transform=look)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        assert ds.__getitems__([0, 1])[0].image.shape == (3, SIDES[epoch], SIDES[epoch])
+    assert seen == [(3, side, side) for side in SIDES for _ in range(2)]
+    assert repr(ds).endswith(
+        "train crop Ramp(sides=(32, 64), epochs=(0, 2), step=16) (epoch 2: 64), torch.uint8, seed=0, epoch=2)"
+    )
