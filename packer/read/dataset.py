@@ -490,15 +490,13 @@ class ShardDataset(Dataset):
         a batch whose draws span epochs of two sides is a ValueError: one batch, one shape)."""
         if not callable(self.options.crop_size):
             return self.augment
-        policies = []
-        for e in np.unique(epoch).tolist():
+        epochs = np.unique(epoch).tolist()
+        for e in epochs:
             if e not in self._policies:
                 self._policies[e] = self.options.augment(e)
-            policies.append(self._policies[e])
+        policies = [self._policies[e] for e in epochs]
         if any(p != policies[0] for p in policies):
-            sides = ", ".join(
-                f"epoch {e}: {p.crop_size if p else None}" for e, p in zip(np.unique(epoch).tolist(), policies)
-            )
+            sides = ", ".join(f"epoch {e}: {p.crop_size if p else None}" for e, p in zip(epochs, policies))
             raise ValueError(
                 f"a batch's draws come from epochs whose crop_size schedule gives different sides ({sides}): "
                 "one batch, one shape"
