@@ -39,6 +39,7 @@ from ..format import DatasetError, source_path
 from ..format import label_arrays as labelling
 from ..format.fields import RAGGED, Field, decode_fields, split_record
 from ..format.records import FORMATS
+from ..transform import Augment
 from ..transform.fields import cropped as move_fields
 from ..transform.fields import tensors as field_tensors
 from ..transform.fields import whole as whole_fields
@@ -47,6 +48,7 @@ from .draw import Draw, Order, Ranges
 from .options import DEFAULTS, BatchTransform, ReadOptions, Transform
 from .reader import open_reader
 from .remote import Remote
+from .resolution import CropSize, check_picklable
 
 
 class Sample(NamedTuple):
@@ -242,7 +244,8 @@ class ShardDataset(Dataset):
 
     ``ds[i]`` is ``(image, label)``: ``image`` is a CHW tensor of ``dtype``, normalized with
     ``mean``/``std`` unless ``dtype`` is ``torch.uint8``; ``crop_size=None`` returns the whole stored
-    image (sizes then differ, so batch with batch_size=1 or a custom collate_fn). ``label`` depends
+    image (sizes then differ, so batch with batch_size=1 or a custom collate_fn); a ``crop_size``
+    schedule (packer.read.resolution) crops each batch at its epoch's side. ``label`` depends
     on the dataset's ``label_kind``: the class id (an int), a multi-hot float32 vector of
     ``len(classes)`` ("multi"), -1 ("none"). With targets, ``ds[i]`` is ``(image, label, targets)``
     (float32 vector), or ``(image, targets)`` when unlabeled. A dataset with fields (boxes, masks,
@@ -280,7 +283,7 @@ class ShardDataset(Dataset):
     def __init__(
         self,
         path: str | os.PathLike,
-        crop_size: Optional[int] = DEFAULTS.crop_size,
+        crop_size: CropSize = DEFAULTS.crop_size,
         train: bool = DEFAULTS.train,
         seed: int = DEFAULTS.seed,
         dtype: torch.dtype = DEFAULTS.dtype,
@@ -325,7 +328,8 @@ class ShardDataset(Dataset):
         # plain attributes for the per-sample code
         self.seed, self.dtype, self.memory_format = o.seed, o.dtype, o.memory_format
         self.mean, self.std = tuple(o.mean), tuple(o.std)
-        self.augment = o.augment()
+        self.augment = o.augment()  # with a crop_size schedule, epoch 0's (a batch takes its epoch's: _policy)
+        self._policies: dict[int, Optional[Augment]] = {}  # a schedule's, by epoch, in this process
         self.transform, self.batch_transform = o.transform, o.batch_transform
         self.box_min_visible = o.box_min_visible
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -375,6 +379,8 @@ class ShardDataset(Dataset):
             "options",
             "box_min_visible",
         )
+        if callable(self.options.crop_size):  # say why a spawn worker cannot have a lambda, not pickle's words
+            check_picklable(self.options.crop_size)
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -382,6 +388,7 @@ class ShardDataset(Dataset):
         where an exception would only say the worker died: a replaced dataset is refused at the first
         read instead, with its own message."""
         self.__dict__.update(state)
+        self._policies = {}
         try:
             self._load(expect=self._files)
         except DatasetError as e:
@@ -471,6 +478,31 @@ class ShardDataset(Dataset):
             raise ValueError(f"epoch must be in 0..2**63-1, not {epoch}")
         self._epoch[0] = epoch
 
+    def crop_size_at(self, epoch: Optional[int] = None) -> Optional[int]:
+        """The output side in ``epoch`` (default: the dataset's current one): ``crop_size``, or its
+        schedule's value; None for whole images."""
+        a = self._policy(self.epoch if epoch is None else operator.index(epoch))
+        return None if a is None else a.crop_size
+
+    def _policy(self, epoch: Any) -> Optional[Augment]:
+        """The crop policy of a batch in ``epoch`` (one value, or one per sample): with a
+        ``crop_size`` schedule, its side for that epoch (computed once per epoch in each process;
+        a batch whose draws span epochs of two sides is a ValueError: one batch, one shape)."""
+        if not callable(self.options.crop_size):
+            return self.augment
+        epochs = np.unique(epoch).tolist()
+        for e in epochs:
+            if e not in self._policies:
+                self._policies[e] = self.options.augment(e)
+        policies = [self._policies[e] for e in epochs]
+        if any(p != policies[0] for p in policies):
+            sides = ", ".join(f"epoch {e}: {p.crop_size if p else None}" for e, p in zip(epochs, policies))
+            raise ValueError(
+                f"a batch's draws come from epochs whose crop_size schedule gives different sides ({sides}): "
+                "one batch, one shape"
+            )
+        return policies[0]
+
     # --- samples --------------------------------------------------------------------------------
 
     def __getitem__(self, i: int) -> Any:
@@ -556,14 +588,15 @@ class ShardDataset(Dataset):
         keys = indices if keys is None else keys
         if self.transform is not None or self.batch_transform is not None:
             return self._transformed(indices, epoch, keys, extras, shared)
-        if self.augment is None:  # whole images differ in size: nothing to preallocate
+        augment = self._policy(epoch)
+        if augment is None:  # whole images differ in size: nothing to preallocate
             wholes = [self._whole(i) for i in indices]
             return [self._sample(image, parts, values, i) for (image, values), parts, i in zip(wholes, extras, indices)]
         rows = self.index[at]
-        crops = self.augment.crops(self.seed, epoch, keys, rows["height"], rows["width"])
+        crops = augment.crops(self.seed, epoch, keys, rows["height"], rows["width"])
         if clock:
             clock("draw crop")
-        size = self.augment.crop_size
+        size = augment.crop_size
         images = self._output(len(indices), (3, size, size), self.dtype, shared)
         slots = images.permute(0, 2, 3, 1)  # each sample's H x W x C view
         # uint8: crops go straight into the batch; float: through one uint8 crop buffer per batch
@@ -596,7 +629,7 @@ class ShardDataset(Dataset):
             if collecting:
                 gc.enable()
         try:
-            values = self._moved(values, crops)
+            values = self._moved(values, crops, size)
         except DatasetError as e:  # a record's boxes: e.record is its place in the batch
             raise self._damaged(indices[e.record], e) if e.record is not None else e from None
         return [self._sample(images[k], parts, values[k], indices[k]) for k, parts in enumerate(extras)]
@@ -644,16 +677,15 @@ class ShardDataset(Dataset):
             return data, None
         return split_record(data, self._table) if self._table else (data, [])
 
-    def _moved(self, values: list[Any], crops: Optional[list[transform.Crop]]) -> list[Any]:
-        """A batch's field values moved by its images' ``crops`` (None: whole images, copied out
-        of the records), their boxes checked (DatasetError, ``record``: the sample's place in
-        ``values``); as it is without fields."""
+    def _moved(self, values: list[Any], crops: Optional[list[transform.Crop]], size: int = 0) -> list[Any]:
+        """A batch's field values moved by its images' ``crops`` into ``size`` x ``size`` outputs
+        (None: whole images, copied out of the records), their boxes checked (DatasetError,
+        ``record``: the sample's place in ``values``); as it is without fields."""
         if not self._fields:
             return values
-        if crops is None or self.augment is None:
+        if crops is None:
             return whole_fields(self._fields, values)
-        fmt, size = self.manifest.format, self.augment.crop_size
-        return move_fields(self._fields, values, crops, fmt, size, self.box_min_visible)
+        return move_fields(self._fields, values, crops, self.manifest.format, size, self.box_min_visible)
 
     def _output(self, n: int, shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
         """An n x ``shape`` batch; C x H x W samples are channels-last in memory unless asked otherwise."""
@@ -676,8 +708,10 @@ class ShardDataset(Dataset):
         transformed under its seeded random state, written into the batch (whose shape and dtype the
         first output sets), converted to ``dtype`` if uint8; then ``batch_transform`` on the batch."""
         rows = self.index[np.asarray(indices, dtype=np.int64)]
-        crops = self.augment.crops(self.seed, epoch, keys, rows["height"], rows["width"]) if self.augment else None
-        scratch = np.empty((self.augment.crop_size,) * 2 + (3,), np.uint8) if self.augment else None
+        augment = self._policy(epoch)
+        crops = augment.crops(self.seed, epoch, keys, rows["height"], rows["width"]) if augment else None
+        size = augment.crop_size if augment else 0
+        scratch = np.empty((size, size, 3), np.uint8) if augment else None
         datas = self._fetch(indices)
         seeds = rng.sample_seeds(self.seed, epoch, np.asarray(keys))
         fmt, images, first = self.manifest.format, None, torch.uint8  # first: the first output's dtype
@@ -696,7 +730,7 @@ class ShardDataset(Dataset):
                         hwc = torch.from_numpy(scratch)
                     if payloads is not None:  # moved now: the transform receives them
                         stored = decode_fields(self._fields, payloads, height=h, width=w)
-                        values[k] = field_tensors(self._moved([stored], [crops[k]] if crops else None)[0])
+                        values[k] = field_tensors(self._moved([stored], [crops[k]] if crops else None, size)[0])
                 except (DatasetError, ValueError) as e:
                     raise self._damaged(i, e) from None
                 x = hwc.permute(2, 0, 1)
@@ -888,8 +922,9 @@ class ShardDataset(Dataset):
         return position(i, self.manifest.count, "record", "a dataset")
 
     def __repr__(self) -> str:
-        a = self.augment
-        crop = "whole image" if a is None else f"{'train' if a.train else 'eval'} crop {a.crop_size}"
+        a, schedule = self.augment, self.options.crop_size
+        side = f"{schedule!r} (epoch {self.epoch}: {self.crop_size_at()})" if callable(schedule) else str(schedule)
+        crop = "whole image" if a is None else f"{'train' if a.train else 'eval'} crop {side}"
         return (
             f"ShardDataset({self.root!r}, {len(self)} records, {self.manifest.backend}/"
             f"{self.manifest.format}, {crop}, {self.dtype}, seed={self.seed}, epoch={self.epoch})"

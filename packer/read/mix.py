@@ -215,7 +215,7 @@ class MixDataset(Dataset):
 
 
 def _crop(d: ShardDataset) -> Any:
-    return None if d.augment is None else d.augment.crop_size
+    return d.options.crop_size  # a side, None (whole images) or a schedule: the members' must be equal
 
 
 def _member_order(order: Order, offsets: np.ndarray, m: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:

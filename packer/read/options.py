@@ -18,7 +18,9 @@ from typing import Any, Optional
 import torch
 
 from ..transform import IMAGENET_MEAN, IMAGENET_STD, Augment
+from . import resolution
 from .remote import parse_limit
+from .resolution import CropSize
 
 #: ``transform(image) -> tensor`` per sample; ``batch_transform(images, labels) -> (images, labels)``,
 #: on a dataset with fields ``batch_transform(images, fields) -> (images, fields)`` (fields: a dict).
@@ -42,6 +44,13 @@ def _callable(v: Any) -> bool:
     return v is None or callable(v)
 
 
+def _crop_size(v: Any) -> bool:
+    """None, a positive side, or a schedule whose epoch 0 gives one (its own ValueError if not)."""
+    if callable(v):
+        return resolution.side(v, 0) > 0
+    return v is None or v > 0
+
+
 def _limit(v: Any) -> bool:
     parse_limit(v)  # its own ValueError says what is wrong
     return True
@@ -51,11 +60,12 @@ def _limit(v: Any) -> bool:
 class ReadOptions:
     """How a ShardDataset reads; the defaults are ShardDataset's. Invalid values: ValueError."""
 
-    crop_size: Optional[int] = _setting(
+    crop_size: CropSize = _setting(
         224,
-        "output side; `None` returns the whole stored image (sizes differ: batch_size=1 or your own collate_fn)",
-        lambda v: v is None or v > 0,
-        "positive or None",
+        "output side; `None` returns the whole stored image (sizes differ: batch_size=1 or your own collate_fn); "
+        "a schedule (`Ramp`, `Steps` or a picklable function of the epoch) sets it per epoch (below)",
+        _crop_size,
+        "positive, None or a schedule (a function of the epoch)",
     )
     train: bool = _setting(
         True,
@@ -163,11 +173,13 @@ class ReadOptions:
         for name in ("mean", "std", "scale", "ratio"):  # any sequence given; kept as tuples
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
-    def augment(self) -> Optional[Augment]:
-        """The crop policy (None with ``crop_size=None``: whole images)."""
-        if self.crop_size is None:
+    def augment(self, epoch: int = 0) -> Optional[Augment]:
+        """The crop policy of ``epoch`` (None with ``crop_size=None``: whole images)."""
+        size = self.crop_size
+        if size is None:
             return None
-        return Augment(self.crop_size, self.train, self.scale, self.ratio, self.eval_ratio, self.flip)
+        side = resolution.side(size, epoch) if callable(size) else size
+        return Augment(side, self.train, self.scale, self.ratio, self.eval_ratio, self.flip)
 
 
 #: ShardDataset's signature takes its defaults from here (so help() shows them, written once)

@@ -9,6 +9,7 @@ pixel for pixel away from their edges.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 
 import packer
 from packer import ShardDataset, ShardSampler
+from packer.read.resolution import Steps
 
 PHOTOS = Path(__file__).resolve().parents[1] / "data" / "exif-orientation"
 COLOURS = np.array([(255, 0, 255), (0, 255, 255), (255, 255, 0), (0, 0, 255)], np.int16)
@@ -106,18 +108,22 @@ def _check(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, mask:
     return len(labels)
 
 
+@pytest.mark.parametrize("crop", [112, Steps({0: 144, 1: 80})], ids=["fixed", "schedule"])
 @pytest.mark.parametrize("train", [True, False])
-def test_boxes_and_masks_follow_every_crop(drawn: Path, train: bool) -> None:
+def test_boxes_and_masks_follow_every_crop(drawn: Path, train: bool, crop: Any) -> None:
+    """At a fixed side, and at each side of a resolution schedule (persistent workers: the side
+    changes under them)."""
     tol = 1.0 if drawn.name.endswith("raw") else 1.5  # JPEG: 4:2:0 chroma bleeds half a pixel more
-    ds = ShardDataset(drawn, crop_size=112, train=train, dtype=torch.uint8, seed=3)
+    ds = ShardDataset(drawn, crop_size=crop, train=train, dtype=torch.uint8, seed=3)
     sampler = ShardSampler(ds, repeats=3)  # every record drawn three times: three crops
-    loader = DataLoader(ds, batch_size=6, sampler=sampler, num_workers=2)
+    loader = DataLoader(ds, batch_size=6, sampler=sampler, num_workers=2, persistent_workers=True)
     checked = 0
     for epoch in range(2):
         sampler.set_epoch(epoch)
+        side = crop(epoch) if callable(crop) else crop
         for batch in loader:
             assert set(batch) == {"image", "label", "boxes", "box_labels", "mask", "caption", "id"}
-            assert batch["image"].shape == (6, 3, 112, 112) and batch["mask"].shape == (6, 112, 112)
+            assert batch["image"].shape == (6, 3, side, side) and batch["mask"].shape == (6, side, side)
             assert batch["id"].dtype == torch.int64 and isinstance(batch["caption"][0], str)
             assert isinstance(batch["boxes"], list) and len(batch["boxes"]) == 6
             for k in range(6):

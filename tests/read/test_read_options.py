@@ -47,7 +47,7 @@ def test_docs_table_is_the_fields() -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"crop_size": 0}, "crop_size must be positive or None, not 0"),
+        ({"crop_size": 0}, "crop_size must be positive, None or a schedule (a function of the epoch), not 0"),
         ({"dtype": torch.int32}, "dtype must be torch.uint8 or a floating type, not torch.int32"),
         ({"scale": (0, 0)}, "scale must be (low, high) with 0 < low <= high, not (0, 0)"),
         ({"scale": (0.5, 0.2)}, "scale must be (low, high) with 0 < low <= high, not (0.5, 0.2)"),
