@@ -19,6 +19,10 @@ from packer.format.records import FORMATS
 from .store.proxy import Proxy, start
 from .store.seaweed import S3Server, seaweed
 
+# the node cache's lock discipline checked in every test, and in the DataLoader workers and ranks they
+# start (they inherit it): a wait under a node lock, or node locks out of order, fails (packer.read.remote)
+os.environ.setdefault("PACKER_LOCK_CHECK", "1")
+
 # 18 real photos covering every EXIF orientation flag, downscaled, with their licence (see its README.md).
 PHOTOS = Path(__file__).resolve().parent / "data" / "exif-orientation"
 

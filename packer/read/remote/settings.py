@@ -51,8 +51,12 @@ PAST_SHARE = 0.5
 #: (docs/PERFORMANCE.md, "Random order through half a cache"). Read when used:
 #: scripts/bench_remote.py's ``--range-gap`` sets it.
 RANGE_GAP = 16 << 10
-#: Seconds a batch's download waits for other readers to let go of units when the cache is full.
-ROOM_WAIT = 60.0
+#: Seconds any wait of the cache lasts at most (a lock another process holds: its download of a
+#: unit, room in the cache, a prefetch's turn, a download in flight) before the batch fails in one
+#: line naming the unit, its object and the pid holding it: a stuck reader is said, never a silent
+#: hang. ``$PACKER_CACHE_WAIT`` sets it (seconds), for the DataLoader workers and ranks too: :func:`wait_s`.
+WAIT_S = 300.0
+WAIT_ENV = "PACKER_CACHE_WAIT"
 _UNITS_LIMIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -77,6 +81,17 @@ def past_wait() -> Optional[float]:
         return max(0.0, float(told))
     except ValueError:
         raise ValueError(f"PACKER_PAST_WAIT must be seconds or 'off', not {told!r}") from None
+
+
+def wait_s() -> float:
+    """:data:`WAIT_S`, or what ``$PACKER_CACHE_WAIT`` says."""
+    told = os.environ.get(WAIT_ENV, "").strip()
+    if not told:
+        return WAIT_S
+    try:
+        return max(0.0, float(told))
+    except ValueError:
+        raise ValueError(f"{WAIT_ENV} must be seconds, not {told!r}") from None
 
 
 def default_cache_dir() -> Path:
