@@ -99,21 +99,6 @@ def proxy(_proxy_server: Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pro
     _proxy_server.clear()
 
 
-@pytest.fixture
-def whole_units(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches wait for their units' downloads (PACKER_PAST_WAIT off, for the DataLoader workers
-    too) rather than read their records past the cache while the units download: for a test that
-    counts the whole-unit downloads (each byte once, one GET a unit, their order)."""
-    monkeypatch.setenv("PACKER_PAST_WAIT", "off")
-
-
-@pytest.fixture
-def reads_past(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches wait 50 ms for their units' downloads, then read their records past the cache while
-    the units go on ($PACKER_PAST_WAIT, off by default: packer.read.remote.settings.PAST_WAIT)."""
-    monkeypatch.setenv("PACKER_PAST_WAIT", "0.05")
-
-
 @pytest.fixture(scope="session")
 def class_sorted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real memmap dataset of 16 classes x 48 small photos, stored class by class (as every build

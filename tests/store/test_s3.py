@@ -74,7 +74,6 @@ def test_s3_dataset_reads_as_local(built, s3_server: S3Server, tmp_path: Path, b
     _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
 
 
-@pytest.mark.usefixtures("whole_units")
 @pytest.mark.parametrize("backend,context", [("lmdb", "fork"), ("memmap", "spawn"), ("memmap", "forkserver")])
 def test_workers_fetch_each_file_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, backend, context):
     """Two DataLoader workers (and a second dataset object of the same node cache) download each data
@@ -284,7 +283,6 @@ def test_cache_limit_that_cannot_work_refused_at_once(built, s3_server: S3Server
     assert max(on_disk(tmp_path / "cache")) <= least
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A download that failed leaves its reserved part for a later resume; when another unit needs
     the room of a cache of one unit, that part (no process downloading it) goes, not the reader."""
@@ -564,7 +562,6 @@ def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch:
     assert sheet.exit_code == 0 and (tmp_path / "sheet.png").stat().st_size > 0
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """memmap units are ranges of two records (settings.UNIT_BYTES), aligned to ShardSampler's blocks
     of two: the first sample waits for its own unit, not its shard; the next window's unit is
@@ -645,7 +642,6 @@ def test_memmap_units_ask_no_head(built, s3_server: S3Server, proxy: Proxy, tmp_
         ds[9]
 
 
-@pytest.mark.usefixtures("whole_units")
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_sampler_process_fetches_ahead_not_the_workers(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch, context
@@ -682,7 +678,6 @@ def test_sampler_process_fetches_ahead_not_the_workers(
         assert proxy.fetched(name) == size  # each byte once
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_mix_members_fetched_ahead_by_the_sampler_process(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
@@ -713,7 +708,6 @@ def test_mix_members_fetched_ahead_by_the_sampler_process(
     assert mix._read[0] > len(a) >= max(read) and 0 < sum(read) <= mix._read[0]
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_prefetches_take_turns_in_the_order_needed(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
@@ -848,7 +842,6 @@ def _parts_done(listed: Path) -> list[int]:
     return sorted(int(n) for n in lines if n.isdigit())
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A reader killed (-9) mid-download leaves the parts it finished; the next reader fetches only the
     rest (and its lock was released by the kernel), and the samples equal the local ones."""
@@ -877,7 +870,6 @@ def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, t
     assert proxy.fetched("shard-00000.bin") == size - len(done) * (32 << 10)
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_silent_server_times_out_and_retries(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A response that never starts is given up after the idle-read timeout and asked again: the
     reader gets its samples, and no wait is longer than the timeout."""

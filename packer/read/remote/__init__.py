@@ -62,10 +62,7 @@ reaches them.
   prefetch takes its turn before its unit's lock (a turn is a wait: rule 1). A batch whose unit is
   neither (the first ones, a sampler that announces nothing) is fetched by the process reading it; a
   process that reads its batches itself (no workers) fetches the next blocks after each batch's own.
-  A batch waits for the downloads of its units (its own, or those in flight elsewhere); with
-  :data:`PAST_WAIT` set (off by default), a memmap batch waits that long at most: its records of
-  those not in by then are read past the cache (:mod:`.ranges`), and they go on downloading into the
-  cache for the batches after it.
+  A batch waits for the downloads of its units (its own, or those in flight elsewhere).
 - **cache_limit**: units no reader holds are evicted before a download would take the cache (every
   dataset under ``cache_dir``) past the limit, counted as ``du`` counts it (every file and folder,
   each inode once, in whole blocks: the versions' manifests, indexes and labels, the sidecars, a

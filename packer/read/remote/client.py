@@ -84,7 +84,7 @@ class Remote:
         self._settings: Optional[dict[str, Any]] = None  # a store resolved elsewhere (__setstate__)
         self.per_unit = 0  # records per memmap unit (a power of two), fixed by the first pin()
         # the sampler's order of each epoch, for eviction by next use in processes that do not iterate
-        # it (its DataLoader workers: ShardDataset._ordered_by); None: no ShardSampler told one
+        # it (its DataLoader workers: ShardDataset.ordered_by); None: no ShardSampler told one
         self.order: Optional[Order] = None
         self._hold_units()
 
@@ -386,9 +386,7 @@ class Remote:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
-        the first failure; a failed fetch is forgotten once raised, so a later batch tries again;
-        with :data:`settings.PAST_WAIT` set, a memmap batch waits that long at most, and reads its records of
-        the units still downloading past the cache while they go on for later batches).
+        the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
         every record of this epoch is not needed again in it. ``read``: the draws of the planned
         ``epoch`` read by now in other processes (the sampler's, whose DataLoader workers read
@@ -438,25 +436,15 @@ class Remote:
                 futures[name] = pending[name]
         if not wait:
             return
-        # a memmap batch waits for its units' downloads only briefly: it reads its records of those
-        # still downloading past the cache, and they go on downloading for the batches after it
-        within = settings.past_wait() if units.ranged else None
-        if within is not None:  # a unit the batch reads most of is waited for: no byte crosses twice
-            share = np.bincount(numbers, weights=self._places(root)[1]["length"][records], minlength=len(units.keys))
-            whole = {units.keys[u] for u in np.flatnonzero(share > settings.PAST_SHARE * units.sizes).tolist()}
-            past, late = self._await({n: f for n, f in futures.items() if n not in whole}, within=within)
-            past += self._await({n: f for n, f in futures.items() if n in whole})[0]
-        else:
-            past, late = self._await(futures)
-        past += bypass
+        past = self._await(futures) + bypass
         # a prefetch that found no room left its unit to this batch; one evicted since, too
-        again = [n for n in wanted if n not in past and n not in late and not os.path.exists(folder + n)]
+        again = [n for n in wanted if n not in past and not os.path.exists(folder + n)]
         pool = turns.prefetcher.get()
         for name in again:  # in pending while they run: a later batch waits for them, not a second download
             if name not in pending:
                 pending[name] = pool.submit(self._fetch_into, root, name, demand=True)
-        past += self._await({n: pending[n] for n in again})[0] + late
-        if past:  # no room in the cache for them, or still downloading: the batch's records of them read past it
+        past += self._await({n: pending[n] for n in again})
+        if past:  # no room in the cache for them: the batch's records of them read past it
             self._read_past(root, records[np.isin(numbers, [units.numbers[n] for n in past])])
         # read from now on: until its units are in, the batch is what comes next (needed_before)
         self._next.count(units, numbers, wait, epoch)
@@ -483,25 +471,14 @@ class Remote:
                 out.append(name)
         return out
 
-    def _await(
-        self, futures: dict[str, concurrent.futures.Future], *, within: Optional[float] = None
-    ) -> tuple[list[str], list[str]]:
+    def _await(self, futures: dict[str, concurrent.futures.Future]) -> list[str]:
         """Wait for the fetches ``futures`` of a batch, raising the first failure (a failed fetch is
-        forgotten once raised, so a later batch tries again): the units that found no room, and
-        those still fetching after ``within`` seconds (None: all waited for). A fetch the batch no
-        longer waits for goes on for later batches, forgotten once it succeeds (its failure is a
-        later batch's to raise)."""
-        if within is not None:
-            concurrent.futures.wait(list(futures.values()), timeout=within)
-        pending, past, late = self._pending.get(), [], []
+        forgotten once raised, so a later batch tries again): the units that found no room."""
+        pending, past = self._pending.get(), []
         # a fetch ends by its own waits' deadlines (its lock, its turn, its room), whose lines name
         # the holder: this one backstops them, later (and a download's I/O, under its timeouts)
         deadline = time.monotonic() + 2 * settings.wait_s()
         for name, future in futures.items():
-            if within is not None and not future.done():
-                late.append(name)
-                future.add_done_callback(functools.partial(_forget, pending, name, failed=False))
-                continue
             if not future.done():
                 waiting(f"the download of {name}")
             try:
@@ -516,7 +493,7 @@ class Remote:
                 raise failure
             if future.result():
                 past.append(name)
-        return past, late
+        return past
 
     def _read_past(self, root: Path, records: np.ndarray) -> None:
         """``records`` of the version at ``root``, read from the store past the cache for the batch
@@ -922,12 +899,9 @@ def _with_sidecar(files: Files, part: Path, rows: np.ndarray) -> Files:
     return {**files, sidecar_of(part): sidecar_bytes(rows)}
 
 
-def _forget(
-    pending: dict[str, concurrent.futures.Future], name: str, done: concurrent.futures.Future, *, failed: bool = True
-) -> None:
-    """Forget fetch ``done`` of unit ``name`` (a newer one of it stays), unless it failed and a
-    failure is to be raised by the batch that next waits for it (``failed`` False)."""
-    if pending.get(name) is done and (failed or done.exception() is None):
+def _forget(pending: dict[str, concurrent.futures.Future], name: str, done: concurrent.futures.Future) -> None:
+    """Forget prefetch ``done`` of unit ``name`` (a newer one of it stays)."""
+    if pending.get(name) is done:
         del pending[name]
 
 

@@ -30,18 +30,9 @@ MIN_UNIT_BYTES = 2 << 20
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
-#: Seconds a memmap batch waits for its units' downloads (this process's, or another's it waits
-#: on) before it reads its records of those not in yet past the cache, as byte ranges
-#: (packer.read.remote.ranges), while they go on downloading for later batches; None: a batch
-#: waits for its units. Off by default: measured, it gained nothing for the default order, lost
-#: with 1 worker, and fetched those records twice (1.1x the data; 1.27x the furthest-future
-#: optimum under a half-data cache limit, over that goal); it halved the first batch's wait in
-#: random order (docs/PERFORMANCE.md, "Batches that do not wait for whole units").
-#: ``$PACKER_PAST_WAIT`` sets it (seconds, e.g. 0.05, or "off"), for the DataLoader workers too:
-#: :func:`past_wait`.
-PAST_WAIT: Optional[float] = None
-#: The most of a unit's bytes a batch reads past the cache while the unit downloads: a batch that
-#: needs more of it waits for the unit (its bytes would otherwise cross the link twice).
+#: The least share of a unit's records a batch's download must see read before the cache would
+#: have turned over for it to evict a cached unit (packer.read.remote.nextuse.NextUses.after):
+#: below it, the batch reads its records of the unit past the cache.
 PAST_SHARE = 0.5
 #: Bytes between two records of a shard below which one GET takes both: about what a request costs
 #: in money at S3's list prices (~4 KB of transfer out) to a few times that. Not the bytes a link
@@ -68,19 +59,6 @@ def unit_records(data_bytes: int, records: int) -> int:
     mean = data_bytes / max(1, records)
     target = min(UNIT_BYTES, max(MIN_UNIT_BYTES, data_bytes // MIN_UNITS))
     return 1 << max(0, int(target / max(mean, 1.0)).bit_length() - 1)
-
-
-def past_wait() -> Optional[float]:
-    """:data:`PAST_WAIT`, or what ``$PACKER_PAST_WAIT`` says (None: "off")."""
-    told = os.environ.get("PACKER_PAST_WAIT", "").strip()
-    if not told:
-        return PAST_WAIT
-    if told.lower() == "off":
-        return None
-    try:
-        return max(0.0, float(told))
-    except ValueError:
-        raise ValueError(f"PACKER_PAST_WAIT must be seconds or 'off', not {told!r}") from None
 
 
 def wait_s() -> float:
