@@ -59,7 +59,8 @@ reaches them.
   from its end, so the store's latency is covered and the unit needed next does not share the
   bandwidth with ones needed after it (four at once, the first of them came when all four did);
   where one stream is slower than the readers consume, as many receive at once as they need. A
-  prefetch takes its turn before its unit's lock (a turn is a wait: rule 1). A batch whose unit is
+  prefetch takes its turn before its unit's lock (a turn is a wait: rule 1), and only tries that lock
+  (a unit another process fetches is left to it: its batch waits for it). A batch whose unit is
   neither (the first ones, a sampler that announces nothing) is fetched by the process reading it; a
   process that reads its batches itself (no workers) fetches the next blocks after each batch's own.
   A batch waits for the downloads of its units (its own, or those in flight elsewhere).
