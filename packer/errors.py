@@ -48,6 +48,17 @@ class VersionsDiffer(DatasetError):
     between their opens) and cannot all read one: their step counts would differ and DDP hang."""
 
 
+class CacheWaitTimeout(DatasetError):
+    """A wait of the node cache (packer.read.remote: a lock, a download, room in the cache) ran past
+    its deadline; the message names the unit, its object and the process holding it."""
+
+
+class LockDisciplineError(AssertionError):
+    """A thread broke the node cache's lock discipline (packer.read.remote's docstring): it waited
+    while holding a node lock, or took node locks out of their order. A bug, raised only where
+    ``PACKER_LOCK_CHECK=1`` turns the check on (the test suite)."""
+
+
 class ShardError(PackerError):
     """A task failed; the message names the shard and the file being processed."""
 

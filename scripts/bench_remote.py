@@ -125,7 +125,6 @@ def set_knobs(args: argparse.Namespace) -> None:
     knobs.UNIT_BYTES, knobs.UNIT_STREAMS = args.unit_bytes, args.unit_streams
     knobs.MIN_UNITS, knobs.MIN_UNIT_BYTES = args.min_units, args.min_unit_bytes
     knobs.RANGE_GAP = args.range_gap
-    os.environ["PACKER_PAST_WAIT"] = str(args.past_wait) if args.past_wait >= 0 else "off"
 
 
 def serve_proxy(upstream: str, control: Any) -> None:
@@ -374,12 +373,6 @@ def main() -> None:
     p.add_argument("--unit-streams", type=int, default=knobs.UNIT_STREAMS, help="ranged GETs a unit is fetched in")
     p.add_argument(
         "--range-gap", type=int, default=knobs.RANGE_GAP, help="bytes between records read past the cache in one GET"
-    )
-    p.add_argument(
-        "--past-wait",
-        type=float,
-        default=-1 if knobs.PAST_WAIT is None else knobs.PAST_WAIT,
-        help="seconds a batch waits for its units before it reads its records as ranges (-1, the default: waits)",
     )
     p.add_argument("--order", choices=("default", "random", "block"), default="default", help="ShardSampler's order")
     p.add_argument("--window", type=int, default=0, help="ShardSampler's window (0: its default)")

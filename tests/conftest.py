@@ -19,6 +19,10 @@ from packer.format.records import FORMATS
 from .store.proxy import Proxy, start
 from .store.seaweed import S3Server, seaweed
 
+# the node cache's lock discipline checked in every test, and in the DataLoader workers and ranks they
+# start (they inherit it): a wait under a node lock, or node locks out of order, fails (packer.read.remote)
+os.environ.setdefault("PACKER_LOCK_CHECK", "1")
+
 # 18 real photos covering every EXIF orientation flag, downscaled, with their licence (see its README.md).
 PHOTOS = Path(__file__).resolve().parent / "data" / "exif-orientation"
 
@@ -93,21 +97,6 @@ def proxy(_proxy_server: Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pro
     monkeypatch.setenv("AWS_ENDPOINT_URL", _proxy_server.url)
     yield _proxy_server
     _proxy_server.clear()
-
-
-@pytest.fixture
-def whole_units(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches wait for their units' downloads (PACKER_PAST_WAIT off, for the DataLoader workers
-    too) rather than read their records past the cache while the units download: for a test that
-    counts the whole-unit downloads (each byte once, one GET a unit, their order)."""
-    monkeypatch.setenv("PACKER_PAST_WAIT", "off")
-
-
-@pytest.fixture
-def reads_past(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches wait 50 ms for their units' downloads, then read their records past the cache while
-    the units go on ($PACKER_PAST_WAIT, off by default: packer.read.remote.settings.PAST_WAIT)."""
-    monkeypatch.setenv("PACKER_PAST_WAIT", "0.05")
 
 
 @pytest.fixture(scope="session")

@@ -528,20 +528,20 @@ class ShardDataset(Dataset):
             if self._remote is not None:  # with a cache limit, its data files may be evicted now
                 self._remote.release()
 
-    def _will_read(self, epoch: int, records: np.ndarray) -> None:
+    def will_read(self, epoch: int, records: np.ndarray) -> None:
         """ShardSampler's draws of ``epoch``, in order: read in this process (no DataLoader
         workers), a cache_limit evicts by them (packer.read.remote)."""
         if self._remote is not None:
             self._remote.plan(epoch, records)
 
-    def _ordered_by(self, order: Order) -> None:
+    def ordered_by(self, order: Order) -> None:
         """ShardSampler's ``order`` of this rank's draws of each epoch, told when it is made: with a
         cache_limit, this dataset's copies in DataLoader workers (which do not iterate the sampler)
         evict by it too (packer.read.remote.nextuse.NextUses.follow)."""
         if self._remote is not None and self._remote.limit is not None:
             self._remote.order = order
 
-    def _fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
+    def fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
         """ShardSampler's next blocks (``ranges`` of records), told in the process that iterates it.
         A dataset in object storage fetches their data files here, in this process's background
         threads, so that downloads take no CPU from the DataLoader workers that decode (they find

@@ -1,11 +1,11 @@
 """Draw: a record index that carries the key of its augmentation, as ShardSampler yields it and
-ShardDataset and MixDataset read it (its own module: the datasets need the type, the sampler needs the
-datasets)."""
+ShardDataset and MixDataset read it; Planned: the seam through which ShardSampler tells a dataset
+its plan (its own module: the datasets need the types, the sampler needs the datasets)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -13,6 +13,28 @@ Ranges = tuple[tuple[int, int], ...]  # record ranges (first, end)
 #: A sampler's order of one rank's draws of an epoch, for the processes that read them but do not
 #: iterate it (DataLoader workers): epoch -> (global draw positions ascending, the record of each).
 Order = Callable[[int], tuple[np.ndarray, np.ndarray]]
+
+
+@runtime_checkable
+class Planned(Protocol):
+    """What ShardSampler tells a dataset that has these methods of the order it will be read in
+    (ShardDataset and MixDataset have them: a dataset in object storage evicts and prefetches its
+    node cache by it, packer.read.remote; any Dataset may). The sampler calls, in the process that
+    iterates it:
+
+    - :meth:`ordered_by` once, as it is made: ``order`` gives this rank's draws of an epoch, for
+      the dataset's copies in DataLoader workers, which do not iterate the sampler;
+    - :meth:`will_read` as each epoch's iteration starts: the records this rank reads, in order;
+    - :meth:`fetch_ahead` as it announces blocks it will yield soon (``order="block"``): their
+      record ``ranges``, and how many of the epoch's draws were yielded before the previous
+      announcement (``read``); True where the dataset fetched them in this process (the draw then
+      carries no ``ahead`` for the worker that reads it)."""
+
+    def ordered_by(self, order: Order) -> None: ...
+
+    def will_read(self, epoch: int, records: np.ndarray) -> None: ...
+
+    def fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool: ...
 
 
 class Draw(int):

@@ -64,8 +64,8 @@ class MixDataset(Dataset):
         self.datasets = members
         self._measure()
         self.seed = first.seed
-        # the sampler's epoch and each draw's member (ShardSampler._iter's _will_read), and how many
-        # of the draws read by the last announcement were each member's (_fetch_ahead)
+        # the sampler's epoch and each draw's member (ShardSampler._iter's will_read), and how many
+        # of the draws read by the last announcement were each member's (fetch_ahead)
         self._plan: Optional[tuple[int, np.ndarray]] = None
         self._read = (0, np.zeros(len(members), np.int64))
 
@@ -171,24 +171,24 @@ class MixDataset(Dataset):
             return samples
         return [s._replace(image=batch[k]) for k, s in enumerate(samples)]
 
-    def _will_read(self, epoch: int, records: np.ndarray) -> None:
+    def will_read(self, epoch: int, records: np.ndarray) -> None:
         """ShardSampler's draws of ``epoch``, in order: each member told its own, in their order
-        (a member in object storage evicts its cache by them: ShardDataset._will_read)."""
+        (a member in object storage evicts its cache by them: ShardDataset.will_read)."""
         records = np.asarray(records, np.int64)
         member = np.searchsorted(self.offsets, records, side="right") - 1
         self._plan = (epoch, member.astype(np.min_scalar_type(len(self.datasets))))
         self._read = (0, np.zeros(len(self.datasets), np.int64))
         for m, d in enumerate(self.datasets):
-            d._will_read(epoch, records[member == m] - self.offsets[m])
+            d.will_read(epoch, records[member == m] - self.offsets[m])
 
-    def _ordered_by(self, order: Order) -> None:
-        """ShardSampler's order of each epoch: each member its own draws of it (ShardDataset._ordered_by)."""
+    def ordered_by(self, order: Order) -> None:
+        """ShardSampler's order of each epoch: each member its own draws of it (ShardDataset.ordered_by)."""
         for m, d in enumerate(self.datasets):
-            d._ordered_by(functools.partial(_member_order, order, self.offsets, m))
+            d.ordered_by(functools.partial(_member_order, order, self.offsets, m))
 
-    def _fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
+    def fetch_ahead(self, epoch: int, read: int, ranges: Ranges) -> bool:
         """ShardSampler's next blocks, each member told its part and how many of its own draws the
-        ``read`` draws before it were (ShardDataset._fetch_ahead); True where every member with a
+        ``read`` draws before it were (ShardDataset.fetch_ahead); True where every member with a
         part fetches it in this process (else the workers are handed all of them, and a member's
         fetched here is found fetched or in flight there)."""
         if self._plan is not None and self._plan[0] == epoch:
@@ -199,7 +199,7 @@ class MixDataset(Dataset):
         else:
             counts = np.zeros(len(self.datasets), np.int64)
         told = [
-            d._fetch_ahead(epoch, int(counts[m]), mine)
+            d.fetch_ahead(epoch, int(counts[m]), mine)
             for m, d in enumerate(self.datasets)
             if (mine := self._member_ranges(m, ranges))
         ]

@@ -44,7 +44,7 @@ from torch.utils.data import ConcatDataset, Sampler
 
 from ..errors import VersionsDiffer
 from .dataset import ShardDataset
-from .draw import Draw, Ranges
+from .draw import Draw, Planned, Ranges
 from .mix import MixDataset
 
 ORDERS = ("random", "sequential", "block")
@@ -187,11 +187,10 @@ class ShardSampler(Sampler[Draw]):
         self._base = 0  # global position the current iteration started at
         self._yielded = 0  # draws this rank yielded in the current iteration
         self._done_epoch: Optional[int] = None  # the epoch last iterated to its end
-        ordered_by = getattr(dataset, "_ordered_by", None)
-        if ordered_by is not None:  # a dataset in object storage: its DataLoader workers evict by this order
+        if isinstance(dataset, Planned):  # told the plan (a dataset in object storage evicts by it)
             alone = copy.copy(self)
             alone.dataset = None  # pickled to every worker with the dataset: not a second copy of it
-            ordered_by(alone._order)
+            dataset.ordered_by(alone._order)
 
     # --- the epoch's global sequence -------------------------------------------------------------
 
@@ -318,10 +317,10 @@ class ShardSampler(Sampler[Draw]):
         self._base, self._yielded = start, 0
         positions, sequence, windows = self._iteration(epoch, start)
         ahead = self._ahead(sequence, windows, positions) if windows is not None and self.prefetch else {}
-        will_read = getattr(self.dataset, "_will_read", None)
-        if will_read is not None:  # a dataset in object storage evicts its cache by these next uses
-            will_read(epoch, sequence[positions])
-        fetch = getattr(self.dataset, "_fetch_ahead", None)
+        planned = self.dataset if isinstance(self.dataset, Planned) else None
+        if planned is not None:  # a dataset in object storage evicts its cache by these next uses
+            planned.will_read(epoch, sequence[positions])
+        fetch = planned.fetch_ahead if planned is not None else None
         read = 0  # this iteration's draws before the previous announcement's: read by now, or being read
         for j, (k, record) in enumerate(zip(positions.tolist(), sequence[positions].tolist())):
             self._yielded += 1

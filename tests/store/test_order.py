@@ -64,7 +64,6 @@ def _rank_epoch(url: str, cache: str, rank: int, order: str, env: dict[str, str]
         pass
 
 
-@pytest.mark.usefixtures("whole_units")
 @pytest.mark.parametrize("order", ["block", "random"])
 def test_two_ranks_of_a_node_fetch_each_unit_once(
     class_sorted: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, order: str

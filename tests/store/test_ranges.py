@@ -5,7 +5,6 @@ records of them, as byte ranges, checked; any order works down to the limit refu
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -151,44 +150,6 @@ def test_records_read_past_the_cache_are_checked(
 def _in_cache(cache: Path, names: dict[str, int]) -> set[str]:
     """The data files whose whole unit is in the cache's version folder."""
     return {p.name for p in cache.glob("*/versions/*/*") if p.name in names}
-
-
-@pytest.mark.usefixtures("reads_past")
-@pytest.mark.parametrize("limit", [None, "half"])
-def test_batch_reads_past_units_still_downloading(
-    small_shards: Path, s3_server: S3Server, proxy: Proxy, tmp_path: Path, limit: str | None
-) -> None:
-    """A store whose every GET moves a shard in about a second: a batch of one record of each
-    shard waits PACKER_PAST_WAIT (50 ms) for its units, then reads its records as ranges (checked) and
-    returns while the whole units still download. They go on into the cache for later batches: a
-    second batch of the same records makes no GET, each unit is downloaded whole once, and a cache
-    of half the data, sampled as ``du`` counts it, never exceeds its limit."""
-    sizes = _files(small_shards)
-    url = s3_server.upload(small_shards, f"ranges/late-{limit}")
-    cache = tmp_path / "cache"
-    bytes_limit = sum(sizes.values()) // 2 if limit else None
-    local = ShardDataset(small_shards, crop_size=None, dtype=torch.uint8)
-    batch = [int(i) for i in np.unique(local.index["shard"], return_index=True)[1]]
-    proxy.faults.append(Faults(match="shard-", stream_rate=min(sizes.values())))
-    with du_peak(cache) as highest:
-        remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=bytes_limit)
-        got = remote.__getitems__(batch)
-        cached_then = _in_cache(cache, sizes)
-        assert all(torch.equal(g[0], local[i][0]) and g[1] == local[i][1] for g, i in zip(got, batch, strict=True))
-        assert _past_reads(proxy, sizes) == len(sizes) and len(cached_then) < len(sizes)
-        deadline = time.monotonic() + 60
-        while remote._remote._pending.get() and time.monotonic() < deadline:  # the whole units, going on
-            time.sleep(0.05)
-        if limit is None:
-            assert _in_cache(cache, sizes) == set(sizes)
-            gets = sum(proxy.requests.values())
-            again = remote.__getitems__(batch)
-            assert sum(proxy.requests.values()) == gets
-            assert all(torch.equal(g[0], a[0]) for g, a in zip(got, again, strict=True))
-    whole = [k for k, asked in proxy.ranges.items() for r in asked if r == f"bytes=0-{sizes.get(_name(k), 0) - 1}"]
-    assert sorted(whole) == sorted(set(whole)) and (len(whole) == len(sizes) if limit is None else whole), whole
-    if bytes_limit is not None:
-        assert 0 < max(highest) <= bytes_limit, (highest, bytes_limit)
 
 
 def test_release_keeps_the_records_another_batch_read_past(

@@ -271,7 +271,6 @@ def test_leftovers_of_an_older_run(kind: str, backend: str, built, want, s3_serv
 # --- two nodes: two cache dirs on one bucket ---------------------------------------------------------
 
 
-@pytest.mark.usefixtures("whole_units")
 @pytest.mark.parametrize("backend", ["memmap", "lmdb"])
 def test_two_nodes_on_one_bucket(backend: str, built, want, s3_server: S3Server, proxy: Proxy, tmp_path: Path) -> None:
     """Two node caches read one bucket at once: both read the dataset's bytes, each node fetches each

@@ -74,7 +74,6 @@ def test_s3_dataset_reads_as_local(built, s3_server: S3Server, tmp_path: Path, b
     _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
 
 
-@pytest.mark.usefixtures("whole_units")
 @pytest.mark.parametrize("backend,context", [("lmdb", "fork"), ("memmap", "spawn"), ("memmap", "forkserver")])
 def test_workers_fetch_each_file_once(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, backend, context):
     """Two DataLoader workers (and a second dataset object of the same node cache) download each data
@@ -211,10 +210,9 @@ def test_cache_limit_waits_for_holders_then_refuses(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
     """An LMDB reader holds the segments of the batch it is reading until the batch is done: a
-    download that finds no room waits for it (settings.ROOM_WAIT), then fails in one line naming
+    download that finds no room waits for it (the deadline: $PACKER_CACHE_WAIT), then fails in one line naming
     a limit that works; a dataset opened with that limit reads while the batch still holds its
     files, and once the batch is done its files may be evicted."""
-    monkeypatch.setattr(settings, "ROOM_WAIT", 0.5)
     local = built("lmdb", "jpeg")
     sizes = _files(local)
     url = s3_server.upload(local, "limit/lmdb")
@@ -235,8 +233,10 @@ def test_cache_limit_waits_for_holders_then_refuses(
         batch = pool.submit(holder.__getitems__, list(range(len(holder))))  # every segment, held
         assert reading.wait(60)
         other = s3_server.upload(local, "limit/lmdb-copy")
+        monkeypatch.setenv("PACKER_CACHE_WAIT", "0.5")
         with pytest.raises(DatasetError) as refused:
             ShardDataset(other, crop_size=None, dtype=torch.uint8, cache_dir=cache, cache_limit=limit)[17]
+        monkeypatch.delenv("PACKER_CACHE_WAIT")
         message = str(refused.value)
         found = re.search(
             r"too small for the batches read at once: at least (\d+) bytes would work \(.* held by", message
@@ -283,7 +283,6 @@ def test_cache_limit_that_cannot_work_refused_at_once(built, s3_server: S3Server
     assert max(on_disk(tmp_path / "cache")) <= least
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_failed_download_gives_its_room_back(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A download that failed leaves its reserved part for a later resume; when another unit needs
     the room of a cache of one unit, that part (no process downloading it) goes, not the reader."""
@@ -563,7 +562,6 @@ def test_cli_reads_urls(built, s3_server: S3Server, tmp_path: Path, monkeypatch:
     assert sheet.exit_code == 0 and (tmp_path / "sheet.png").stat().st_size > 0
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """memmap units are ranges of two records (settings.UNIT_BYTES), aligned to ShardSampler's blocks
     of two: the first sample waits for its own unit, not its shard; the next window's unit is
@@ -644,15 +642,15 @@ def test_memmap_units_ask_no_head(built, s3_server: S3Server, proxy: Proxy, tmp_
         ds[9]
 
 
-@pytest.mark.usefixtures("whole_units")
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_sampler_process_fetches_ahead_not_the_workers(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch, context
 ):
     """With DataLoader workers, ShardSampler's next blocks are downloaded by the process iterating
-    the sampler (its background threads), not by the workers that decode: their connections to the
-    store served at most the first window's units (a batch whose unit is not in flight yet is
-    fetched by its reader), and the batches equal a local run's."""
+    the sampler (its background threads), in the order needed; a batch whose unit is not in flight
+    yet is fetched by its reader (the first window's, or one whose prefetch still waits for its
+    turn: a prefetch takes its turn before its unit's lock, and leaves a unit another process
+    fetches to it). Each unit is fetched once, and the batches equal a local run's."""
     local = built("memmap", "jpeg")
     here, ds, units = _units_of_two(local, s3_server, f"ahead/{context}", tmp_path, monkeypatch)
     proxy.faults.append(Faults(match="shard-", delay=0.05))
@@ -670,8 +668,7 @@ def test_sampler_process_fetches_ahead_not_the_workers(
     gets = [(k, p) for k, peers in proxy.peers.items() if f"/ahead/{context}/shard-" in k for p in peers]
     assert len(gets) == len(units.keys) and {p for _, p in gets} <= mine | theirs  # one GET per unit, each placed
     order = list(sampler(here))
-    first_batches = {int(units.of[int(d)]) for d in order[:4]}  # each worker's first
-    assert sum(p in theirs for _, p in gets) <= len(first_batches), gets
+    assert sum(p in mine for _, p in gets) > 0, gets  # the sampler's process fetched ahead
     needed = list(dict.fromkeys(int(units.of[int(d)]) for d in order))  # units in the order first read
     wanted = [(names[int(units.shard[u])], int(units.starts[u])) for u in needed]
     answered = sorted((a, k, r) for k, r, p, a, _ in proxy.spans if f"/ahead/{context}/shard-" in k and p in mine)
@@ -681,13 +678,13 @@ def test_sampler_process_fetches_ahead_not_the_workers(
         assert proxy.fetched(name) == size  # each byte once
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_mix_members_fetched_ahead_by_the_sampler_process(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
     """A MixDataset of datasets in object storage: ShardSampler's plan and next blocks reach each
     member as its own records, and are downloaded by the process iterating the sampler, not by the
-    workers (theirs served at most their first batches' units); the batches equal a local mix's."""
+    workers (those fetched the units of their first batches, and any whose prefetch still waited
+    for its turn); each unit once, and the batches equal a local mix's."""
     local = built("memmap", "jpeg")
     here, a, units = _units_of_two(local, s3_server, "mix/a", tmp_path, monkeypatch)
     b = ShardDataset(s3_server.upload(local, "mix/b"), crop_size=16, seed=2, cache_dir=tmp_path / "cache")
@@ -704,15 +701,13 @@ def test_mix_members_fetched_ahead_by_the_sampler_process(
     theirs -= mine  # a forked worker also holds its parent's connections
     gets = [p for k, peers in proxy.peers.items() if "/mix/" in k and "/shard-" in k for p in peers]
     assert len(gets) == 2 * len(units.keys)  # each unit of each member once
-    located = [mix.locate(int(d)) for d in list(sampler(local_mix))[:4]]  # each worker's first batch
-    assert sum(p in theirs for p in gets) <= len({(m, int(units.of[r])) for m, r in located}), gets
+    assert sum(p in mine for p in gets) > 0, gets
     assert a._remote is not None and b._remote is not None
     assert a._remote._next.planned is not None and b._remote._next.planned is not None  # each member told its draws
     read = (a._remote._next.at, b._remote._next.at)  # the draws each member counts read: its own, not the mix's
     assert mix._read[0] > len(a) >= max(read) and 0 < sum(read) <= mix._read[0]
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_prefetches_take_turns_in_the_order_needed(
     built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch
 ):
@@ -787,11 +782,12 @@ def test_turns_widen_only_where_one_stream_is_too_slow():
     assert turns._width == 1
     for key, rank in (("a", 1), ("b", 2), ("c", 3)):
         turns.enter(("d", key), rank, concurrent.futures.Future)
-    first = turns.turn(("d", "a"), 10)
+    turns.turn(("d", "a"), named="a")
+    first = turns.arrival(("d", "a"), 10)
     order: list[str] = []
 
     def take(key: str) -> None:
-        turns.turn(("d", key), 10)
+        turns.turn(("d", key), named=key)
         order.append(key)
 
     waiting = [threading.Thread(target=take, args=(k,), daemon=True) for k in "cb"]
@@ -846,7 +842,6 @@ def _parts_done(listed: Path) -> list[int]:
     return sorted(int(n) for n in lines if n.isdigit())
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A reader killed (-9) mid-download leaves the parts it finished; the next reader fetches only the
     rest (and its lock was released by the kernel), and the samples equal the local ones."""
@@ -875,7 +870,6 @@ def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, t
     assert proxy.fetched("shard-00000.bin") == size - len(done) * (32 << 10)
 
 
-@pytest.mark.usefixtures("whole_units")
 def test_silent_server_times_out_and_retries(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A response that never starts is given up after the idle-read timeout and asked again: the
     reader gets its samples, and no wait is longer than the timeout."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
-import fcntl
 import functools
 import glob
 import mmap
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +24,7 @@ from ...backends import BACKENDS, data_files, record_places
 from ...backends.base import FileKey, Pinned, Shard
 from ...backends.memmap import Mapping
 from ...backends.pin import pin
+from ...errors import CacheWaitTimeout
 from ...format import (
     INDEX,
     MANIFEST,
@@ -42,7 +43,9 @@ from .download import download, starts
 from .eviction import (
     BLOCK,
     Files,
+    Full,
     NoRoom,
+    cache_locked,
     create,
     evicted_too_often,
     fixed_room,
@@ -52,7 +55,7 @@ from .eviction import (
     room_for,
     too_small,
 )
-from .locks import HOLDERS, LOCKING, Held, close_held, let_go, locked
+from .locks import HOLDERS, LOCKING, Held, close_held, hold, let_go, locked, waiting
 from .nextuse import NextUses
 from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, remove, sidecar_of, unit_span
 from .ranges import read_records
@@ -81,7 +84,7 @@ class Remote:
         self._settings: Optional[dict[str, Any]] = None  # a store resolved elsewhere (__setstate__)
         self.per_unit = 0  # records per memmap unit (a power of two), fixed by the first pin()
         # the sampler's order of each epoch, for eviction by next use in processes that do not iterate
-        # it (its DataLoader workers: ShardDataset._ordered_by); None: no ShardSampler told one
+        # it (its DataLoader workers: ShardDataset.ordered_by); None: no ShardSampler told one
         self.order: Optional[Order] = None
         self._hold_units()
 
@@ -165,9 +168,7 @@ class Remote:
         for _ in range(VERIFY_ATTEMPTS):
             if not self.version:
                 try:
-                    self.version = fetch_version(
-                        self.store, self.url, self.home, reserve=lambda files: self._make_room(files, None, demand=True)
-                    )
+                    self.version = self._until_room(self._fetch_version)
                 except OSError as e:
                     raise self._disk_full(f"{self.url}/{MANIFEST}", e) from None
             root = self.home / VERSIONS / self.version
@@ -249,6 +250,11 @@ class Remote:
             self._next = NextUses()  # its units' next uses
         return pinned
 
+    def _fetch_version(self) -> str:
+        """The dataset's current version, its metadata fetched into the cache unless it has it."""
+        reserve = functools.partial(self._make_room, name=None, demand=True)
+        return fetch_version(self.store, self.url, self.home, reserve=reserve)
+
     def _let_go_version(self, root: Path) -> None:
         """Let go of the cached version at ``root``: its hold (closed, not unlocked: a forked child
         that reads it keeps its copy), the units held of it, its places read (:meth:`_places`)."""
@@ -271,7 +277,7 @@ class Remote:
         except FileNotFoundError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            hold(fd, named=f"{self.url} (version {root.name})")
             if os.fstat(fd).st_nlink == 0:  # deleted under the lock's wait
                 os.close(fd)
                 return False
@@ -380,9 +386,7 @@ class Remote:
         """Fetch the data files that ``records`` lie in and this version does not have yet, up to
         :data:`PREFETCH_UNITS` at a time, in this process's background threads: the sampler's next
         blocks (``wait`` False), or a batch about to be read (``wait``: until they are in, raising
-        the first failure; a failed fetch is forgotten once raised, so a later batch tries again;
-        with :data:`settings.PAST_WAIT` set, a memmap batch waits that long at most, and reads its records of
-        the units still downloading past the cache while they go on for later batches).
+        the first failure; a failed fetch is forgotten once raised, so a later batch tries again).
         A batch of ShardSampler's ``epoch`` counts its records read: a unit this process has read
         every record of this epoch is not needed again in it. ``read``: the draws of the planned
         ``epoch`` read by now in other processes (the sampler's, whose DataLoader workers read
@@ -432,25 +436,15 @@ class Remote:
                 futures[name] = pending[name]
         if not wait:
             return
-        # a memmap batch waits for its units' downloads only briefly: it reads its records of those
-        # still downloading past the cache, and they go on downloading for the batches after it
-        within = settings.past_wait() if units.ranged else None
-        if within is not None:  # a unit the batch reads most of is waited for: no byte crosses twice
-            share = np.bincount(numbers, weights=self._places(root)[1]["length"][records], minlength=len(units.keys))
-            whole = {units.keys[u] for u in np.flatnonzero(share > settings.PAST_SHARE * units.sizes).tolist()}
-            past, late = self._await({n: f for n, f in futures.items() if n not in whole}, within=within)
-            past += self._await({n: f for n, f in futures.items() if n in whole})[0]
-        else:
-            past, late = self._await(futures)
-        past += bypass
+        past = self._await(futures) + bypass
         # a prefetch that found no room left its unit to this batch; one evicted since, too
-        again = [n for n in wanted if n not in past and n not in late and not os.path.exists(folder + n)]
+        again = [n for n in wanted if n not in past and not os.path.exists(folder + n)]
         pool = turns.prefetcher.get()
         for name in again:  # in pending while they run: a later batch waits for them, not a second download
             if name not in pending:
                 pending[name] = pool.submit(self._fetch_into, root, name, demand=True)
-        past += self._await({n: pending[n] for n in again})[0] + late
-        if past:  # no room in the cache for them, or still downloading: the batch's records of them read past it
+        past += self._await({n: pending[n] for n in again})
+        if past:  # no room in the cache for them: the batch's records of them read past it
             self._read_past(root, records[np.isin(numbers, [units.numbers[n] for n in past])])
         # read from now on: until its units are in, the batch is what comes next (needed_before)
         self._next.count(units, numbers, wait, epoch)
@@ -477,29 +471,29 @@ class Remote:
                 out.append(name)
         return out
 
-    def _await(
-        self, futures: dict[str, concurrent.futures.Future], *, within: Optional[float] = None
-    ) -> tuple[list[str], list[str]]:
+    def _await(self, futures: dict[str, concurrent.futures.Future]) -> list[str]:
         """Wait for the fetches ``futures`` of a batch, raising the first failure (a failed fetch is
-        forgotten once raised, so a later batch tries again): the units that found no room, and
-        those still fetching after ``within`` seconds (None: all waited for). A fetch the batch no
-        longer waits for goes on for later batches, forgotten once it succeeds (its failure is a
-        later batch's to raise)."""
-        if within is not None:
-            concurrent.futures.wait(list(futures.values()), timeout=within)
-        pending, past, late = self._pending.get(), [], []
+        forgotten once raised, so a later batch tries again): the units that found no room."""
+        pending, past = self._pending.get(), []
+        # a fetch ends by its own waits' deadlines (its lock, its turn, its room), whose lines name
+        # the holder: this one backstops them, later (and a download's I/O, under its timeouts)
+        deadline = time.monotonic() + 2 * settings.wait_s()
         for name, future in futures.items():
-            if within is not None and not future.done():
-                late.append(name)
-                future.add_done_callback(functools.partial(_forget, pending, name, failed=False))
-                continue
-            failure = future.exception()
+            if not future.done():
+                waiting(f"the download of {name}")
+            try:
+                failure = future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                raise CacheWaitTimeout(
+                    f"{self._named(name)}: waited {2 * settings.wait_s():g} s for its download in this process "
+                    f"(pid {os.getpid()}; {settings.WAIT_ENV} sets the deadline)"
+                ) from None
             pending.pop(name, None)  # done: a unit evicted since is fetched again when next needed
             if failure is not None:
                 raise failure
             if future.result():
                 past.append(name)
-        return past, late
+        return past
 
     def _read_past(self, root: Path, records: np.ndarray) -> None:
         """``records`` of the version at ``root``, read from the store past the cache for the batch
@@ -538,10 +532,13 @@ class Remote:
         """:meth:`_fetch_unit` in the background: the unit stays held (a batch's) or not (a
         prefetch, entered in the turns when submitted, whose download waits for its turn). True
         when a batch's unit found no room in the cache (its records are read past it)."""
+        key = self._turn_key(name)
         try:
+            if not demand and not os.path.exists(root / name):  # its turn before its unit's lock
+                turns.process_turns.get().turn(key, named=self._named(name))
             fd = self._fetch_unit(root, name, demand=demand)
         finally:
-            turns.process_turns.get().leave(self._turn_key(name))
+            turns.process_turns.get().leave(key)
         if fd is not None:
             os.close(fd)
         return demand and fd is None
@@ -598,14 +595,18 @@ class Remote:
     def _hold(self, fd: int, path: Path) -> bool:
         """Take the shared flock that keeps the unit open at ``fd`` (``path``) from eviction; False
         when it was evicted (unlinked) before the lock was taken."""
-        hold = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
-        fcntl.flock(hold, fcntl.LOCK_SH)
-        linked = os.fstat(hold).st_nlink >= 2  # else its names are gone: evicted
+        held = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        LOCKING.add(held)  # until it is kept or closed: a child forked meanwhile closes its copy
+        try:
+            hold(held, named=str(path))
+        except BaseException:
+            let_go(held)
+            raise
+        linked = os.fstat(held).st_nlink >= 2  # else its names are gone: evicted
         if not linked:
-            let_go(hold)
+            let_go(held)
             return False
-        self._keep(hold, path)
+        self._keep(held, path)
         return True
 
     def _keep(self, hold: int, path: Path) -> None:
@@ -622,6 +623,23 @@ class Remote:
         if old is not None:
             let_go(old)
 
+    def _until_room(self, attempt: Callable[[], T]) -> T:
+        """``attempt()``, again while it finds the cache full of units that readers hold
+        (eviction.Full): between tries this process lets go of its units (another batch's download
+        may need their room: two batches never wait on each other) and holds no node lock, until
+        the wait's deadline (:func:`settings.wait_s`)."""
+        deadline, pause = time.monotonic() + settings.wait_s(), 0.01
+        while True:
+            try:
+                return attempt()
+            except Full as full:
+                self._let_go_units()
+                if time.monotonic() > deadline:
+                    raise full.error from None
+                waiting("room in the cache")
+                time.sleep(pause)
+                pause = min(0.1, 2 * pause)
+
     def _disk_full(self, named: str, e: OSError) -> OSError | DatasetError:
         """``e`` as the one line a user reads where it says the cache's disk is full (a write of
         ``named``'s bytes into the cache), else ``e`` itself."""
@@ -636,7 +654,7 @@ class Remote:
         """:meth:`_fetch_locked`, a full disk said in one line naming the unit's object; a unit
         refused has the version's files.json read again at the next open (it may name the wrong key)."""
         try:
-            return self._fetch_locked(root, name, demand=demand)
+            return self._until_room(lambda: self._fetch_locked(root, name, demand=demand))
         except OSError as e:
             raise self._disk_full(self._named(name), e) from None
         except DatasetError:
@@ -662,8 +680,15 @@ class Remote:
         order = np.argsort(rows["position"], kind="stable")
         mine, rows = mine[order], rows[order]
         # a batch that waits for another process's download of it lets go of its units first: that
-        # download may wait for their room (two batches would otherwise wait on each other for good)
-        with locked(self.home / LOCKS / f"unit-{name}", waiting=self._let_go_units if demand else None):
+        # download may wait for their room (two batches would otherwise wait on each other for good);
+        # a prefetch only tries the lock: a unit another process fetches is left to it (its turn,
+        # taken, would otherwise hold up the process's later prefetches behind that download)
+        lock = self.home / LOCKS / f"unit-{name}"
+        with locked(
+            lock, named=self._named(name), waiting=self._let_go_units if demand else None, wait=demand
+        ) as taken:
+            if not taken:
+                return None
             for _ in range(VERIFY_ATTEMPTS):
                 try:
                     fd = open_regular(root / name)  # another process fetched it meanwhile
@@ -679,20 +704,20 @@ class Remote:
                 got = self._fetch_held(root, name, k, (backend, mine, rows), demand=demand)
                 if got is None:
                     return None  # no room: a prefetch leaves it to the batch, a batch reads past the cache
-                hold, unit = got
+                held, unit = got
                 try:
                     with contextlib.suppress(FileExistsError):
                         os.link(unit, root / name)  # held: no process can evict it meanwhile
                     # the reader's own descriptor, opened while the hold is still this thread's alone
                     # (once kept, it is any thread's release() to close: see _keep)
-                    fd = os.open(f"/proc/self/fd/{hold}", os.O_RDONLY | os.O_CLOEXEC) if demand else -1
+                    fd = os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_CLOEXEC) if demand else -1
                 except BaseException:
-                    let_go(hold)
+                    let_go(held)
                     raise
                 if not demand:
-                    let_go(hold)  # a prefetch's unit is left to eviction by next use
+                    let_go(held)  # a prefetch's unit is left to eviction by next use
                     return None
-                self._keep(hold, root / name)
+                self._keep(held, root / name)
                 return fd
         raise evicted_too_often(self._named(name))
 
@@ -739,7 +764,11 @@ class Remote:
             except FileNotFoundError:
                 continue
             LOCKING.add(fd)  # until it is kept or closed: a child forked meanwhile closes its copy
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                hold(fd, named=self._named(name))
+            except BaseException:
+                let_go(fd)
+                raise
             if os.fstat(fd).st_nlink >= 1:
                 os.utime(fd)
                 return fd, unit
@@ -797,7 +826,7 @@ class Remote:
                 key,
                 learned[0],
                 unit_span(name)[1],
-                turn=functools.partial(turns.process_turns.get().turn, self._turn_key(name)),
+                arrival=functools.partial(turns.process_turns.get().arrival, self._turn_key(name)),
                 reserve=lambda files: self._make_room(
                     _with_sidecar(files, part, rows), name, demand=demand, past=demand and expected[0].concatenated
                 ),
@@ -812,21 +841,21 @@ class Remote:
                 unit = self._unit_path(name, learned[0])
                 sidecar_of(part).write_bytes(sidecar_bytes(rows))  # reserved with the part (a resumed one: again)
                 os.replace(sidecar_of(part), sidecar_of(unit))
-                hold = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
-                LOCKING.add(hold)  # until it is kept or closed: a child forked meanwhile closes its copy
+                held = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+                LOCKING.add(held)  # until it is kept or closed: a child forked meanwhile closes its copy
                 try:
-                    fcntl.flock(hold, fcntl.LOCK_SH)
+                    hold(held, named=self._named(name))
                     # under the lock that counts the cache: a count between its listing of units/ and
                     # of partial/ would otherwise miss the unit in neither, and reserve its room again
                     counted = self.limit is not None
-                    with locked(self.cache_dir / ".evict.lock") if counted else contextlib.nullcontext():
+                    with cache_locked(self.cache_dir) if counted else contextlib.nullcontext():
                         os.replace(part, unit)
                 except BaseException:
-                    let_go(hold)
+                    let_go(held)
                     raise
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(log_of(part))
-                return hold, unit
+                return held, unit
             remove(part, log_of(part), sidecar_of(part))
         raise DatasetError(f"{self._named(name)}: {problem} after {VERIFY_ATTEMPTS} downloads")
 
@@ -849,7 +878,6 @@ class Remote:
             needed_before=lambda there: (
                 0 if name is None else self._next.needed_before(self._units, name, there, room_for(files))
             ),
-            let_go=self._let_go_units,
             url=self.url,
             named=None if name is None else self._named(name),
             past=past,
@@ -871,12 +899,9 @@ def _with_sidecar(files: Files, part: Path, rows: np.ndarray) -> Files:
     return {**files, sidecar_of(part): sidecar_bytes(rows)}
 
 
-def _forget(
-    pending: dict[str, concurrent.futures.Future], name: str, done: concurrent.futures.Future, *, failed: bool = True
-) -> None:
-    """Forget fetch ``done`` of unit ``name`` (a newer one of it stays), unless it failed and a
-    failure is to be raised by the batch that next waits for it (``failed`` False)."""
-    if pending.get(name) is done and (failed or done.exception() is None):
+def _forget(pending: dict[str, concurrent.futures.Future], name: str, done: concurrent.futures.Future) -> None:
+    """Forget prefetch ``done`` of unit ``name`` (a newer one of it stays)."""
+    if pending.get(name) is done:
         del pending[name]
 
 

@@ -24,14 +24,15 @@ def download(
     info: ObjectInfo,
     span: Optional[tuple[int, int]],
     *,
-    turn: Callable[[int], Arrival],
+    arrival: Callable[[int], Arrival],
     reserve: Callable[[Files], None],
     received: Optional[Callable[[int, bytes], None]] = None,
     seen: Optional[Callable[[ObjectInfo], object]] = None,
 ) -> None:
     """Bytes ``span`` (None: all) of object ``key`` (``info``) downloaded into ``part``, resuming the
     parts a previous attempt (of any process) finished: ``part``'s ``.parts`` file lists them, one
-    number a line. ``turn(size)`` waits for the download's turn, ``reserve(files)`` makes room in
+    number a line. ``arrival(size)`` is what the download reports its progress to (its turn,
+    taken before), ``reserve(files)`` makes room in
     the cache for a new ``part`` and creates what it :func:`starts` with; ``received`` is given
     each piece written, ``seen`` the object's version where ``info`` has none."""
     start, end = span if span is not None else (0, info.size)
@@ -39,11 +40,11 @@ def download(
     part_bytes = int(header.split()[1])
     done_file = log_of(part)
     done: frozenset[int] = frozenset()
-    # a prefetch waits for its turn before it reserves room (a reservation holds the room empty)
-    arrival = turn(end - start)
+    # a prefetch took its turn before it reserves room (a reservation holds the room empty)
+    arrived = arrival(end - start)
 
     def progress(at: int, piece: bytes) -> None:
-        arrival(at, piece)
+        arrived(at, piece)
         if received is not None:
             received(at, piece)
 
@@ -83,7 +84,7 @@ def download(
             os.close(fd)
             os.close(log)
     finally:
-        arrival.end()
+        arrived.end()
 
 
 def replaced(name: str) -> DatasetError:

@@ -9,14 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional, Union
 
 from ...format import MANIFEST, DatasetError
-from . import settings
-from .locks import let_go, lock_now, locked
+from .locks import CACHE_LOCK, let_go, lock_now, locked
 from .paths import LOCKS, LOG, PARTIAL, SIDECAR, UNITS, VERSIONS, file_mtime, log_of, remove, sidecar_of
 from .settings import VERIFY_ATTEMPTS
 
@@ -24,6 +22,21 @@ from .settings import VERIFY_ATTEMPTS
 class NoRoom(Exception):
     """A prefetch found no room without evicting what is needed sooner (the batch fetches it), or a
     batch's download found none at all (the batch reads its records past the cache)."""
+
+
+class Full(Exception):
+    """A batch's download found the cache full of units that readers hold: it lets go of its node
+    locks and of its units, and tries again (Remote._until_room: no wait under a node lock), until
+    the wait's deadline, then raises ``error`` (the limit that would hold the batches read at once)."""
+
+    def __init__(self, error: DatasetError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def cache_locked(cache_dir: Path) -> contextlib.AbstractContextManager[bool]:
+    """The lock of the cache in ``cache_dir``, under which it is counted and changed."""
+    return locked(cache_dir / CACHE_LOCK, named=f"the cache {cache_dir}")
 
 
 def _eviction_order(entry: tuple[Path, Optional[int]]) -> tuple[int, int, int]:
@@ -159,7 +172,7 @@ def too_small_at_once(limit: int, url: str, cache_dir: Path, *, held: int, need:
 def free_room(cache_dir: Path, limit: int) -> int:
     """The room under ``limit`` that nothing in ``cache_dir`` takes now, counted as
     :func:`make_room` counts it (a snapshot: make_room decides again)."""
-    with locked(cache_dir / ".evict.lock"):
+    with cache_locked(cache_dir):
         return limit - _Taken(cache_dir).used
 
 
@@ -168,7 +181,7 @@ def fixed_room(cache_dir: Path) -> int:
     the largest download."""
     if not cache_dir.exists():
         return 0
-    with locked(cache_dir / ".evict.lock"):
+    with cache_locked(cache_dir):
         return _Taken(cache_dir).fixed()
 
 
@@ -263,67 +276,59 @@ def make_room(
     demand: bool,
     next_use: Callable[[Path], Optional[int]],
     needed_before: Callable[[set[str]], int],
-    let_go: Callable[[], None],
     url: str,
     named: Optional[str],
     past: bool = False,
     after: Callable[[int], Optional[int]] = lambda fits: -1,
 ) -> None:
-    """Evict units no reader holds (see packer.read.remote's docstring for the order) until the room of
-    ``files`` (:func:`room_for`) fits under ``limit`` in ``cache_dir``, and reserve it: the files
-    are made (a download's part at its full size) before the lock goes, so they count for the next
-    one (the cache never exceeds the limit). A batch's download (``demand``) waits for readers to
-    let go; a prefetch evicts only units of no known next use (it would otherwise push out what the
-    next batches need before it, and its reservation would keep their downloads from the room),
-    leaves the room of the units needed before it (``needed_before`` the units ``there``, of dataset
-    ``home``), and else raises NoRoom; ``next_use`` ranks a cached unit, ``let_go`` lets go of the
-    units the caller holds. A batch's download that can read its records past the cache instead
-    (``past``: a memmap unit, packer.read.remote.ranges) evicts no unit needed before its own next
-    use after the batch (``after(fits)``, packer.read.remote.nextuse.NextUses.after: ``fits`` units
-    of its room in the limit; None: it evicts no unit, free room only) and raises NoRoom
-    where the room cannot be made at once, rather than wait for other readers. A limit that cannot
-    hold ``files`` beside what no eviction frees fails at once (``named``: the download, for the
-    message); where ``named`` is None (a version's metadata, which the dataset's check of its limit
-    needs: packer.read.remote.client.Remote.pin) the files are made once every unit no reader holds
-    is evicted."""
+    """Evict units no reader holds (see packer.read.remote's docstring for the order) until the room of ``files``
+    (:func:`room_for`) fits under ``limit`` in ``cache_dir``, and reserve it: the files are made (a download's
+    part at its full size) before the lock goes, so they count for the next one (the cache never exceeds the
+    limit). A batch's download (``demand``) that finds the units readers hold fill it raises Full (its caller
+    lets go and tries again); a prefetch evicts only units of no known next use (it would otherwise push out
+    what the next batches need before it, and its reservation would keep their downloads from the room), leaves
+    the room of the units needed before it (``needed_before`` the units ``there``, of dataset ``home``), and
+    else raises NoRoom; ``next_use`` ranks a cached unit. A batch's download that can read its records past the
+    cache instead (``past``: a memmap unit, packer.read.remote.ranges) evicts no unit needed before its own next
+    use after the batch (``after(fits)``, packer.read.remote.nextuse.NextUses.after: ``fits`` units of its room
+    in the limit; None: it evicts no unit, free room only) and raises NoRoom where the room cannot be made at
+    once, rather than wait for other readers. A limit that cannot hold ``files`` beside what no eviction frees
+    fails at once (``named``: the download, for the message); where ``named`` is None (a version's metadata,
+    which the dataset's check of its limit needs: packer.read.remote.client.Remote.pin) the files are made once
+    every unit no reader holds is evicted."""
     need = room_for(files)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + settings.ROOM_WAIT
-    while True:
-        with locked(cache_dir / ".evict.lock"):
-            taken = _Taken(cache_dir)
-            units, partial, fixed = taken.units, taken.partial, taken.fixed()
-            overfull = fixed + need > limit
-            if overfull and named is not None:
-                if past:
-                    raise NoRoom()
-                raise too_small(limit, url, named, need, fixed)
-            for stale in partial:  # a download whose process died or gave up: its room first
-                if taken.used + need > limit and _drop_partial(stale):
-                    taken.give_back(stale, log_of(stale), sidecar_of(stale))
-            for old in taken.stale_versions():  # then versions a refresh replaced that no reader holds
-                if taken.used + need > limit and evict_version(old):
-                    taken.give_back_version(old)
-            evicted = set()
-            keep = after(max(1, (limit - fixed) // need)) if past else -1  # units needed no later than this are kept
-            for unit, rank in sorted(((u, next_use(u)) for u in units), key=_eviction_order):
-                if keep is None or taken.used + need <= limit or (rank is not None and (not demand or rank <= keep)):
-                    break
-                if evict(unit):
-                    taken.give_back(unit, sidecar_of(unit))  # its links in version folders are the same inode
-                    evicted.add(unit)
-            there = {p.name.rsplit(".", 2)[0] for p in units + partial if p.parent.parent == home}
-            there -= {p.name.rsplit(".", 2)[0] for p in evicted}
-            if overfull or taken.used + need + (0 if demand else needed_before(there)) <= limit:
-                create(files)
-                return
-            used = taken.used
-        if not demand or past:
-            raise NoRoom()
-        let_go()  # this batch's other units too: two batches that each hold some never wait on each other
-        if time.monotonic() > deadline:
-            raise too_small_at_once(limit, url, cache_dir, held=used - fixed, need=need, fixed=fixed)
-        time.sleep(0.05)
+    with cache_locked(cache_dir):
+        taken = _Taken(cache_dir)
+        units, partial, fixed = taken.units, taken.partial, taken.fixed()
+        overfull = fixed + need > limit
+        if overfull and named is not None:
+            if past:
+                raise NoRoom()
+            raise too_small(limit, url, named, need, fixed)
+        for stale in partial:  # a download whose process died or gave up: its room first
+            if taken.used + need > limit and _drop_partial(stale):
+                taken.give_back(stale, log_of(stale), sidecar_of(stale))
+        for old in taken.stale_versions():  # then versions a refresh replaced that no reader holds
+            if taken.used + need > limit and evict_version(old):
+                taken.give_back_version(old)
+        evicted = set()
+        keep = after(max(1, (limit - fixed) // need)) if past else -1  # units needed no later than this are kept
+        for unit, rank in sorted(((u, next_use(u)) for u in units), key=_eviction_order):
+            if keep is None or taken.used + need <= limit or (rank is not None and (not demand or rank <= keep)):
+                break
+            if evict(unit):
+                taken.give_back(unit, sidecar_of(unit))  # its links in version folders are the same inode
+                evicted.add(unit)
+        there = {p.name.rsplit(".", 2)[0] for p in units + partial if p.parent.parent == home}
+        there -= {p.name.rsplit(".", 2)[0] for p in evicted}
+        if overfull or taken.used + need + (0 if demand else needed_before(there)) <= limit:
+            create(files)
+            return
+        used = taken.used
+    if not demand or past:
+        raise NoRoom()
+    raise Full(too_small_at_once(limit, url, cache_dir, held=used - fixed, need=need, fixed=fixed))
 
 
 def create(files: Files) -> None:

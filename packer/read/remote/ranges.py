@@ -1,10 +1,10 @@
 """Records read straight from the store, past the cache: what a batch reads of a memmap unit the
-cache has no room for (its limit taken by the units the batches in flight hold), or that is still
-downloading after settings.PAST_WAIT (the unit goes on, for later batches). Just the batch's
-records of it, as byte ranges of the shard, records closer than settings.RANGE_GAP taken in one GET,
-up to :data:`RANGE_STREAMS` GETs at once; each record checked against its index row (length,
-CRC-32) before any decoder sees it, a damaged one read again up to ``VERIFY_ATTEMPTS`` times.
-Nothing is written under the cache directory, so the limit holds whatever the order asks."""
+cache has no room for (its limit taken by the units the batches in flight hold, or a unit no
+eviction would pay for: packer.read.remote.nextuse.NextUses.after). Just the batch's records of
+it, as byte ranges of the shard, records closer than settings.RANGE_GAP taken in one GET, up to
+:data:`RANGE_STREAMS` GETs at once; each record checked against its index row (length, CRC-32)
+before any decoder sees it, a damaged one read again up to ``VERIFY_ATTEMPTS`` times. Nothing is
+written under the cache directory, so the limit holds whatever the order asks."""
 
 from __future__ import annotations
 

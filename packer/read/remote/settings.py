@@ -30,18 +30,9 @@ MIN_UNIT_BYTES = 2 << 20
 #: Downloads of a unit (or of a version's index) whose bytes do not match the manifest, before the
 #: DatasetError: a transfer damaged on the way is fetched again, a damaged object fails.
 VERIFY_ATTEMPTS = 3
-#: Seconds a memmap batch waits for its units' downloads (this process's, or another's it waits
-#: on) before it reads its records of those not in yet past the cache, as byte ranges
-#: (packer.read.remote.ranges), while they go on downloading for later batches; None: a batch
-#: waits for its units. Off by default: measured, it gained nothing for the default order, lost
-#: with 1 worker, and fetched those records twice (1.1x the data; 1.27x the furthest-future
-#: optimum under a half-data cache limit, over that goal); it halved the first batch's wait in
-#: random order (docs/PERFORMANCE.md, "Batches that do not wait for whole units").
-#: ``$PACKER_PAST_WAIT`` sets it (seconds, e.g. 0.05, or "off"), for the DataLoader workers too:
-#: :func:`past_wait`.
-PAST_WAIT: Optional[float] = None
-#: The most of a unit's bytes a batch reads past the cache while the unit downloads: a batch that
-#: needs more of it waits for the unit (its bytes would otherwise cross the link twice).
+#: The least share of a unit's records a batch's download must see read before the cache would
+#: have turned over for it to evict a cached unit (packer.read.remote.nextuse.NextUses.after):
+#: below it, the batch reads its records of the unit past the cache.
 PAST_SHARE = 0.5
 #: Bytes between two records of a shard below which one GET takes both: about what a request costs
 #: in money at S3's list prices (~4 KB of transfer out) to a few times that. Not the bytes a link
@@ -51,8 +42,12 @@ PAST_SHARE = 0.5
 #: (docs/PERFORMANCE.md, "Random order through half a cache"). Read when used:
 #: scripts/bench_remote.py's ``--range-gap`` sets it.
 RANGE_GAP = 16 << 10
-#: Seconds a batch's download waits for other readers to let go of units when the cache is full.
-ROOM_WAIT = 60.0
+#: Seconds any wait of the cache lasts at most (a lock another process holds: its download of a
+#: unit, room in the cache, a prefetch's turn, a download in flight) before the batch fails in one
+#: line naming the unit, its object and the pid holding it: a stuck reader is said, never a silent
+#: hang. ``$PACKER_CACHE_WAIT`` sets it (seconds), for the DataLoader workers and ranks too: :func:`wait_s`.
+WAIT_S = 300.0
+WAIT_ENV = "PACKER_CACHE_WAIT"
 _UNITS_LIMIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -66,17 +61,15 @@ def unit_records(data_bytes: int, records: int) -> int:
     return 1 << max(0, int(target / max(mean, 1.0)).bit_length() - 1)
 
 
-def past_wait() -> Optional[float]:
-    """:data:`PAST_WAIT`, or what ``$PACKER_PAST_WAIT`` says (None: "off")."""
-    told = os.environ.get("PACKER_PAST_WAIT", "").strip()
+def wait_s() -> float:
+    """:data:`WAIT_S`, or what ``$PACKER_CACHE_WAIT`` says."""
+    told = os.environ.get(WAIT_ENV, "").strip()
     if not told:
-        return PAST_WAIT
-    if told.lower() == "off":
-        return None
+        return WAIT_S
     try:
         return max(0.0, float(told))
     except ValueError:
-        raise ValueError(f"PACKER_PAST_WAIT must be seconds or 'off', not {told!r}") from None
+        raise ValueError(f"{WAIT_ENV} must be seconds, not {told!r}") from None
 
 
 def default_cache_dir() -> Path:

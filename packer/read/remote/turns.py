@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Optional
 
+from ...errors import CacheWaitTimeout
 from ...store.base import PerProcess
+from . import settings
+from .locks import waiting
 from .settings import PREFETCH_UNITS
 
 prefetcher = PerProcess(
@@ -41,6 +45,7 @@ class Turns:
         self._width = 1
         self._alone = 0.0  # bytes/s of one stream receiving alone (0.0: not measured yet)
         self._consumed = 0.0  # bytes/s the readers consume (0.0: not known yet)
+        self._granted: dict[tuple[str, str], Arrival] = {}  # turns taken, their downloads not started
 
     def enter(
         self, key: tuple[str, str], rank: int, submit: Callable[[], concurrent.futures.Future]
@@ -53,10 +58,14 @@ class Turns:
             return submit()
 
     def leave(self, key: tuple[str, str]) -> None:
-        """``key``'s prefetch has ended (fetched, found cached, no room, failed)."""
+        """``key``'s prefetch has ended (fetched, found cached, no room, failed): a turn it took and
+        did not download in ends."""
         with self._changed:
             if self._waiting.pop(key, None) is not None:
                 self._changed.notify_all()
+            granted = self._granted.pop(key, None)
+        if granted is not None:
+            granted.end()
 
     def consumed(self, rate: float) -> None:
         """The readers consume ``rate`` bytes/s (the sampler's pace)."""
@@ -76,19 +85,37 @@ class Turns:
             self._width = max(1, min(PREFETCH_UNITS, need))
             self._changed.notify_all()
 
-    def turn(self, key: tuple[str, str], size: int) -> Arrival:
-        """Wait for prefetch ``key``'s turn to download its ``size`` bytes (none for one not
-        entered, or downloading again): what its download reports its progress to."""
+    def turn(self, key: tuple[str, str], *, named: str) -> None:
+        """Wait for prefetch ``key``'s turn (none for one not entered): taken before its unit's lock
+        (packer.read.remote's lock discipline: no wait under a node lock), its download's
+        :meth:`arrival`. ``named``: the unit's object, for the line a wait past the deadline raises."""
+        limit = settings.wait_s()
+        deadline = time.monotonic() + limit
         with self._changed:
             mine = self._waiting.get(key)
             if mine is None:
-                return Arrival(None, size)
+                return
             while self._busy >= self._width or any(w[1] < mine[1] and w[0] <= mine[0] for w in self._waiting.values()):
-                self._changed.wait()
+                waiting("a prefetch's turn")
+                if not self._changed.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise CacheWaitTimeout(
+                        f"{named}: its prefetch waited {limit:g} s for its turn behind this process's "
+                        f"(pid {os.getpid()}) earlier ones ({settings.WAIT_ENV} sets the deadline)"
+                    )
             del self._waiting[key]
             self._busy += 1
             self.receiving += 1
-        return Arrival(self, size)
+            self._granted[key] = Arrival(self, 0)
+
+    def arrival(self, key: tuple[str, str], size: int) -> Arrival:
+        """What the download of ``size`` bytes of ``key`` reports its progress to: the turn it took
+        (:meth:`turn`), or none (a batch's own download, or one downloading again)."""
+        with self._changed:
+            granted = self._granted.pop(key, None)
+        if granted is None:
+            return Arrival(None, size)
+        granted.start(size)
+        return granted
 
     def finishing(self) -> None:
         with self._changed:
@@ -114,6 +141,13 @@ class Arrival:
         self._since = 0  # bytes received after the first piece
         self._alone = [0, 0.0]  # bytes and seconds received alone, after the first piece
         self._lock = threading.Lock()
+
+    def start(self, size: int) -> None:
+        """The download of ``size`` bytes the turn was taken for starts now (its first-byte wait
+        is counted from here, not from the turn: the unit's lock and its room came between)."""
+        with self._lock:
+            self._left = size
+            self._asked = self._last = time.monotonic()
 
     def __call__(self, at: int, piece: bytes) -> None:
         now = time.monotonic()

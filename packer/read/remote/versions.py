@@ -38,7 +38,7 @@ def fetch_version(store: Store, url: str, home: Path, *, reserve: Callable[[File
         root = home / VERSIONS / version
         if (root / MANIFEST).is_file() and not (root / RECHECK).exists():
             return version
-        with locked(home / LOCKS / f"version-{version}"):
+        with locked(home / LOCKS / f"version-{version}", named=f"{url} (version {version})"):
             if (root / MANIFEST).is_file():
                 if (root / RECHECK).exists():
                     _recheck_files(store, home, root, published=pointer.published, reserve=reserve)
