@@ -35,7 +35,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="persistent DataLoader workers per rank")
     parser.add_argument("--epochs", type=int, default=20, help="at least this many epochs")
     parser.add_argument("--minutes", type=float, default=10.0, help="and at least this long")
-    parser.add_argument("--start-method", choices=["fork", "spawn", "forkserver"], default="fork")
+    parser.add_argument(
+        "--start-method", default="fork", help="of the workers: fork, spawn, forkserver, or a list (rank by rank)"
+    )
     parser.add_argument("--records", type=int, default=256, help="of the first version (a multiple of --ranks)")
     parser.add_argument("--side", type=int, default=16, help="the images' height (raw records of 3.75 side^2 bytes)")
     parser.add_argument("--unit-bytes", type=int, default=4_000, help="packer.read.remote.settings.UNIT_BYTES")
@@ -50,7 +52,7 @@ def main() -> int:
         workers=args.workers,
         epochs=args.epochs,
         minutes=args.minutes,
-        context=args.start_method,
+        contexts=tuple(args.start_method.split(",")),
         records=args.records,
         side=args.side,
         batch_size=args.batch_size,
@@ -73,7 +75,7 @@ def main() -> int:
             if http is not None:
                 http.shutdown()
     wrong = verdict(run)
-    summary = f"{run.epochs} epochs of {shape.ranks} ranks x {shape.workers} {shape.context} workers"
+    summary = f"{run.epochs} epochs of {shape.ranks} ranks x {shape.workers} {args.start_method} workers"
     summary += f" in {run.seconds:.0f} s, {len(run.published)} published, du peak {run.peak} of {run.limit}"
     if wrong or args.keep:
         summary += f"; kept {root}"

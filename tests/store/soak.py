@@ -20,6 +20,7 @@ never exceeds the limit."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import functools
@@ -59,7 +60,8 @@ class Soak:
     workers: int = 2
     epochs: int = 20  # at least this many
     minutes: float = 0.0  # and at least this long (rank 0 decides at each epoch's end)
-    context: str = "fork"  # the DataLoader workers' start method (the ranks are always spawned)
+    #: the DataLoader workers' start method, rank by rank (cycled; the ranks are always spawned)
+    contexts: tuple[str, ...] = ("fork",)
     records: int = 256  # in the first version, 2 classes
     side: int = 16  # the images' height (width 5/4 of it): raw records of 3.75 * side**2 bytes
     batch_size: int = 4
@@ -157,10 +159,11 @@ def _watch(
 ) -> str:
     """Poll the events until every rank has ended, starting a publish every ``publish_every``
     epochs; the failure ("" none): a rank that failed, or no progress for ``stall_s`` of a rank
-    that has not ended, or of the publisher. A rank's progress is its events (its workers' starts
-    count); until every rank has read a batch, any CPU time the soak's processes spend counts for
-    every rank too (interpreters importing torch: the ranks wait for each other in their
-    collectives, and spawned workers tell nothing until they are up)."""
+    still running, or of the publisher. A rank's progress is its events (its workers' starts
+    count, and its result: then its exit, which must follow); until every rank has read a batch,
+    any CPU time the soak's processes spend counts for every rank too (interpreters importing
+    torch: the ranks wait for each other in their collectives, and spawned workers tell nothing
+    until they are up)."""
     soak, start = run.soak, time.monotonic()
     seen: dict[str, Any] = {}
     last = {f"rank {r}": start for r in range(soak.ranks)}
@@ -168,7 +171,10 @@ def _watch(
     up, cpu = False, 0.0
     while True:
         now = time.monotonic()
-        events = {f"rank {r}": (_value(folder, f"rank{r}"), _workers(folder, r)) for r in range(soak.ranks)}
+        events = {
+            f"rank {r}": (_value(folder, f"rank{r}"), _workers(folder, r), (folder / f"result{r}").exists())
+            for r in range(soak.ranks)
+        }
         if publisher is not None:
             events["publisher"] = _value(folder, "publisher")
         for who, event in events.items():
@@ -178,13 +184,12 @@ def _watch(
         if not all(e.get("steps") for e in ranks_events) and _cpu(ranks) > cpu:
             cpu = _cpu(ranks)
             last.update({f"rank {r}": now for r in range(soak.ranks)})
-        ended = set()  # ranks that wrote their result: nothing more to wait for
+        running = {"publisher"} | {f"rank {r}" for r, p in enumerate(ranks) if p.exitcode is None}
         for r, p in enumerate(ranks):
-            result = _value(folder, f"result{r}")
-            if result is not None:
-                ended.add(f"rank {r}")
-            if p.exitcode is not None and (p.exitcode != 0 or result is None):
-                return f"rank {r} ended with exit code {p.exitcode}: {(result or {}).get('error', 'no result')}"
+            if p.exitcode is not None:
+                result = _value(folder, f"result{r}")
+                if p.exitcode != 0 or result is None:
+                    return f"rank {r} ended with exit code {p.exitcode}: {(result or {}).get('error', 'no result')}"
         if not up and all(e.get("phase") == "reading" for e in ranks_events):
             up = True
             say(f"every rank opened the dataset and built its sampler ({time.monotonic() - start:.1f} s)")
@@ -204,7 +209,7 @@ def _watch(
             publisher, last["publisher"] = publish(), now
         if publisher is None and all(p.exitcode is not None for p in ranks):
             return ""
-        stalled = [who for who, t in last.items() if now - t > soak.stall_s and who not in ended]
+        stalled = [who for who, t in last.items() if now - t > soak.stall_s and who in running]
         if stalled:
             return f"no progress for {soak.stall_s:.0f} s: {', '.join(stalled)}\n" + _dump(ranks, folder)
         time.sleep(POLL_S)
@@ -296,7 +301,7 @@ def _stacks_on_signal(folder: Path) -> None:
     """This process's stacks (all threads) into ``folder``/stacks-PID on SIGUSR1, and on a crash."""
     for f in _DUMPS:  # a forked worker's inherited ones are its rank's
         f.close()
-    _DUMPS[:] = [open(folder / f"stacks-{os.getpid()}", "w")]  # noqa: SIM115 (open for the process's life)
+    _DUMPS[:] = [open(folder / f"stacks-{os.getpid()}", "w")]  # open for the process's life
     faulthandler.enable(file=_DUMPS[0], all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=_DUMPS[0], all_threads=True, chain=False)
 
@@ -345,7 +350,7 @@ def _rank(rank: int, soak: Soak, port: int, url: str, cache: str, limit: int, fo
             sampler=sampler,
             num_workers=soak.workers,
             persistent_workers=True,
-            multiprocessing_context=soak.context,
+            multiprocessing_context=soak.contexts[rank % len(soak.contexts)],
             worker_init_fn=up,
         )
         positions = rank + soak.ranks * np.arange(len(sampler))
@@ -399,32 +404,49 @@ def _roles(ranks: list[Any], folder: Path) -> dict[int, str]:
 
 def _dump(ranks: list[Any], folder: Path) -> str:
     """Every process's stacks (SIGUSR1; the parent's own too), summarised: for each thread not
-    idle in the DataLoader's or the interpreter's own waits, its innermost frames."""
+    idle in the DataLoader's or the interpreter's own waits, its innermost frames; then the cache's
+    flocks each process holds and waits for (/proc/locks)."""
     roles = _roles(ranks, folder)
-    sizes = {}
+    sizes = {pid: _size(folder / f"stacks-{pid}") for pid in roles}
     for pid in roles:
-        path = folder / f"stacks-{pid}"
-        sizes[pid] = path.stat().st_size if path.exists() else 0
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
             roles[pid] += " (gone)"
     with open(folder / "stacks-parent", "w") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
-    deadline = time.monotonic() + DUMP_S
-    while time.monotonic() < deadline:  # until every live process's dump has been written
-        grown = {pid: _size(folder / f"stacks-{pid}") for pid in roles}
-        if all(grown[pid] > sizes[pid] or "gone" in roles[pid] for pid in roles):
+    deadline, before = time.monotonic() + DUMP_S, {}
+    while time.monotonic() < deadline:  # until every live process's dump is written and stays the same
+        now = {pid: _size(folder / f"stacks-{pid}") for pid in roles}
+        if now == before and all(now[pid] > sizes[pid] or "gone" in roles[pid] for pid in roles):
             break
+        before = now
         time.sleep(POLL_S)
-    time.sleep(2 * POLL_S)  # a dump is written at once, from the signal handler; let the last finish
     lines = [f"stack dumps in {folder}:"]
     for pid, role in [*sorted(roles.items(), key=lambda kv: kv[1]), ("parent", "the parent (publisher)")]:
         path = folder / f"stacks-{pid}"
         text = path.read_text(errors="replace")[sizes.get(pid, 0) if pid != "parent" else 0 :] if path.exists() else ""
         lines.append(f"{role} (pid {pid}):")
         lines += [f"  {t}" for t in summarise(text)] or ["  (no dump)"]
-    return "\n".join(lines)
+    return "\n".join(lines + flocks(folder.parent / "cache", roles))
+
+
+def flocks(cache: Path, roles: dict[int, str]) -> list[str]:
+    """The flocks on files under ``cache`` that the processes of ``roles`` hold or wait for, as
+    /proc/locks lists them: one line per file."""
+    inodes = {}
+    for where, _, files in os.walk(cache):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                inodes[os.lstat(os.path.join(where, name)).st_ino] = os.path.relpath(os.path.join(where, name), cache)
+    held: dict[str, list[str]] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            found = re.match(r"\d+:\s*(->)?\s*FLOCK\s+\S+\s+(\S+)\s+(\d+)\s+\S+:\S+:(\d+)", line)
+            if found and int(found[3]) in roles and int(found[4]) in inodes:
+                who = f"{roles[int(found[3])]} {'waits for' if found[1] else 'holds'} ({found[2].lower()})"
+                held.setdefault(inodes[int(found[4])], []).append(who)
+    return ["flocks under the cache:"] + [f"  {path}: {'; '.join(who)}" for path, who in sorted(held.items())]
 
 
 def _size(path: Path) -> int:
@@ -453,15 +475,13 @@ def summarise(dump: str) -> list[str]:
 def _end(ranks: list[Any], folder: Path) -> list[int]:
     """Kill whatever of the soak still runs (the ranks, their workers); the workers that were still
     running although their rank had ended by itself (it shuts them down before it ends)."""
-    ended = {p.pid for p in ranks if p.exitcode is not None}
+    ended = tuple(f"rank {r} " for r, p in enumerate(ranks) if p.exitcode is not None)
     left = []
     for pid, role in _roles(ranks, folder).items():
         try:
             process = psutil.Process(pid)
             if process.status() != psutil.STATUS_ZOMBIE:
-                if pid not in ended and any(
-                    role.startswith(f"rank {r} ") for r, p in enumerate(ranks) if p.pid in ended
-                ):
+                if role.startswith(ended):  # a worker of a rank that had ended
                     left.append(pid)
                 process.kill()
         except psutil.NoSuchProcess:
