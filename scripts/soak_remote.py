@@ -28,23 +28,25 @@ from tests.store.proxy import Faults, start  # noqa: E402
 from tests.store.seaweed import seaweed  # noqa: E402
 from tests.store.soak import Soak, soak, verdict  # noqa: E402
 
+DEFAULT = Soak()
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2, help="persistent DataLoader workers per rank")
-    parser.add_argument("--epochs", type=int, default=20, help="at least this many epochs")
+    parser.add_argument("--workers", type=int, default=DEFAULT.workers, help="persistent DataLoader workers a rank")
+    parser.add_argument("--epochs", type=int, default=DEFAULT.epochs, help="at least this many epochs")
     parser.add_argument("--minutes", type=float, default=10.0, help="and at least this long")
     parser.add_argument(
         "--start-method", default="fork", help="of the workers: fork, spawn, forkserver, or a list (rank by rank)"
     )
-    parser.add_argument("--records", type=int, default=256, help="of the first version (a multiple of --ranks)")
-    parser.add_argument("--side", type=int, default=16, help="the images' height (raw records of 3.75 side^2 bytes)")
-    parser.add_argument("--unit-bytes", type=int, default=4_000, help="packer.read.remote.settings.UNIT_BYTES")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--publish-every", type=int, default=10, help="epochs between refreshes (0: none)")
+    parser.add_argument("--records", type=int, default=DEFAULT.records, help="in the first version (x --ranks)")
+    parser.add_argument("--side", type=int, default=DEFAULT.side, help="the images' height (records: 3.75 side^2 B)")
+    parser.add_argument("--unit-bytes", type=int, default=DEFAULT.unit_bytes, help="packer's settings.UNIT_BYTES")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT.batch_size)
+    parser.add_argument("--publish-every", type=int, default=DEFAULT.publish_every, help="epochs a refresh (0: none)")
     parser.add_argument("--delay", type=float, default=0.0, help="first-byte wait of every GET (a proxy adds it)")
-    parser.add_argument("--stall-s", type=float, default=30.0, help="no batch for this long: a hang")
+    parser.add_argument("--stall-s", type=float, default=DEFAULT.stall_s, help="no batch for this long: a hang")
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (the stack dumps are kept on FAIL)")
     args = parser.parse_args()
     shape = Soak(

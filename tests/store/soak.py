@@ -62,10 +62,10 @@ class Soak:
     minutes: float = 0.0  # and at least this long (rank 0 decides at each epoch's end)
     #: the DataLoader workers' start method, rank by rank (cycled; the ranks are always spawned)
     contexts: tuple[str, ...] = ("fork",)
-    records: int = 256  # in the first version, 2 classes
-    side: int = 16  # the images' height (width 5/4 of it): raw records of 3.75 * side**2 bytes
+    records: int = 1024  # in the first version, 2 classes
+    side: int = 64  # the images' height (width 5/4 of it): raw records of 3.75 * side**2 bytes (15 KB)
     batch_size: int = 4
-    unit_bytes: int = 4_000  # settings.UNIT_BYTES: 4 records of side 16 a unit, 64 units
+    unit_bytes: int = 256 << 10  # settings.UNIT_BYTES: 16 records of side 64 a unit (240 KB), 64 units
     publish_every: int = 10  # epochs between refresh publishes (0: none)
     stall_s: float = 30.0  # no event for this long: a hang
 
@@ -454,20 +454,19 @@ def _size(path: Path) -> int:
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-#: Innermost frames of threads that wait as every idle process does (nothing to say about a hang).
-_IDLE = ("selectors.py", "connection.py", "queues.py", "popen_fork.py", "faulthandler")
 
 
 def summarise(dump: str) -> list[str]:
     """One line per thread of a faulthandler dump: its innermost packer frames (else its innermost
-    frames), innermost first; threads idle in the interpreter's and DataLoader's own waits left out."""
+    frames), innermost first; threads other than the main one with no packer frame (the pool's
+    idle threads, queue feeders: the interpreter's and DataLoader's own) left out."""
     out = []
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip()):
         frames = [m.groupdict() for m in _FRAME.finditer(block)]
-        if not frames or any(frames[0]["file"].endswith(idle) for idle in _IDLE):
+        ours = [f for f in frames if "/packer/" in f["file"]]
+        if not frames or (not ours and frames[-1]["func"] == "_bootstrap"):
             continue
-        ours = [f for f in frames if "/packer/" in f["file"]] or frames
-        where = " <- ".join(f"{Path(f['file']).name}:{f['line']} {f['func']}" for f in ours[:5])
+        where = " <- ".join(f"{Path(f['file']).name}:{f['line']} {f['func']}" for f in (ours or frames)[:5])
         out.append(f"{block.split(' (', 1)[0]}: {where}")
     return out
 
