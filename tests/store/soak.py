@@ -432,8 +432,8 @@ def _dump(ranks: list[Any], folder: Path) -> str:
 
 
 def flocks(cache: Path, roles: dict[int, str]) -> list[str]:
-    """The flocks on files under ``cache`` that the processes of ``roles`` hold or wait for, as
-    /proc/locks lists them: one line per file."""
+    """The flocks on files under ``cache`` that the processes of ``roles`` wait for or hold
+    exclusively, as /proc/locks lists them (not the shared ones every reader holds): a line a file."""
     inodes = {}
     for where, _, files in os.walk(cache):
         for name in files:
@@ -446,7 +446,11 @@ def flocks(cache: Path, roles: dict[int, str]) -> list[str]:
             if found and int(found[3]) in roles and int(found[4]) in inodes:
                 who = f"{roles[int(found[3])]} {'waits for' if found[1] else 'holds'} ({found[2].lower()})"
                 held.setdefault(inodes[int(found[4])], []).append(who)
-    return ["flocks under the cache:"] + [f"  {path}: {'; '.join(who)}" for path, who in sorted(held.items())]
+    lines = ["flocks under the cache, taken or waited for:"]
+    for path, who in sorted(held.items()):
+        if any("waits" in w or "(write)" in w for w in who):
+            lines.append(f"  {path}: {'; '.join(who)}")
+    return lines
 
 
 def _size(path: Path) -> int:
