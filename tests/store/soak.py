@@ -97,7 +97,7 @@ def paint(raw: Path, first: int, count: int, side: int) -> None:
 
 def publish(raw: Path, url: str, soak: Soak, staging: Path, *, update: bool) -> None:
     """``packer build raw/ URL [--update]``: raw records, shards of 64."""
-    options = {"workers": 1, "quiet": True, "shard_size": 64, "format": "raw", "short_edge": soak.side}
+    options: dict[str, Any] = {"workers": 1, "quiet": True, "shard_size": 64, "format": "raw", "short_edge": soak.side}
     publish_build(raw, url, backend="memmap", update=update, staging=staging, **options)
 
 
@@ -415,7 +415,7 @@ def _dump(ranks: list[Any], folder: Path) -> str:
             roles[pid] += " (gone)"
     with open(folder / "stacks-parent", "w") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
-    deadline, before = time.monotonic() + DUMP_S, {}
+    deadline, before = time.monotonic() + DUMP_S, dict(sizes)
     while time.monotonic() < deadline:  # until every live process's dump is written and stays the same
         now = {pid: _size(folder / f"stacks-{pid}") for pid in roles}
         if now == before and all(now[pid] > sizes[pid] or "gone" in roles[pid] for pid in roles):
@@ -423,10 +423,10 @@ def _dump(ranks: list[Any], folder: Path) -> str:
         before = now
         time.sleep(POLL_S)
     lines = [f"stack dumps in {folder}:"]
-    for pid, role in [*sorted(roles.items(), key=lambda kv: kv[1]), ("parent", "the parent (publisher)")]:
-        path = folder / f"stacks-{pid}"
-        text = path.read_text(errors="replace")[sizes.get(pid, 0) if pid != "parent" else 0 :] if path.exists() else ""
-        lines.append(f"{role} (pid {pid}):")
+    dumps = [(f"{role} (pid {pid})", folder / f"stacks-{pid}", sizes[pid]) for pid, role in roles.items()]
+    for title, path, start in [*sorted(dumps), ("the parent (publisher)", folder / "stacks-parent", 0)]:
+        lines.append(f"{title}:")
+        text = path.read_text(errors="replace")[start:] if path.exists() else ""
         lines += [f"  {t}" for t in summarise(text)] or ["  (no dump)"]
     return "\n".join(lines + flocks(folder.parent / "cache", roles))
 
@@ -447,9 +447,9 @@ def flocks(cache: Path, roles: dict[int, str]) -> list[str]:
                 who = f"{roles[int(found[3])]} {'waits for' if found[1] else 'holds'} ({found[2].lower()})"
                 held.setdefault(inodes[int(found[4])], []).append(who)
     lines = ["flocks under the cache, taken or waited for:"]
-    for path, who in sorted(held.items()):
-        if any("waits" in w or "(write)" in w for w in who):
-            lines.append(f"  {path}: {'; '.join(who)}")
+    for path, holders in sorted(held.items()):
+        if any("waits" in h or "(write)" in h for h in holders):
+            lines.append(f"  {path}: {'; '.join(holders)}")
     return lines
 
 
