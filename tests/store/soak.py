@@ -6,11 +6,18 @@ each new version whole through the same cache. Used by tests/store/test_soak.py 
 and scripts/soak_remote.py (the long run).
 
 A hang fails, it never blocks: every rank reports each batch (and each of its workers its start)
-to a file the parent polls; a rank (or the parent's publisher) with no new event for ``stall_s``
-seconds makes the parent dump the stacks of every process (faulthandler, registered for SIGUSR1
-in each rank and worker: it writes from its signal handler, so a thread blocked in flock or on a
-lock is shown too), kill them all and report which threads waited where. Speed is not checked: a
-slow run that moves passes.
+to a file the parent polls, and once it has written its result it must exit; a rank (or the
+parent's publisher) with no progress for ``stall_s`` seconds makes the parent dump the stacks of
+every process (faulthandler, registered for SIGUSR1 in each rank and worker: it writes from its
+signal handler, so a thread blocked in flock or on a lock is shown too) and the cache's flocks
+each holds or waits for (/proc/locks), kill them all and report which threads waited where. Speed
+is not checked: a slow run that moves passes (until every rank has read a batch, CPU time spent
+counts as progress: interpreters importing torch on a loaded machine).
+
+The default dataset (64 units of 240 KB, half of them cached) is the smallest tried that shows
+issue 39's wait cycle within a few epochs (prefetch threads holding a unit's flock in their
+process's Turns, behind a prefetch waiting for a flock another rank's thread holds); units of a
+few KB never showed it.
 
 Checked: every rank is served its share of every epoch (the ranks' draws of each epoch are every
 record once), each sample's pixels are those of the record its sampler drew from the version it
