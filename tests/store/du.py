@@ -30,16 +30,16 @@ def on_disk(cache: Path) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def du_peak(cache: Path) -> Iterator[list[int]]:
-    """The most :func:`on_disk` saw of ``cache`` (sizes, blocks), sampled every 2 ms in a thread
-    while the block runs (filled in as it goes)."""
+def du_peak(cache: Path, *, every: float = 0.002) -> Iterator[list[int]]:
+    """The most :func:`on_disk` saw of ``cache`` (sizes, blocks), sampled every ``every`` seconds
+    in a thread while the block runs (filled in as it goes)."""
     highest = [0, 0]
     done = threading.Event()
 
     def poll() -> None:
         while not done.is_set():
             highest[:] = map(max, highest, on_disk(cache))
-            time.sleep(0.002)
+            time.sleep(every)
 
     watcher = threading.Thread(target=poll)
     watcher.start()
