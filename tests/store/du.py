@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from packer.read.remote.eviction import cache_locked
+
 
 def on_disk(cache: Path) -> tuple[int, int]:
     """The bytes under ``cache`` as ``du`` counts them, taken without any lock of the cache: every
@@ -29,16 +31,27 @@ def on_disk(cache: Path) -> tuple[int, int]:
     return sizes, blocks
 
 
+def _counted(cache: Path) -> tuple[int, int]:
+    """:func:`on_disk` of ``cache`` under the cache's own lock, under which every reservation, eviction
+    and rename into ``units/`` happens: a walk without it can meet a unit evicted (walked before its
+    unlink) and the download that took its room (walked after its creation), and count both."""
+    if not cache.is_dir():
+        return on_disk(cache)
+    with cache_locked(cache):
+        return on_disk(cache)
+
+
 @contextlib.contextmanager
 def du_peak(cache: Path, *, every: float = 0.002) -> Iterator[list[int]]:
     """The most :func:`on_disk` saw of ``cache`` (sizes, blocks), sampled every ``every`` seconds
-    in a thread while the block runs (filled in as it goes)."""
+    in a thread while the block runs (filled in as it goes), each sample a consistent state of the
+    cache (taken under its lock)."""
     highest = [0, 0]
     done = threading.Event()
 
     def poll() -> None:
         while not done.is_set():
-            highest[:] = map(max, highest, on_disk(cache))
+            highest[:] = map(max, highest, _counted(cache))
             time.sleep(every)
 
     watcher = threading.Thread(target=poll)
