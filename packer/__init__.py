@@ -10,6 +10,7 @@ from typing import Any
 from ._version import __version__
 from .errors import (
     BuildError,
+    CacheWaitTimeout,
     DatasetError,
     DatasetReplaced,
     LabelError,
@@ -28,6 +29,7 @@ __all__ = [
     "BuildError",
     "BuildOptions",
     "BuildReport",
+    "CacheWaitTimeout",
     "DatasetError",
     "DatasetReplaced",
     "LabelError",

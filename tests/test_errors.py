@@ -38,6 +38,7 @@ def test_every_error_type_lives_in_errors_and_is_exported() -> None:
         "ObjectChanged",
         "PreconditionFailed",
         "VersionsDiffer",
+        "CacheWaitTimeout",
     }
     for name in defined:
         assert name in packer.__all__ and getattr(packer, name) is getattr(errors, name), name
