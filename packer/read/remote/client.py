@@ -55,7 +55,7 @@ from .eviction import (
     room_for,
     too_small,
 )
-from .locks import HOLDERS, LOCKING, Held, close_held, hold, let_go, locked, waiting
+from .locks import HOLDERS, LOCKING, Held, close_held, hold, let_go, locked, open_held, waiting
 from .nextuse import NextUses
 from .paths import LOCKS, PARTIAL, SIDECAR, UNITS, VERSIONS, digest, log_of, remove, sidecar_of, unit_span
 from .ranges import read_records
@@ -595,13 +595,7 @@ class Remote:
     def _hold(self, fd: int, path: Path) -> bool:
         """Take the shared flock that keeps the unit open at ``fd`` (``path``) from eviction; False
         when it was evicted (unlinked) before the lock was taken."""
-        held = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        LOCKING.add(held)  # until it is kept or closed: a child forked meanwhile closes its copy
-        try:
-            hold(held, named=str(path))
-        except BaseException:
-            let_go(held)
-            raise
+        held = open_held(f"/proc/self/fd/{fd}", named=str(path))
         linked = os.fstat(held).st_nlink >= 2  # else its names are gone: evicted
         if not linked:
             let_go(held)
@@ -760,15 +754,9 @@ class Remote:
             cached = sorted(p for p in found if not p.name.endswith(SIDECAR))
         for unit in (u for u in cached if checked_for(u, expected[2])):
             try:
-                fd = os.open(unit, os.O_RDONLY | os.O_CLOEXEC)
+                fd = open_held(unit, named=self._named(name))
             except FileNotFoundError:
                 continue
-            LOCKING.add(fd)  # until it is kept or closed: a child forked meanwhile closes its copy
-            try:
-                hold(fd, named=self._named(name))
-            except BaseException:
-                let_go(fd)
-                raise
             if os.fstat(fd).st_nlink >= 1:
                 os.utime(fd)
                 return fd, unit

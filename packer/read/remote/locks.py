@@ -167,6 +167,20 @@ def hold(fd: int, *, named: str) -> None:
     _held_kinds().remove("hold")
 
 
+def open_held(path: str | Path, *, named: str) -> int:
+    """``path`` opened read-only and held (:func:`hold`), its descriptor in LOCKING until it is kept
+    or closed (a child forked meanwhile closes its copy); let go of if the hold fails.
+    FileNotFoundError where ``path`` is gone."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    LOCKING.add(fd)
+    try:
+        hold(fd, named=named)
+    except BaseException:
+        let_go(fd)
+        raise
+    return fd
+
+
 class Held(dict[str, int]):
     """A Remote's held units: unit path -> descriptor with its shared flock (kept in a WeakSet:
     equal and hashed by identity)."""
