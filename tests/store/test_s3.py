@@ -4,6 +4,7 @@ the same samples as the local dataset, each data file fetched once per node and 
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import itertools
 import json
 import os
@@ -27,10 +28,12 @@ from torch.utils.data import DataLoader
 
 from packer import MixDataset, ShardDataset, ShardSampler, build
 from packer.backends import BACKENDS, data_files
-from packer.format import DatasetError, Manifest
-from packer.read.remote import Remote, checks, settings
+from packer.format import MANIFEST, DatasetError, Manifest
+from packer.read.remote import Remote, checks, local_version, settings
 from packer.read.remote import turns as remote_turns
+from packer.read.remote.eviction import _version_held, evict_version
 from packer.read.remote.locks import locked as cache_lock
+from packer.read.remote.paths import VERSIONS
 from packer.store import StoreError
 from packer.store.base import PerProcess
 
@@ -882,3 +885,26 @@ def test_silent_server_times_out_and_retries(built, s3_server: S3Server, proxy: 
     remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
     _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
     assert proxy.gets("shard-00001.bin") == 3 and time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+def test_local_version_holds_the_version_while_it_is_read_then_lets_go(
+    built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """`packer info` on a URL reads the version's metadata from the cache (local_version): while it
+    reads, the version is held (an eviction of it, as a refresh's reader's room would try, is
+    refused); once the block ends nothing of it is held, with no help from the garbage collector
+    (no flock on its manifest, no descriptor under its folder), and eviction may take it."""
+    monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "cache"))
+    url = s3_server.upload(built(backend, "jpeg"), f"local-version/{backend}")
+    gc.disable()
+    try:
+        with local_version(url) as root:
+            assert (root / MANIFEST).is_file() and root.parent.name == VERSIONS
+            assert not evict_version(root), "evicted while local_version's caller reads it"
+        assert not _version_held(root), "local_version still holds the version after its block"
+        mine = [f.path for f in psutil.Process().open_files()]
+        assert not [p for p in mine if p.startswith(f"{root}{os.sep}")], mine
+        assert evict_version(root) and not root.exists()
+    finally:
+        gc.enable()
