@@ -40,6 +40,7 @@ from packer.store.base import PerProcess
 from .du import du_peak, on_disk
 from .furthest import furthest_future_bytes
 from .proxy import Faults, Proxy, serve_folder
+from .redteam import in_time
 from .seaweed import S3Server
 
 
@@ -588,7 +589,7 @@ def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy
     window1 = {int(units.of[int(d)]) for d in draws[2:4]}  # the next block's unit(s)
     first_two = sum(int(units.sizes[u]) for u in {first_unit} | window1)
     assert sum(proxy.fetched(name) for name in _files(local)) <= first_two
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # bounds a hang only: the wait ends as the unit arrives
     assert list(drawing) == draws[1:]  # announcing the later windows
     later = next(u for u in (int(units.of[int(d)]) for d in draws) if u != first_unit)
     while not (version / units.keys[later]).exists() and time.monotonic() < deadline:
@@ -875,16 +876,21 @@ def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, t
 
 def test_silent_server_times_out_and_retries(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A response that never starts is given up after the idle-read timeout and asked again: the
-    reader gets its samples, and no wait is longer than the timeout."""
-    monkeypatch.setattr("packer.store.base.READ_TIMEOUT_S", 0.5)
-    monkeypatch.setattr("packer.store.http.READ_TIMEOUT_S", 0.5)
+    reader gets its samples. The proxy keeps each stalled GET silent until the client closes it (a
+    reader without the timeout would wait there for good: the bound below fails it)."""
+    monkeypatch.setattr("packer.store.base.READ_TIMEOUT_S", 3.0)
+    monkeypatch.setattr("packer.store.http.READ_TIMEOUT_S", 3.0)
     local = built("memmap", "jpeg")
     url = s3_server.upload(local, "stall/memmap")
-    proxy.faults.append(Faults(match="shard-00001", stall=2, stall_s=3.0))
-    start = time.monotonic()
-    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
-    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    assert proxy.gets("shard-00001.bin") == 3 and time.monotonic() - start < 10
+    proxy.faults.append(Faults(match="shard-00001", stall=2, stall_s=600.0))
+
+    def read() -> None:
+        remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+        _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+
+    in_time(read, 120)  # a hang's bound: the two stalls end only by the reader's own timeout
+    assert proxy.gets("shard-00001.bin") == 3
+    proxy.settle()  # the stalled GETs ended: the reader closed them
 
 
 @pytest.mark.parametrize("backend", ["lmdb", "memmap"])
