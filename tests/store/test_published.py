@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -74,11 +75,14 @@ def test_pointer_read_whole_while_publishes_replace_it(s3_server: S3Server) -> N
     changed = threading.Condition()
     put, read_since = [0], [-1]  # replacements made; the replacements before the last read that ended began
 
+    def read_since_put(n: int) -> bool:
+        return stop.is_set() or read_since[0] >= n
+
     def publish() -> None:
         writer = open_store(store.url)
         for i in range(1, len(versions) + 1):  # the last round waits for a read of the last version
             with changed:  # a bound on a hang only: the reader reads without pause
-                if not changed.wait_for(lambda i=i: stop.is_set() or read_since[0] >= i - 1, timeout=120):
+                if not changed.wait_for(functools.partial(read_since_put, i - 1), timeout=120):
                     raise AssertionError(f"no read of version {i - 1} in 120 s")
             if stop.is_set() or i == len(versions):
                 return
