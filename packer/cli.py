@@ -281,12 +281,22 @@ def build(raw_dir: Path, out: Path, dask_address: str | None, staging: str | Non
 
 
 def dataset_info(out: str | os.PathLike) -> dict[str, Any]:
-    """The facts `packer info` shows, as a dict (its --json form)."""
-    from .format import MANIFEST, Manifest, disk_bytes, load_index, load_label_arrays
+    """The facts `packer info` shows, as a dict (its --json form). A URL's are read from its current
+    version's manifest and index, cached, and held while they are read (no eviction takes them)."""
     from .read.remote import local_version
+
+    if not is_url(out):
+        return _facts(out, out)
+    with local_version(str(out)) as cached:
+        return _facts(out, cached)
+
+
+def _facts(shown: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """:func:`dataset_info` of the dataset named ``shown``, read at ``out`` (``shown`` itself where it is
+    local, else its cached version)."""
+    from .format import MANIFEST, Manifest, disk_bytes, load_index, load_label_arrays
     from .store.published import version_id
 
-    shown, out = out, local_version(str(out)) if is_url(out) else out  # a URL: its manifest and index, cached
     manifest = Manifest.load(out)
     index, _ = load_index(out, manifest)
     multi, targets = load_label_arrays(out, manifest)

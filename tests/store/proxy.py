@@ -10,6 +10,7 @@ from __future__ import annotations
 import email.utils
 import http.client
 import re
+import select
 import socket
 import struct
 import threading
@@ -29,7 +30,8 @@ BURST_S = 0.002
 @dataclass
 class Faults:
     """What to do to responses of objects whose key contains ``match`` ("" for all): the first
-    ``stall`` GETs get no answer for ``stall_s`` seconds, then a closed connection; the next
+    ``stall`` GETs get no answer until the client closes the connection (its idle-read timeout gave
+    up on it), ``stall_s`` seconds at most, then a closed connection; the next
     ``fail`` get a 503 SlowDown, the next ``reset`` are reset halfway through the body, the
     next ``truncate`` end halfway with a clean close, the next ``corrupt`` have their middle byte
     flipped (every one when ``corrupt`` is -1); ``delay`` seconds before the first byte (a HEAD's
@@ -78,10 +80,12 @@ class Proxy:
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: int = 0  # requests being answered
 
-    def settle(self, timeout: float = 10.0) -> None:
-        """Wait until no request is being answered (one of a killed client may still be sending)."""
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until no request is being answered (one of a killed client may still be sending):
+        the counts a test asserts start from none in flight. ``timeout`` only bounds a hang."""
         deadline = time.monotonic() + timeout
-        while self.active and time.monotonic() < deadline:
+        while self.active:
+            assert time.monotonic() < deadline, f"the proxy still answers {self.active} request(s) after {timeout:g} s"
             time.sleep(0.02)
 
     def clear(self) -> None:
@@ -180,7 +184,7 @@ def start(upstream: str) -> tuple[Proxy, ThreadingHTTPServer]:
             if delay:  # from the request: the store's time to its first byte
                 time.sleep(max(0.0, asked + delay - time.monotonic()))
             if rule is not None and n < rule.stall:  # silent until the client gives up on it
-                time.sleep(rule.stall_s)
+                select.select([self.connection], [], [], rule.stall_s)  # readable: its close (EOF)
                 self.close_connection = True
                 return
             if rule is not None:

@@ -60,7 +60,8 @@ def ranks_across_a_publish(
     settings.UNIT_BYTES = UNIT
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    # a hang's bound only: a barrier waits for the other rank's publish (seconds; more on a loaded box)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=180))
 
     def open_it() -> ShardDataset:
         return ShardDataset(url, crop_size=CROP, train=False, dtype=torch.uint8, cache_dir=caches[rank])
@@ -118,7 +119,7 @@ def run_ranks(
         join=False,
         start_method="spawn",
     )
-    join_within(ctx, 240)
+    join_within(ctx, 480)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
 

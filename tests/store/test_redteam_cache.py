@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -313,6 +314,14 @@ def _fetcher(url: str, cache: Path, limit: int | None, workers: bool) -> None:
             ds[i]
 
 
+def _dead(process: psutil.Process) -> bool:
+    """Whether ``process`` has ended (a zombie its parent has not reaped yet, or gone)."""
+    try:
+        return bool(process.status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _downloading(cache: Path) -> bool:
     return any(p.stat().st_size for p in cache.glob("*/partial/*") if p.is_file() and not p.name.endswith(".parts"))
 
@@ -335,17 +344,18 @@ def test_killed_while_holding_a_unit_lock(
     child.start()
     assert child.pid is not None
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # bounds a hang only: the wait ends as the download starts
         while not _downloading(cache) and time.monotonic() < deadline and child.is_alive():
             time.sleep(0.02)
         assert _downloading(cache), "no download started"
         if who == "worker":
-            import psutil
-
             workers = [p for p in psutil.Process(child.pid).children() if p.status() != psutil.STATUS_ZOMBIE]
             for w in workers:
                 os.kill(w.pid, signal.SIGKILL)
-            time.sleep(0.2)
+            deadline = time.monotonic() + 60  # the workers dead (a zombie or reaped) before their parent
+            while not all(_dead(w) for w in workers):
+                assert time.monotonic() < deadline, "a worker killed with SIGKILL still runs after 60 s"
+                time.sleep(0.01)
         os.killpg(child.pid, signal.SIGKILL)
     finally:
         child.kill()

@@ -4,6 +4,7 @@ the same samples as the local dataset, each data file fetched once per node and 
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import itertools
 import json
 import os
@@ -27,16 +28,19 @@ from torch.utils.data import DataLoader
 
 from packer import MixDataset, ShardDataset, ShardSampler, build
 from packer.backends import BACKENDS, data_files
-from packer.format import DatasetError, Manifest
-from packer.read.remote import Remote, checks, settings
+from packer.format import MANIFEST, DatasetError, Manifest
+from packer.read.remote import Remote, checks, local_version, settings
 from packer.read.remote import turns as remote_turns
+from packer.read.remote.eviction import _version_held, evict_version
 from packer.read.remote.locks import locked as cache_lock
+from packer.read.remote.paths import VERSIONS
 from packer.store import StoreError
 from packer.store.base import PerProcess
 
 from .du import du_peak, on_disk
 from .furthest import furthest_future_bytes
 from .proxy import Faults, Proxy, serve_folder
+from .redteam import in_time
 from .seaweed import S3Server
 
 
@@ -585,7 +589,7 @@ def test_units_fetched_in_sampler_order(built, s3_server: S3Server, proxy: Proxy
     window1 = {int(units.of[int(d)]) for d in draws[2:4]}  # the next block's unit(s)
     first_two = sum(int(units.sizes[u]) for u in {first_unit} | window1)
     assert sum(proxy.fetched(name) for name in _files(local)) <= first_two
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # bounds a hang only: the wait ends as the unit arrives
     assert list(drawing) == draws[1:]  # announcing the later windows
     later = next(u for u in (int(units.of[int(d)]) for d in draws) if u != first_unit)
     while not (version / units.keys[later]).exists() and time.monotonic() < deadline:
@@ -852,7 +856,7 @@ def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, t
     proxy.faults.append(Faults(match="shard-00000", rate=256 << 10))
     child = subprocess.Popen([sys.executable, "-c", RESUME_CHILD, url, str(cache)])
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # bounds a hang only: the wait ends at the third part written
         parts: list[Path] = []
         while time.monotonic() < deadline and not (parts and len(_parts_done(parts[0])) >= 3):
             parts = list(cache.glob("*/partial/shard-00000.bin*.parts"))
@@ -872,13 +876,41 @@ def test_download_resumed_after_kill(built, s3_server: S3Server, proxy: Proxy, t
 
 def test_silent_server_times_out_and_retries(built, s3_server: S3Server, proxy: Proxy, tmp_path: Path, monkeypatch):
     """A response that never starts is given up after the idle-read timeout and asked again: the
-    reader gets its samples, and no wait is longer than the timeout."""
-    monkeypatch.setattr("packer.store.base.READ_TIMEOUT_S", 0.5)
-    monkeypatch.setattr("packer.store.http.READ_TIMEOUT_S", 0.5)
+    reader gets its samples. The proxy keeps each stalled GET silent until the client closes it (a
+    reader without the timeout would wait there for good: the bound below fails it)."""
+    monkeypatch.setattr("packer.store.base.READ_TIMEOUT_S", 3.0)
+    monkeypatch.setattr("packer.store.http.READ_TIMEOUT_S", 3.0)
     local = built("memmap", "jpeg")
     url = s3_server.upload(local, "stall/memmap")
-    proxy.faults.append(Faults(match="shard-00001", stall=2, stall_s=3.0))
-    start = time.monotonic()
-    remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
-    _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
-    assert proxy.gets("shard-00001.bin") == 3 and time.monotonic() - start < 10
+    proxy.faults.append(Faults(match="shard-00001", stall=2, stall_s=600.0))
+
+    def read() -> None:
+        remote = ShardDataset(url, crop_size=None, dtype=torch.uint8, cache_dir=tmp_path / "cache")
+        _same(remote, ShardDataset(local, crop_size=None, dtype=torch.uint8))
+
+    in_time(read, 120)  # a hang's bound: the two stalls end only by the reader's own timeout
+    assert proxy.gets("shard-00001.bin") == 3
+    proxy.settle()  # the stalled GETs ended: the reader closed them
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "memmap"])
+def test_local_version_holds_the_version_while_it_is_read_then_lets_go(
+    built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """`packer info` on a URL reads the version's metadata from the cache (local_version): while it
+    reads, the version is held (an eviction of it, as a refresh's reader's room would try, is
+    refused); once the block ends nothing of it is held, with no help from the garbage collector
+    (no flock on its manifest, no descriptor under its folder), and eviction may take it."""
+    monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "cache"))
+    url = s3_server.upload(built(backend, "jpeg"), f"local-version/{backend}")
+    gc.disable()
+    try:
+        with local_version(url) as root:
+            assert (root / MANIFEST).is_file() and root.parent.name == VERSIONS
+            assert not evict_version(root), "evicted while local_version's caller reads it"
+        assert not _version_held(root), "local_version still holds the version after its block"
+        mine = [f.path for f in psutil.Process().open_files()]
+        assert not [p for p in mine if p.startswith(f"{root}{os.sep}")], mine
+        assert evict_version(root) and not root.exists()
+    finally:
+        gc.enable()

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional, TypeVar, cast
 
@@ -893,8 +893,15 @@ def _forget(pending: dict[str, concurrent.futures.Future], name: str, done: conc
         del pending[name]
 
 
-def local_version(url: str) -> Path:
+@contextlib.contextmanager
+def local_version(url: str) -> Iterator[Path]:
     """The cache directory (default cache) of the current version of the dataset at ``url``: its
     manifest, index and label arrays (``packer info`` on a URL reads this local copy; ``verify``
-    checks the store itself, packer.tools.verify)."""
-    return Path(Remote(url).pin().root)
+    checks the store itself, packer.tools.verify). Held for the block (no process evicts it while
+    it is read), let go of as the block ends, not when a garbage collection finds the Remote."""
+    remote = Remote(url)
+    root = Path(remote.pin().root)
+    try:
+        yield root
+    finally:
+        remote._let_go_version(root)
